@@ -1,0 +1,25 @@
+"""The one place that picks numba's threading layer and thread count.
+
+numba's default ``workqueue`` layer aborts the process when two Python threads launch parallel
+kernels at the same time, which heterogeneous CPU+GPU training does. We ask numba for a
+thread-safe layer, OpenMP (gcc's libgomp) first and TBB second, so ``workqueue`` is never used.
+This must run before the first parallel kernel is called; importing :mod:`lsh` does it.
+"""
+import os
+
+import numba
+
+
+def configure_threading_layer() -> None:
+    if "NUMBA_THREADING_LAYER" in os.environ:  # an explicit user choice wins
+        return
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    numba.config.THREADING_LAYER = "threadsafe"
+
+
+def set_num_threads(threads: int | None) -> int:
+    """Set numba's thread count (``None`` or 0: all cores) and return the count in force."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    n = limit if not threads else max(1, min(int(threads), limit))
+    numba.set_num_threads(n)
+    return n

@@ -1,0 +1,362 @@
+"""Hash families: SimHash (sparse random projections), WTA and DWTA.
+
+A family holds K × L hash functions drawn from a seed. Hashing a vector gives K·L raw codes
+(``bits`` bits each); the K codes of table l are concatenated into that table's bucket id in
+``[0, 2**range_pow)``. When the concatenation is wider than ``range_pow`` bits it is folded with
+Fibonacci hashing rather than truncated, so no code bit is simply dropped.
+
+Every family exposes the same three entry points, all returning bucket ids as int32 [n, L]:
+
+* ``hash_one(v)``: one dense float32 vector [dim] → [L];
+* ``hash_dense(V)``: a batch of dense rows [n, dim], parallel over rows;
+* ``hash_csr(X)``: a batch of sparse CSR rows [n, dim], parallel over rows.
+
+The kernels are module-level numba functions over the family's arrays so that other kernels
+(table builds, the training engine) call them without Python in between.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import scipy.sparse as sp
+from numba import njit, prange
+
+__all__ = ["SimHash", "WTA", "DWTA", "make_family", "combine_codes"]
+
+_FIB = np.uint64(0x9E3779B97F4A7C15)
+
+
+@njit(cache=True, nogil=True)
+def combine_codes(codes, K, L, bits, range_pow, out):
+    """Concatenate K ``bits``-bit codes per table into L bucket ids < 2**range_pow."""
+    total = K * bits
+    for t in range(L):
+        key = np.uint64(0)
+        for k in range(K):
+            key = (key << np.uint64(bits)) | np.uint64(codes[t * K + k])
+        if total > range_pow:
+            key = (key * _FIB) >> np.uint64(64 - range_pow)
+        out[t] = np.int32(key)
+
+
+def _chunks(n: int) -> np.ndarray:
+    """Row boundaries splitting n rows into one contiguous chunk per numba thread."""
+    t = max(1, min(numba.get_num_threads(), n))
+    return np.linspace(0, n, t + 1).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# SimHash: bit = sign(r . v) for sparse r with entries in {+1, -1}
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _simhash_dense_codes(proj_idx, proj_sign, v, codes):
+    for h in range(proj_idx.shape[0]):
+        s = np.float32(0.0)
+        for j in range(proj_idx.shape[1]):
+            s += proj_sign[h, j] * v[proj_idx[h, j]]
+        codes[h] = 1 if s > 0 else 0
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _simhash_dense(proj_idx, proj_sign, V, K, L, range_pow, bounds, out):
+    for c in prange(bounds.size - 1):
+        codes = np.empty(K * L, np.int64)
+        for r in range(bounds[c], bounds[c + 1]):
+            _simhash_dense_codes(proj_idx, proj_sign, V[r], codes)
+            combine_codes(codes, K, L, 1, range_pow, out[r])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _simhash_csr(proj_idx, proj_sign, dim, indptr, indices, data, K, L, range_pow, bounds, out):
+    # scatter each row into a per-thread dense buffer, hash, then clear only what was set
+    for c in prange(bounds.size - 1):
+        codes = np.empty(K * L, np.int64)
+        dense = np.zeros(dim, np.float32)
+        for r in range(bounds[c], bounds[c + 1]):
+            for p in range(indptr[r], indptr[r + 1]):
+                dense[indices[p]] = data[p]
+            _simhash_dense_codes(proj_idx, proj_sign, dense, codes)
+            combine_codes(codes, K, L, 1, range_pow, out[r])
+            for p in range(indptr[r], indptr[r + 1]):
+                dense[indices[p]] = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# WTA / DWTA: bins of m coordinates cut from concatenated random permutations
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _wta_dense_codes(bins, v, skip_zeros, codes):
+    """codes[h] = position of the largest coordinate of v in bin h (the first on ties), or -1
+    if the bin is empty (all of its coordinates zero when ``skip_zeros``).
+
+    The max comes first and its position second: a running (max, argmax) pair is one long
+    chain of data-dependent selects, this is two short loops (about 2x faster).
+    """
+    neg = np.float32(-np.inf)
+    m = bins.shape[1]
+    for h in range(bins.shape[0]):
+        row = bins[h]
+        best = neg
+        for j in range(m):
+            x = v[row[j]]
+            if skip_zeros and x == 0:
+                x = neg
+            best = max(best, x)
+        arg = -1
+        if best > neg:
+            for j in range(m - 1, -1, -1):
+                if v[row[j]] == best:
+                    arg = j
+        codes[h] = arg
+
+
+@njit(cache=True, nogil=True)
+def _dwta_sparse_codes(inv_bin, inv_pos, idx, val, codes, best):
+    """DWTA codes of a sparse vector from its non-zeros only: O(nnz × permutations)."""
+    codes[:] = -1
+    best[:] = -np.inf
+    n_hashes = codes.size
+    for p in range(inv_bin.shape[0]):
+        for t in range(idx.size):
+            x = val[t]
+            if x == 0:
+                continue
+            b = inv_bin[p, idx[t]]
+            if b < n_hashes and x > best[b]:
+                best[b] = x
+                codes[b] = inv_pos[p, idx[t]]
+
+
+@njit(cache=True, nogil=True)
+def _densify(codes, seed):
+    """Fill empty codes (-1) by borrowing from a bin chosen by a universal hash of
+    (bin, attempt); a vector with at least one non-empty bin ends with none empty."""
+    n = codes.size
+    filled = 0
+    for h in range(n):
+        if codes[h] >= 0:
+            filled += 1
+    if filled == 0:
+        codes[:] = 0
+        return
+    if filled == n:
+        return
+    src = codes.copy()
+    for h in range(n):
+        if src[h] >= 0:
+            continue
+        attempt = 1
+        while True:
+            key = (np.uint64(h) * np.uint64(0x9E3779B1) + np.uint64(attempt) * np.uint64(0x85EBCA77)
+                   + np.uint64(seed)) * _FIB
+            b = int((key >> np.uint64(32)) % np.uint64(n))
+            if src[b] >= 0:
+                codes[h] = src[b]
+                break
+            attempt += 1
+            if attempt > 64:  # vanishingly rare: take the next non-empty bin
+                b = (h + 1) % n
+                while src[b] < 0:
+                    b = (b + 1) % n
+                codes[h] = src[b]
+                break
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
+    for c in prange(bounds.size - 1):
+        codes = np.empty(K * L, np.int64)
+        for r in range(bounds[c], bounds[c + 1]):
+            _wta_dense_codes(bins, V[r], densify, codes)
+            if densify:
+                _densify(codes, seed)
+            combine_codes(codes, K, L, bits, range_pow, out[r])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _dwta_csr(inv_bin, inv_pos, indptr, indices, data, seed, K, L, bits, range_pow, bounds, out):
+    for c in prange(bounds.size - 1):
+        codes = np.empty(K * L, np.int64)
+        best = np.empty(K * L, np.float32)
+        for r in range(bounds[c], bounds[c + 1]):
+            lo, hi = indptr[r], indptr[r + 1]
+            _dwta_sparse_codes(inv_bin, inv_pos, indices[lo:hi], data[lo:hi], codes, best)
+            _densify(codes, seed)
+            combine_codes(codes, K, L, bits, range_pow, out[r])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _wta_csr(bins, dim, indptr, indices, data, K, L, bits, range_pow, bounds, out):
+    for c in prange(bounds.size - 1):
+        codes = np.empty(K * L, np.int64)
+        dense = np.zeros(dim, np.float32)
+        for r in range(bounds[c], bounds[c + 1]):
+            for p in range(indptr[r], indptr[r + 1]):
+                dense[indices[p]] = data[p]
+            _wta_dense_codes(bins, dense, False, codes)
+            combine_codes(codes, K, L, bits, range_pow, out[r])
+            for p in range(indptr[r], indptr[r + 1]):
+                dense[indices[p]] = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter objects
+# --------------------------------------------------------------------------------------------
+class _Family:
+    """Shared plumbing: K, L, range_pow, input checks and output allocation."""
+    name = ""
+    bits = 1
+
+    def __init__(self, dim: int, K: int, L: int, range_pow: int, seed: int):
+        if dim <= 0 or K <= 0 or L <= 0:
+            raise ValueError(f"dim, K and L must be positive, got {dim}, {K}, {L}")
+        if not 1 <= range_pow <= 30:
+            raise ValueError(f"range_pow must be in 1..30, got {range_pow}")
+        self.dim, self.K, self.L, self.range_pow, self.seed = int(dim), int(K), int(L), int(range_pow), int(seed)
+
+    @property
+    def n_buckets(self) -> int:
+        return 1 << self.range_pow
+
+    def _dense_input(self, V):
+        V = np.ascontiguousarray(V, dtype=np.float32)
+        if V.ndim != 2 or V.shape[1] != self.dim:
+            raise ValueError(f"expected rows of dimension {self.dim}, got shape {V.shape}")
+        return V, np.empty((V.shape[0], self.L), np.int32), _chunks(V.shape[0])
+
+    def _csr_input(self, X):
+        X = sp.csr_matrix(X, dtype=np.float32)
+        if X.shape[1] != self.dim:
+            raise ValueError(f"expected rows of dimension {self.dim}, got shape {X.shape}")
+        return X, np.empty((X.shape[0], self.L), np.int32), _chunks(X.shape[0])
+
+    def hash_one(self, v) -> np.ndarray:
+        """Bucket ids int32 [L] of one dense vector [dim]."""
+        return self.hash_dense(np.asarray(v, np.float32).reshape(1, -1))[0]
+
+    def params(self) -> dict:
+        return {"family": self.name, "dim": self.dim, "K": self.K, "L": self.L,
+                "range_pow": self.range_pow, "seed": self.seed, **self._extra_params()}
+
+    def _extra_params(self) -> dict:
+        return {}
+
+    def reseeded(self, seed: int):
+        """The same family with new hash functions (a table *rebuild*)."""
+        params = self.params()
+        del params["family"]
+        params["seed"] = seed
+        return type(self)(**params)
+
+
+class SimHash(_Family):
+    """Signed random projections: each of the K·L bits is sign(r·v) for a sparse ±1 vector r.
+
+    Two vectors at angle θ agree on a bit with probability 1 − θ/π.
+    ``density`` is the fraction of non-zero entries in each r (default 1/3).
+    """
+    name = "simhash"
+    bits = 1
+
+    def __init__(self, dim, K=8, L=16, range_pow=None, seed=0, density=1 / 3):
+        super().__init__(dim, K, L, K if range_pow is None else range_pow, seed)
+        self.density = float(density)
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        rng = np.random.default_rng(seed)
+        nnz = max(1, int(round(self.dim * self.density)))
+        n = self.K * self.L
+        # distinct coordinates per projection: argsort of random keys, then keep the first nnz
+        keys = rng.random((n, self.dim), dtype=np.float32)
+        self.proj_idx = np.ascontiguousarray(np.argsort(keys, axis=1)[:, :nnz].astype(np.int32))
+        self.proj_sign = rng.choice(np.array([-1.0, 1.0], np.float32), size=(n, nnz))
+
+    def _extra_params(self):
+        return {"density": self.density}
+
+    def hash_dense(self, V) -> np.ndarray:
+        V, out, bounds = self._dense_input(V)
+        _simhash_dense(self.proj_idx, self.proj_sign, V, self.K, self.L, self.range_pow, bounds, out)
+        return out
+
+    def hash_csr(self, X) -> np.ndarray:
+        X, out, bounds = self._csr_input(X)
+        _simhash_csr(self.proj_idx, self.proj_sign, self.dim, X.indptr.astype(np.int64), X.indices,
+                     X.data, self.K, self.L, self.range_pow, bounds, out)
+        return out
+
+
+class WTA(_Family):
+    """Winner-take-all: each hash is the position of the largest of m permuted coordinates.
+
+    Bins of m distinct coordinates are cut from concatenated random permutations of the
+    coordinates; codes have log2(m) bits. Sensitive to rank correlation.
+    """
+    name = "wta"
+    _densify = False
+
+    def __init__(self, dim, K=6, L=50, range_pow=None, seed=0, bin_size=8):
+        if bin_size < 2 or bin_size & (bin_size - 1):
+            raise ValueError(f"bin_size must be a power of two >= 2, got {bin_size}")
+        self.bin_size = int(bin_size)
+        self.bits = int(np.log2(bin_size))  # log2, not ln: codes need all their bits
+        super().__init__(dim, K, L, K * self.bits if range_pow is None else range_pow, seed)
+        if self.bin_size > self.dim:
+            raise ValueError(f"bin_size {bin_size} exceeds dim {dim}")
+        rng = np.random.default_rng(seed)
+        n_hashes = self.K * self.L
+        n_perm = -(-n_hashes * self.bin_size // self.dim)
+        perms = np.stack([rng.permutation(self.dim) for _ in range(n_perm)]).astype(np.int32)
+        seq = perms.ravel()
+        self.bins = np.ascontiguousarray(seq[: n_hashes * self.bin_size].reshape(n_hashes, self.bin_size))
+        # inverse map for sparse inputs: coordinate c of permutation p lands in (bin, pos)
+        slot = np.arange(n_perm * self.dim, dtype=np.int64).reshape(n_perm, self.dim)
+        self.inv_bin = np.empty((n_perm, self.dim), np.int32)
+        self.inv_pos = np.empty((n_perm, self.dim), np.int32)
+        rows = np.arange(n_perm)[:, None]
+        self.inv_bin[rows, perms] = (slot // self.bin_size).astype(np.int32)
+        self.inv_pos[rows, perms] = (slot % self.bin_size).astype(np.int32)
+
+    def _extra_params(self):
+        return {"bin_size": self.bin_size}
+
+    def hash_dense(self, V) -> np.ndarray:
+        V, out, bounds = self._dense_input(V)
+        _wta_dense(self.bins, V, self._densify, self.seed, self.K, self.L, self.bits,
+                   self.range_pow, bounds, out)
+        return out
+
+    def hash_csr(self, X) -> np.ndarray:
+        X, out, bounds = self._csr_input(X)
+        _wta_csr(self.bins, self.dim, X.indptr.astype(np.int64), X.indices, X.data, self.K, self.L,
+                 self.bits, self.range_pow, bounds, out)
+        return out
+
+
+class DWTA(WTA):
+    """Densified WTA for sparse or mostly-zero vectors.
+
+    A bin's code is the argmax among its *non-zero* coordinates; an empty bin borrows the code
+    of another bin chosen by a universal hash of (bin, attempt). Sparse inputs are hashed from
+    their non-zeros only, at O(nnz × permutations) cost.
+    """
+    name = "dwta"
+    _densify = True
+
+    def hash_csr(self, X) -> np.ndarray:
+        X, out, bounds = self._csr_input(X)
+        _dwta_csr(self.inv_bin, self.inv_pos, X.indptr.astype(np.int64), X.indices, X.data,
+                  self.seed, self.K, self.L, self.bits, self.range_pow, bounds, out)
+        return out
+
+
+_FAMILIES = {cls.name: cls for cls in (SimHash, WTA, DWTA)}
+
+
+def make_family(name: str, dim: int, **kwargs):
+    """A hash family by name: ``"simhash"``, ``"wta"`` or ``"dwta"``."""
+    try:
+        cls = _FAMILIES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown hash family {name!r}; choose from {', '.join(_FAMILIES)}") from None
+    return cls(dim, **kwargs)

@@ -1,0 +1,544 @@
+"""Extreme-classification data: readers, writers and a synthetic generator.
+
+Two text formats are read, both one sample per line as ``l1,l2,... f:v f:v ...``:
+
+* the Extreme Classification Repository format, whose first line is the header ``N D L``
+  (samples, features, labels), with 0-based ids;
+* libsvm multilabel files, the same lines without a header.
+
+The label field may be empty (the line then starts with a space or directly with ``f:v``).
+Features come back as a float32 CSR matrix ``X`` [N, D] and labels as a float32 CSR indicator
+matrix ``Y`` [N, L]. Parsing is one numba pass over the file's bytes; problems are reported as
+:class:`DataFormatError` naming the file, the line and what is wrong.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+from numba import njit
+
+__all__ = ["DataFormatError", "read_xmc", "write_xmc", "read_libsvm", "write_libsvm",
+           "read_dataset", "make_dataset", "PRESETS", "DatasetShape", "check_xy",
+           "load_default", "shuffle_rows"]
+
+
+class DataFormatError(ValueError):
+    """A data file or array is malformed; the message names the file, line and problem."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing kernel
+# --------------------------------------------------------------------------------------------
+_OK, _BAD_TOKEN, _FEATURE_RANGE, _LABEL_RANGE, _NEGATIVE, _NONFINITE, _BAD_VALUE = range(7)
+_MESSAGES = {
+    _BAD_TOKEN: "malformed token",
+    _FEATURE_RANGE: "feature id out of range",
+    _LABEL_RANGE: "label id out of range",
+    _NEGATIVE: "negative id",
+    _NONFINITE: "value is NaN or infinite",
+    _BAD_VALUE: "malformed value",
+}
+_SPACE, _TAB, _NL, _CR = 32, 9, 10, 13
+_COMMA, _COLON, _MINUS, _PLUS, _DOT = 44, 58, 45, 43, 46
+
+
+@njit(cache=True, nogil=True)
+def _is_blank(c):
+    return c == _SPACE or c == _TAB or c == _CR
+
+
+@njit(cache=True, nogil=True)
+def _parse_int(buf, i, end):
+    """Parse a non-negative decimal integer at buf[i:]; return (value, next, status)."""
+    if i < end and buf[i] == _MINUS:
+        return -1, i, _NEGATIVE
+    start = i
+    v = 0
+    while i < end and 48 <= buf[i] <= 57:
+        v = v * 10 + (buf[i] - 48)
+        if v > 2_000_000_000_000:
+            return -1, i, _BAD_TOKEN
+        i += 1
+    if i == start:
+        return -1, i, _BAD_TOKEN
+    return v, i, _OK
+
+
+@njit(cache=True, nogil=True)
+def _parse_float(buf, i, end):
+    """Parse a decimal float (sign, digits, fraction, exponent) at buf[i:]."""
+    neg = False
+    if i < end and (buf[i] == _MINUS or buf[i] == _PLUS):
+        neg = buf[i] == _MINUS
+        i += 1
+    if i < end and (buf[i] | 32) in (110, 105):  # 'n'an / 'i'nf, any case
+        return 0.0, i, _NONFINITE
+    mant = 0
+    exp10 = 0
+    digits = 0
+    while i < end and 48 <= buf[i] <= 57:
+        if mant < 100_000_000_000_000_000:
+            mant = mant * 10 + (buf[i] - 48)
+        else:
+            exp10 += 1
+        digits += 1
+        i += 1
+    if i < end and buf[i] == _DOT:
+        i += 1
+        while i < end and 48 <= buf[i] <= 57:
+            if mant < 100_000_000_000_000_000:
+                mant = mant * 10 + (buf[i] - 48)
+                exp10 -= 1
+            digits += 1
+            i += 1
+    if digits == 0:
+        return 0.0, i, _BAD_VALUE
+    if i < end and (buf[i] | 32) == 101:  # 'e' / 'E'
+        i += 1
+        eneg = False
+        if i < end and (buf[i] == _MINUS or buf[i] == _PLUS):
+            eneg = buf[i] == _MINUS
+            i += 1
+        e = 0
+        start = i
+        while i < end and 48 <= buf[i] <= 57:
+            if e < 10000:
+                e = e * 10 + (buf[i] - 48)
+            i += 1
+        if i == start:
+            return 0.0, i, _BAD_VALUE
+        exp10 += -e if eneg else e
+    v = float(mant)
+    if exp10 > 0:
+        v = v * 10.0 ** exp10
+    elif exp10 < 0:
+        # dividing by an exact power of ten is correctly rounded; multiplying by 10**-k is not
+        v = v / 10.0 ** (-exp10) if exp10 >= -300 else 0.0
+    if not np.isfinite(v):
+        return 0.0, i, _NONFINITE
+    return -v if neg else v, i, _OK
+
+
+@njit(cache=True, nogil=True)
+def _parse_lines(buf, start, n_features, n_labels, feat_ids, feat_vals, label_ids,
+                 x_indptr, y_indptr):
+    """Parse sample lines of ``buf[start:]`` into preallocated CSR arrays.
+
+    ``n_features`` / ``n_labels`` < 0 means unbounded (libsvm without declared sizes).
+    Returns (status, rows, line_offset, column, max_feature, max_label); on error ``rows`` is
+    the 0-based index of the offending sample line and ``column`` its byte column.
+    """
+    end = buf.size
+    i = start
+    row = 0
+    nf = 0
+    nl = 0
+    max_f = -1
+    max_l = -1
+    x_indptr[0] = 0
+    y_indptr[0] = 0
+    while i < end:
+        line_start = i
+        # skip leading blanks; a line starting with a blank has an empty label field
+        while i < end and _is_blank(buf[i]):
+            i += 1
+        if i < end and buf[i] == _NL:  # blank line: skipped only at the very end of the file
+            j = i
+            while j < end and (buf[j] == _NL or _is_blank(buf[j])):
+                j += 1
+            if j == end:
+                break
+            return _BAD_TOKEN, row, line_start, 0, max_f, max_l
+        # the label field: a first token without ':'
+        j = i
+        while j < end and not _is_blank(buf[j]) and buf[j] != _NL and buf[j] != _COLON:
+            j += 1
+        has_labels = j > i and (j == end or buf[j] != _COLON)
+        if has_labels:
+            while True:
+                v, i, st = _parse_int(buf, i, end)
+                if st != _OK:
+                    return st, row, line_start, i - line_start, max_f, max_l
+                if n_labels >= 0 and v >= n_labels:
+                    return _LABEL_RANGE, row, line_start, i - line_start, max_f, max_l
+                label_ids[nl] = v
+                nl += 1
+                if v > max_l:
+                    max_l = v
+                if i < end and buf[i] == _COMMA:
+                    i += 1
+                    continue
+                break
+            if i < end and not (_is_blank(buf[i]) or buf[i] == _NL):
+                return _BAD_TOKEN, row, line_start, i - line_start, max_f, max_l
+        # feature tokens f:v
+        while True:
+            while i < end and _is_blank(buf[i]):
+                i += 1
+            if i >= end or buf[i] == _NL:
+                break
+            f, i, st = _parse_int(buf, i, end)
+            if st != _OK:
+                return st, row, line_start, i - line_start, max_f, max_l
+            if i >= end or buf[i] != _COLON:
+                return _BAD_TOKEN, row, line_start, i - line_start, max_f, max_l
+            i += 1
+            if n_features >= 0 and f >= n_features:
+                return _FEATURE_RANGE, row, line_start, i - line_start, max_f, max_l
+            val, i, st = _parse_float(buf, i, end)
+            if st != _OK:
+                return st, row, line_start, i - line_start, max_f, max_l
+            if i < end and not (_is_blank(buf[i]) or buf[i] == _NL):
+                return _BAD_VALUE, row, line_start, i - line_start, max_f, max_l
+            feat_ids[nf] = f
+            feat_vals[nf] = val
+            nf += 1
+            if f > max_f:
+                max_f = f
+        row += 1
+        if row >= x_indptr.size:  # more lines than the caller allowed for
+            return _OK, row, i, -1, max_f, max_l
+        x_indptr[row] = nf
+        y_indptr[row] = nl
+        if i < end:
+            i += 1  # the newline
+    return _OK, row, i, 0, max_f, max_l
+
+
+# --------------------------------------------------------------------------------------------
+# Readers
+# --------------------------------------------------------------------------------------------
+def _read_bytes(path) -> np.ndarray:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    buf = np.fromfile(path, dtype=np.uint8)
+    if buf.size == 0 or not np.any((buf != _SPACE) & (buf != _NL) & (buf != _TAB) & (buf != _CR)):
+        raise DataFormatError(f"{path}: empty file")
+    return buf
+
+
+def _parse_header(path, buf):
+    """Return ((N, D, L), byte offset of line 2) if line 1 is an ``N D L`` header, else None."""
+    nl = np.flatnonzero(buf[:4096] == _NL)
+    first = bytes(buf[: nl[0]] if nl.size else buf[:4096]).decode("ascii", "replace").strip()
+    parts = first.split()
+    if len(parts) == 3 and all(p.isdigit() for p in parts):
+        return tuple(int(p) for p in parts), (int(nl[0]) + 1 if nl.size else buf.size)
+    if len(parts) == 3 and ":" not in first and "," not in first:
+        raise DataFormatError(f"{path}:1: malformed header {first!r}, expected 'N D L'")
+    return None
+
+
+def _parse(path, buf, start, first_line, n_rows, n_features, n_labels):
+    n_tokens = int(np.count_nonzero(buf[start:] == _COLON))
+    n_label_bound = int(np.count_nonzero(buf[start:] == _COMMA)) + int(
+        np.count_nonzero(buf[start:] == _NL)) + 1
+    row_bound = n_rows + 1 if n_rows >= 0 else n_label_bound
+    feat_ids = np.empty(n_tokens, dtype=np.int64)
+    feat_vals = np.empty(n_tokens, dtype=np.float64)
+    label_ids = np.empty(n_label_bound, dtype=np.int64)
+    x_indptr = np.zeros(row_bound + 1, dtype=np.int64)
+    y_indptr = np.zeros(row_bound + 1, dtype=np.int64)
+    status, rows, line_start, col, max_f, max_l = _parse_lines(
+        buf, start, n_features, n_labels, feat_ids, feat_vals, label_ids, x_indptr, y_indptr)
+    if status != _OK:
+        line_no = first_line + rows
+        line_end = line_start + int(np.argmax(buf[line_start:line_start + 200] == _NL) or 200)
+        snippet = bytes(buf[line_start:line_end]).decode("ascii", "replace")
+        if len(snippet) > 60:
+            snippet = snippet[:57] + "..."
+        raise DataFormatError(
+            f"{path}:{line_no}: {_MESSAGES[status]} at column {col + 1} in {snippet!r}"
+            + (f" (header declares {n_features} features, {n_labels} labels)"
+               if status in (_FEATURE_RANGE, _LABEL_RANGE) else ""))
+    if n_rows >= 0 and rows != n_rows:
+        raise DataFormatError(
+            f"{path}:{first_line + min(rows, n_rows)}: header declares {n_rows} rows "
+            f"but the file has {'more than ' if rows > n_rows else ''}{rows if rows <= n_rows else n_rows}")
+    if rows == 0:
+        raise DataFormatError(f"{path}: no samples")
+    d = n_features if n_features >= 0 else max_f + 1
+    n_l = n_labels if n_labels >= 0 else max_l + 1
+    x_ptr = x_indptr[: rows + 1]
+    y_ptr = y_indptr[: rows + 1]
+    X = sp.csr_matrix((feat_vals[: x_ptr[-1]].astype(np.float32), feat_ids[: x_ptr[-1]].astype(np.int32),
+                       x_ptr), shape=(rows, max(d, 0)))
+    Y = sp.csr_matrix((np.ones(y_ptr[-1], dtype=np.float32), label_ids[: y_ptr[-1]].astype(np.int32),
+                       y_ptr), shape=(rows, max(n_l, 0)))
+    for M in (X, Y):
+        M.sum_duplicates()  # also sorts indices
+    Y.data[:] = 1.0
+    return X, Y
+
+
+def read_xmc(path) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    """Read an Extreme Classification Repository file (header ``N D L``).
+
+    Returns ``X`` float32 CSR [N, D] and ``Y`` float32 CSR indicator [N, L], indices sorted.
+    Raises :class:`DataFormatError` naming file and line on any malformed input.
+    """
+    buf = _read_bytes(path)
+    header = _parse_header(path, buf)
+    if header is None:
+        raise DataFormatError(f"{path}:1: missing 'N D L' header (use read_libsvm for headerless files)")
+    (n, d, n_labels), start = header
+    return _parse(path, buf, start, 2, n, d, n_labels)
+
+
+def read_libsvm(path, n_features: int | None = None, n_labels: int | None = None):
+    """Read a headerless libsvm multilabel file; sizes default to the largest id seen + 1."""
+    buf = _read_bytes(path)
+    return _parse(path, buf, 0, 1, -1, -1 if n_features is None else n_features,
+                  -1 if n_labels is None else n_labels)
+
+
+def read_dataset(path, n_features: int | None = None, n_labels: int | None = None):
+    """Read either format, telling them apart by the ``N D L`` header line."""
+    buf = _read_bytes(path)
+    header = _parse_header(path, buf)
+    if header is None:
+        return _parse(path, buf, 0, 1, -1, -1 if n_features is None else n_features,
+                      -1 if n_labels is None else n_labels)
+    (n, d, n_l), start = header
+    return _parse(path, buf, start, 2, n, d, n_l)
+
+
+# --------------------------------------------------------------------------------------------
+# Writers
+# --------------------------------------------------------------------------------------------
+def _format_lines(X: sp.csr_matrix, Y: sp.csr_matrix):
+    # Vectorised token formatting: one string per non-zero, joined per row by slicing.
+    # '%.9g' round-trips every float32 exactly.
+    feat_tok = np.char.add(np.char.add(X.indices.astype(str), ":"),
+                           np.char.mod("%.9g", X.data.astype(np.float64)))
+    lab_tok = Y.indices.astype(str)
+    xp, yp = X.indptr, Y.indptr
+    for r in range(X.shape[0]):
+        labels = ",".join(lab_tok[yp[r]:yp[r + 1]])
+        feats = " ".join(feat_tok[xp[r]:xp[r + 1]])
+        yield f"{labels} {feats}".rstrip(" ") + "\n" if feats else f"{labels}\n"
+
+
+def _write(path, X, Y, header: str | None):
+    X, Y = check_xy(X, Y, where=os.fspath(path))
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="ascii") as fh:
+        if header:
+            fh.write(header)
+        fh.writelines(_format_lines(X, Y))
+    os.replace(tmp, path)
+
+
+def write_xmc(path, X, Y) -> None:
+    """Write ``X``, ``Y`` in the Extreme Classification Repository format (atomic)."""
+    _write(path, X, Y, f"{X.shape[0]} {X.shape[1]} {Y.shape[1]}\n")
+
+
+def write_libsvm(path, X, Y) -> None:
+    """Write ``X``, ``Y`` as a headerless libsvm multilabel file (atomic)."""
+    _write(path, X, Y, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation shared by readers, writers and the estimators
+# --------------------------------------------------------------------------------------------
+def labels_to_csr(Y, n_labels: int | None = None, where: str = "Y") -> sp.csr_matrix:
+    """A CSR indicator matrix from a CSR/dense matrix or a list of label-id lists."""
+    if sp.issparse(Y):
+        Y = sp.csr_matrix(Y, dtype=np.float32)
+    elif isinstance(Y, np.ndarray) and Y.ndim == 2:
+        Y = sp.csr_matrix(Y.astype(np.float32))
+    else:
+        rows = [np.asarray(list(r) if not np.isscalar(r) else [r], dtype=np.int64) for r in Y]
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        indptr[1:] = np.cumsum([r.size for r in rows])
+        indices = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        if indices.size and indices.min() < 0:
+            raise DataFormatError(f"{where}: negative label id {int(indices.min())}")
+        n = n_labels if n_labels is not None else (int(indices.max()) + 1 if indices.size else 0)
+        if indices.size and indices.max() >= n:
+            bad = int(np.searchsorted(indptr, np.argmax(indices >= n), side="right") - 1)
+            raise DataFormatError(f"{where}: row {bad}: label id {int(indices.max())} out of range "
+                                  f"for {n} labels")
+        Y = sp.csr_matrix((np.ones(indices.size, np.float32), indices.astype(np.int32), indptr),
+                          shape=(len(rows), n))
+    Y.sum_duplicates()
+    Y.data[:] = 1.0
+    return Y
+
+
+def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = None,
+             where: str = "input"):
+    """Validate and normalise ``X`` (float32 CSR, sorted indices) and ``Y`` (CSR indicator).
+
+    Raises :class:`DataFormatError` for shape mismatches, NaN/inf values, empty data, and
+    feature or label counts that do not match the model.
+    """
+    if not sp.issparse(X):
+        X = np.asarray(X)
+        if X.ndim != 2:
+            raise DataFormatError(f"{where}: X must be 2-D (samples x features), got shape {X.shape}")
+    X = sp.csr_matrix(X, dtype=np.float32)
+    if X.shape[0] == 0:
+        raise DataFormatError(f"{where}: X has no samples")
+    if not X.has_sorted_indices:
+        X = X.copy()
+        X.sort_indices()
+    if not np.all(np.isfinite(X.data)):
+        bad = int(np.flatnonzero(~np.isfinite(X.data))[0])
+        row = int(np.searchsorted(X.indptr, bad, side="right") - 1)
+        raise DataFormatError(f"{where}: row {row}: X holds a NaN or infinite value")
+    if n_features is not None and X.shape[1] != n_features:
+        raise DataFormatError(f"{where}: X has {X.shape[1]} features, the model expects {n_features}")
+    if Y is None:
+        return X
+    Y = labels_to_csr(Y, n_labels, where=where)
+    if Y.shape[0] != X.shape[0]:
+        raise DataFormatError(f"{where}: X has {X.shape[0]} rows but Y has {Y.shape[0]}")
+    if n_labels is not None and Y.shape[1] != n_labels:
+        if Y.shape[1] > n_labels and Y.nnz and Y.indices.max() >= n_labels:
+            raise DataFormatError(f"{where}: label id {int(Y.indices.max())} out of range for "
+                                  f"{n_labels} labels")
+        Y = sp.csr_matrix((Y.data, Y.indices, Y.indptr), shape=(Y.shape[0], n_labels))
+    return X, Y
+
+
+def shuffle_rows(X, Y, seed: int = 0, n: int | None = None):
+    """A seeded random subset (or permutation) of rows: test files may be sorted by label."""
+    order = np.random.default_rng(seed).permutation(X.shape[0])[:n]
+    return X[order], Y[order]
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic data
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DatasetShape:
+    """The shape of an extreme-classification dataset, after the public ones."""
+    name: str
+    n_features: int
+    n_labels: int
+    n_train: int
+    n_test: int
+    features_per_sample: float
+    labels_per_sample: float
+
+
+PRESETS = {s.name: s for s in [
+    DatasetShape("amazon-670k", 135_909, 670_091, 490_449, 153_025, 75.0, 5.4),
+    DatasetShape("delicious-200k", 782_585, 205_443, 196_606, 100_095, 300.0, 75.0),
+    DatasetShape("wikilshtc-325k", 1_617_899, 325_056, 1_778_351, 587_084, 42.0, 3.2),
+    DatasetShape("eurlex-4k", 5_000, 3_993, 15_539, 3_809, 236.0, 5.3),
+    # Amazon-like in its label/feature ratios, small enough to train in about a minute on 2 cores
+    DatasetShape("demo", 20_000, 10_000, 20_000, 4_000, 40.0, 3.0),
+]}
+# Each label's signature: the features its samples draw from, most characteristic first.
+_SIGNATURE = 16
+_NOISE_FRACTION = 0.3
+
+
+@njit(cache=True, nogil=True)
+def _generate(seed, n, label_cdf, label_perm, signatures, feature_cdf, feature_perm,
+              feats_per_sample, labels_per_sample, noise_fraction):
+    """Draw ``n`` samples; returns CSR parts (x_indptr, x_ids, x_counts, y_indptr, y_ids)."""
+    np.random.seed(seed)
+    sig = signatures.shape[1]
+    max_feats = n * int(3 * feats_per_sample + 8)
+    max_labels = n * int(4 * labels_per_sample + 4)
+    x_ids = np.empty(max_feats, np.int64)
+    y_ids = np.empty(max_labels, np.int64)
+    x_indptr = np.zeros(n + 1, np.int64)
+    y_indptr = np.zeros(n + 1, np.int64)
+    nx = 0
+    ny = 0
+    n_labels = label_cdf.size
+    for r in range(n):
+        k = min(1 + np.random.poisson(labels_per_sample - 1.0), int(4 * labels_per_sample + 4),
+                n_labels)
+        start = ny
+        while ny - start < k:
+            lab = label_perm[np.searchsorted(label_cdf, np.random.random(), side="right")]
+            dup = False
+            for t in range(start, ny):
+                if y_ids[t] == lab:
+                    dup = True
+            if not dup:
+                y_ids[ny] = lab
+                ny += 1
+        m = max(1, min(int(3 * feats_per_sample + 8), np.random.poisson(feats_per_sample)))
+        for _ in range(m):
+            if np.random.random() < noise_fraction:
+                f = feature_perm[np.searchsorted(feature_cdf, np.random.random(), side="right")]
+            else:
+                lab = y_ids[start + np.random.randint(0, k)]
+                # geometric rank inside the signature: a label's first features are its strongest
+                j = min(sig - 1, int(np.random.exponential(sig / 4.0)))
+                f = signatures[lab, j]
+            x_ids[nx] = f
+            nx += 1
+        x_indptr[r + 1] = nx
+        y_indptr[r + 1] = ny
+    return x_indptr, x_ids[:nx], y_indptr, y_ids[:ny]
+
+
+def make_dataset(shape="demo", n_train: int | None = None, n_test: int | None = None,
+                 seed: int = 0):
+    """Generate a synthetic extreme-classification dataset shaped like a public one.
+
+    Label frequencies follow a power law (a long tail of rare labels); each label owns a sparse
+    signature of features that its samples draw from; a share of every sample's features is
+    Zipf-distributed noise over the whole vocabulary. Rows are L2-normalised term counts.
+
+    Parameters
+    ----------
+    shape : str or DatasetShape
+        A preset name from :data:`PRESETS` or a custom shape.
+    n_train, n_test : int, optional
+        Sample counts; default to the shape's.
+    seed : int
+        Same seed, same data.
+
+    Returns
+    -------
+    (X_train, Y_train, X_test, Y_test): float32 CSR matrices.
+    """
+    if isinstance(shape, str):
+        if shape not in PRESETS:
+            raise ValueError(f"unknown preset {shape!r}; choose from {', '.join(PRESETS)}")
+        shape = PRESETS[shape]
+    n_train = shape.n_train if n_train is None else int(n_train)
+    n_test = shape.n_test if n_test is None else int(n_test)
+    if n_train <= 0 or n_test < 0:
+        raise ValueError("n_train must be positive and n_test non-negative")
+    rng = np.random.default_rng(seed)
+    L, D = shape.n_labels, shape.n_features
+    # power-law label frequencies over a random order of label ids
+    label_w = (np.arange(1, L + 1, dtype=np.float64)) ** -0.9
+    label_cdf = np.cumsum(label_w / label_w.sum())
+    label_perm = rng.permutation(L).astype(np.int64)
+    # noise features: Zipf over a random order of the vocabulary
+    feat_w = (np.arange(1, D + 1, dtype=np.float64)) ** -1.05
+    feature_cdf = np.cumsum(feat_w / feat_w.sum())
+    feature_perm = rng.permutation(D).astype(np.int64)
+    signatures = rng.integers(0, D, size=(L, _SIGNATURE), dtype=np.int64)
+    n = n_train + n_test
+    x_indptr, x_ids, y_indptr, y_ids = _generate(
+        int(rng.integers(2**31 - 1)), n, label_cdf, label_perm, signatures, feature_cdf, feature_perm,
+        float(shape.features_per_sample), float(shape.labels_per_sample), _NOISE_FRACTION)
+    X = sp.csr_matrix((np.ones(x_ids.size, np.float32), x_ids.astype(np.int32), x_indptr), shape=(n, D))
+    X.sum_duplicates()
+    X.data = np.log1p(X.data).astype(np.float32)
+    norms = np.sqrt(np.asarray(X.multiply(X).sum(axis=1)).ravel()).astype(np.float32)
+    X = sp.csr_matrix(sp.diags(1.0 / np.maximum(norms, 1e-12)) @ X, dtype=np.float32)
+    Y = sp.csr_matrix((np.ones(y_ids.size, np.float32), y_ids.astype(np.int32), y_indptr), shape=(n, L))
+    Y.sort_indices()
+    return X[:n_train], Y[:n_train], X[n_train:], Y[n_train:]
+
+
+def load_default(seed: int = 0):
+    """The built-in default dataset (the ``demo`` preset), generated on the fly."""
+    return make_dataset("demo", seed=seed)

@@ -1,0 +1,212 @@
+"""Extreme-classification metrics: P@k, nDCG@k, PSP@k, and a parallel top-k.
+
+Conventions follow pyxclib / napkinXC: predictions are a top-k index matrix [n, k] (int, best
+first; -1 pads rows with fewer than k predictions) or a score matrix [n, L]; true labels are a
+CSR indicator matrix [n, L]. Every metric returns its mean over samples for k = 1..k as a float64
+array, so ``precision_at_k(top, Y, 5)[0]`` is P@1.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from numba import njit, prange
+
+__all__ = ["topk", "precision_at_k", "ndcg_at_k", "psp_at_k", "propensities", "evaluate",
+           "PROPENSITY_AB"]
+
+# Jain et al. (2016) propensity parameters per dataset family.
+PROPENSITY_AB = {"default": (0.55, 1.5), "amazon": (0.6, 2.6), "wikipedia": (0.5, 0.4)}
+
+
+@njit(cache=True, nogil=True)
+def _topk_row(row, k, out_ids, out_scores):
+    """Top-k of one score row by a k-sized min-heap; ties go to the lower index."""
+    n = 0
+    for j in range(row.size):
+        v = row[j]
+        if n < k:
+            # sift up
+            i = n
+            n += 1
+            while i > 0:
+                p = (i - 1) // 2
+                if out_scores[p] > v or (out_scores[p] == v and out_ids[p] < j):
+                    out_scores[i] = out_scores[p]
+                    out_ids[i] = out_ids[p]
+                    i = p
+                else:
+                    break
+            out_scores[i] = v
+            out_ids[i] = j
+        elif v > out_scores[0]:
+            # replace the root and sift down
+            i = 0
+            while True:
+                c = 2 * i + 1
+                if c >= k:
+                    break
+                if c + 1 < k and (out_scores[c + 1] < out_scores[c] or
+                                  (out_scores[c + 1] == out_scores[c] and out_ids[c + 1] > out_ids[c])):
+                    c += 1
+                if out_scores[c] < v:
+                    out_scores[i] = out_scores[c]
+                    out_ids[i] = out_ids[c]
+                    i = c
+                else:
+                    break
+            out_scores[i] = v
+            out_ids[i] = j
+    # heap -> descending order (k is small: insertion sort)
+    for a in range(1, n):
+        s, d = out_scores[a], out_ids[a]
+        b = a - 1
+        while b >= 0 and (out_scores[b] < s or (out_scores[b] == s and out_ids[b] > d)):
+            out_scores[b + 1] = out_scores[b]
+            out_ids[b + 1] = out_ids[b]
+            b -= 1
+        out_scores[b + 1] = s
+        out_ids[b + 1] = d
+    for a in range(n, k):
+        out_ids[a] = -1
+        out_scores[a] = -np.inf
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def topk_kernel(scores, k, out_ids, out_scores):
+    """Row-wise top-k of ``scores`` [n, L] into ``out_ids`` [n, k] int64 / ``out_scores`` [n, k]."""
+    for r in prange(scores.shape[0]):
+        _topk_row(scores[r], k, out_ids[r], out_scores[r])
+
+
+def topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k indices [n, k] (int64, best first) and their scores [n, k] (float32) of each row."""
+    scores = np.ascontiguousarray(scores, dtype=np.float32)
+    if scores.ndim != 2:
+        raise ValueError(f"scores must be 2-D, got shape {scores.shape}")
+    k = int(k)
+    ids = np.empty((scores.shape[0], k), np.int64)
+    vals = np.empty((scores.shape[0], k), np.float32)
+    topk_kernel(scores, k, ids, vals)
+    return ids, vals
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gains(top, indptr, indices, weights, out):
+    """out[r, j] = weight of label top[r, j] if it is a true label of row r, else 0."""
+    for r in prange(top.shape[0]):
+        lo, hi = indptr[r], indptr[r + 1]
+        for j in range(top.shape[1]):
+            t = top[r, j]
+            if t < 0:
+                continue
+            # indices are sorted: binary search
+            a, b = lo, hi
+            while a < b:
+                m = (a + b) // 2
+                if indices[m] < t:
+                    a = m + 1
+                else:
+                    b = m
+            if a < hi and indices[a] == t:
+                out[r, j] = weights[t]
+
+
+def _as_top(pred, k: int) -> np.ndarray:
+    pred = np.asarray(pred)
+    if pred.ndim != 2:
+        raise ValueError(f"predictions must be 2-D, got shape {pred.shape}")
+    if np.issubdtype(pred.dtype, np.floating):  # a score matrix
+        return topk(pred, k)[0]
+    if pred.shape[1] < k:
+        raise ValueError(f"top-k matrix has {pred.shape[1]} columns, fewer than k={k}")
+    return np.ascontiguousarray(pred[:, :k], dtype=np.int64)
+
+
+def _hits(pred, Y, k, weights=None):
+    Y = sp.csr_matrix(Y)
+    Y.sort_indices()
+    top = _as_top(pred, k)
+    if top.shape[0] != Y.shape[0]:
+        raise ValueError(f"predictions have {top.shape[0]} rows, labels {Y.shape[0]}")
+    w = np.ones(Y.shape[1], np.float64) if weights is None else np.asarray(weights, np.float64)
+    gains = np.zeros(top.shape, np.float64)
+    _gains(top, Y.indptr.astype(np.int64), Y.indices.astype(np.int64), w, gains)
+    return top, Y, gains
+
+
+def precision_at_k(pred, Y, k: int = 5) -> np.ndarray:
+    """P@1..P@k: |top-j ∩ labels| / j averaged over samples. Returns float64 [k]."""
+    _, _, gains = _hits(pred, Y, k)
+    return np.cumsum(gains, axis=1).mean(axis=0) / np.arange(1, k + 1)
+
+
+def ndcg_at_k(pred, Y, k: int = 5) -> np.ndarray:
+    """nDCG@1..nDCG@k with 1/log2(rank+1) discounts, normalised by the ideal ranking.
+
+    Samples without labels score 0 (as in pyxclib).
+    """
+    _, Y, gains = _hits(pred, Y, k)
+    disc = 1.0 / np.log2(np.arange(2, k + 2))
+    dcg = np.cumsum(gains * disc, axis=1)
+    n_true = np.diff(Y.indptr)
+    ideal = np.cumsum(disc)[np.clip(np.minimum.outer(n_true, np.arange(1, k + 1)) - 1, 0, None)]
+    ideal = np.where(np.minimum.outer(n_true, np.arange(1, k + 1)) > 0, ideal, np.inf)
+    return (dcg / ideal).mean(axis=0)
+
+
+def propensities(Y_train, A: float = 0.55, B: float = 1.5) -> np.ndarray:
+    """Jain et al. propensities p_l = 1 / (1 + C (N_l + B)^-A), C = (ln N - 1)(B + 1)^A.
+
+    ``Y_train`` [N, L] CSR gives the label frequencies N_l. Returns float64 [L].
+    """
+    Y_train = sp.csr_matrix(Y_train)
+    n = Y_train.shape[0]
+    freq = np.bincount(Y_train.indices, minlength=Y_train.shape[1]).astype(np.float64)
+    c = (np.log(n) - 1.0) * (B + 1.0) ** A
+    return 1.0 / (1.0 + c * np.exp(-A * np.log(freq + B)))
+
+
+def psp_at_k(pred, Y, inv_propensity_source, k: int = 5) -> np.ndarray:
+    """Propensity-scored precision PSP@1..k, normalised by the best achievable ranking.
+
+    ``inv_propensity_source`` is the propensity vector [L] from :func:`propensities`.
+    """
+    p = np.asarray(inv_propensity_source, np.float64)
+    w = 1.0 / p
+    _, Y, gains = _hits(pred, Y, k, w)
+    num = np.cumsum(gains, axis=1).sum(axis=0)
+    # the best ranking puts each row's highest inverse propensities first
+    Yw = sp.csr_matrix((w[Y.indices], Y.indices, Y.indptr), shape=Y.shape)
+    best = np.zeros((Y.shape[0], k))
+    _best_gains(Yw.indptr.astype(np.int64), Yw.data, best)
+    den = np.cumsum(best, axis=1).sum(axis=0)
+    return num / np.where(den > 0, den, np.inf)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _best_gains(indptr, data, out):
+    k = out.shape[1]
+    for r in prange(out.shape[0]):
+        row = np.sort(data[indptr[r]:indptr[r + 1]])[::-1]
+        for j in range(min(k, row.size)):
+            out[r, j] = row[j]
+
+
+def evaluate(pred, Y, k: int = 5, propensity=None) -> dict:
+    """A dict of the usual report: P@1, P@3, P@5, nDCG@1/3/5 (and PSP@k given propensities)."""
+    top = _as_top(pred, k)
+    p = precision_at_k(top, Y, k)
+    n = ndcg_at_k(top, Y, k)
+    out = {}
+    for j in (1, 3, 5):
+        if j <= k:
+            out[f"P@{j}"] = float(p[j - 1])
+    for j in (1, 3, 5):
+        if j <= k:
+            out[f"nDCG@{j}"] = float(n[j - 1])
+    if propensity is not None:
+        s = psp_at_k(top, Y, propensity, k)
+        for j in (1, 3, 5):
+            if j <= k:
+                out[f"PSP@{j}"] = float(s[j - 1])
+    return out
