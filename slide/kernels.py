@@ -1,0 +1,300 @@
+"""numba kernels of the sparse engine: forward, active-set selection, backward, Adam.
+
+Array layout (all float32, C-contiguous):
+
+* input layer  ``W0`` [n_features, H0] (input-major: a sample's non-zero features each read one
+  contiguous row), ``b0`` [H0];
+* hidden stack ``Wh`` flat [Σ H_l·H_{l-1}] with ``h_off`` int64 [n_hidden] offsets (each block is
+  [H_l, H_{l-1}]), ``bh`` flat [Σ H_l] with ``b_off``; the stack holds layers 1..n_hidden-1;
+* output layer ``W`` [n_out, H_last] (neuron-major: an active neuron's row is contiguous), ``b``.
+
+Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
+Gradients go into shared accumulators of the same shapes, lock-free (Hogwild): threads may
+race on a row and lose an addition, by design. With one thread everything is deterministic.
+"""
+import numpy as np
+from numba import njit, prange
+
+from lsh.tables import query_one
+
+# --------------------------------------------------------------------------------------------
+# Forward through the hidden layers
+# --------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _forward_one(x_ids, x_vals, W0, b0, Wh, h_off, bh, b_off, sizes, act):
+    """Hidden activations of one sample into ``act`` [Σ sizes] (ReLU after every layer)."""
+    H0 = sizes[0]
+    h = act[:H0]
+    h[:] = b0
+    for p in range(x_ids.size):
+        row = W0[x_ids[p]]
+        v = x_vals[p]
+        for j in range(H0):
+            h[j] += v * row[j]
+    for j in range(H0):
+        h[j] = max(h[j], np.float32(0.0))
+    lo = 0
+    for l in range(1, sizes.size):
+        n_in, n_outl = sizes[l - 1], sizes[l]
+        W = Wh[h_off[l - 1]: h_off[l - 1] + n_outl * n_in].reshape(n_outl, n_in)
+        prev = act[lo: lo + n_in]
+        cur = act[lo + n_in: lo + n_in + n_outl]
+        bb = bh[b_off[l - 1]: b_off[l - 1] + n_outl]
+        for i in range(n_outl):
+            s = bb[i]
+            wi = W[i]
+            for j in range(n_in):
+                s += wi[j] * prev[j]
+            cur[i] = max(s, np.float32(0.0))
+        lo += n_in
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def forward_hidden(x_indptr, x_indices, x_data, W0, b0, Wh, h_off, bh, b_off, sizes, acts):
+    """Hidden activations for a batch of CSR rows into ``acts`` [n, Σ sizes]."""
+    for r in prange(x_indptr.size - 1):
+        lo, hi = x_indptr[r], x_indptr[r + 1]
+        _forward_one(x_indices[lo:hi], x_data[lo:hi], W0, b0, Wh, h_off, bh, b_off, sizes, acts[r])
+
+
+# --------------------------------------------------------------------------------------------
+# Active-set selection
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _select_active(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, target, pool,
+                   pool_start, active):
+    """Active output neurons of one sample into ``active``; returns how many.
+
+    The sample's labels come first (all of them), then LSH candidates ranked by hit count up to
+    ``target``, then neurons from the batch's shared random ``pool`` (starting at
+    ``pool_start``) until ``target`` is reached. One stamp array deduplicates all three.
+    """
+    n = 0
+    for i in range(labels.size):
+        lab = labels[i]
+        if stamp[lab] != gen:
+            stamp[lab] = gen
+            active[n] = lab
+            n += 1
+    if buckets.shape[0] > 0 and n < target:
+        n += query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, target - n, True,
+                       active[n:])
+    p = pool_start
+    tries = 0
+    while n < target and tries < pool.size:
+        c = pool[p]
+        p += 1
+        if p == pool.size:
+            p = 0
+        tries += 1
+        if stamp[c] != gen:
+            stamp[c] = gen
+            active[n] = c
+            n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# Training step over the output layer and back through the hidden layers
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _backward_hidden(x_ids, x_vals, act, dh_last, W0, Wh, h_off, sizes, gW0, gb0, gWh, gbh,
+                     b_off, scale, dbuf):
+    """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) to all hidden
+    parameters; ``dbuf`` is scratch of size max(sizes) * 2."""
+    n_layers = sizes.size
+    # offsets of each layer's activation inside act
+    lo_last = 0
+    for l in range(n_layers - 1):
+        lo_last += sizes[l]
+    m = dbuf.size // 2
+    cur = dbuf[:m]
+    nxt = dbuf[m:]
+    H = sizes[n_layers - 1]
+    for j in range(H):
+        cur[j] = dh_last[j] if act[lo_last + j] > 0 else np.float32(0.0)
+    lo = lo_last
+    for l in range(n_layers - 1, 0, -1):
+        n_in, n_outl = sizes[l - 1], sizes[l]
+        lo_in = lo - n_in
+        prev = act[lo_in: lo]
+        W = Wh[h_off[l - 1]: h_off[l - 1] + n_outl * n_in].reshape(n_outl, n_in)
+        gW = gWh[h_off[l - 1]: h_off[l - 1] + n_outl * n_in].reshape(n_outl, n_in)
+        gb = gbh[b_off[l - 1]: b_off[l - 1] + n_outl]
+        for j in range(n_in):
+            nxt[j] = 0.0
+        for i in range(n_outl):
+            d = cur[i]
+            if d == 0:
+                continue
+            gb[i] += d * scale
+            wi = W[i]
+            gi = gW[i]
+            for j in range(n_in):
+                nxt[j] += d * wi[j]
+                gi[j] += d * scale * prev[j]
+        for j in range(n_in):
+            cur[j] = nxt[j] if prev[j] > 0 else np.float32(0.0)
+        lo = lo_in
+    H0 = sizes[0]
+    for j in range(H0):
+        gb0[j] += cur[j] * scale
+    for p in range(x_ids.size):
+        g = gW0[x_ids[p]]
+        v = x_vals[p] * scale
+        for j in range(H0):
+            g[j] += v * cur[j]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def train_step(x_indptr, x_indices, x_data, y_indptr, y_indices, acts, codes,
+               W0, b0, Wh, h_off, bh, b_off, sizes, W, b,
+               gW0, gb0, gWh, gbh, gW, gb,
+               buckets, seen, stamp, hits, gens, cand, hist, target, pool, pool_offsets,
+               active, n_active, bounds, scratch, losses):
+    """One batch: active sets, sparse softmax cross-entropy, and gradients (Hogwild).
+
+    ``acts`` [n, Σ H] holds the forward pass of :func:`forward_hidden`; ``codes`` int32 [n, L]
+    the last hidden layer's bucket ids (``buckets`` with 0 tables disables LSH). Per-thread
+    scratch rows (``stamp``, ``hits``, ``cand``, ``hist``, ``scratch``) are indexed by chunk.
+    Writes the active sets to ``active`` [n, max_active] / ``n_active`` [n] (for Adam) and the
+    per-sample loss to ``losses``. Gradients are the batch mean.
+    """
+    n = x_indptr.size - 1
+    scale = np.float32(1.0 / n)
+    H = W.shape[1]
+    lo_last = acts.shape[1] - H
+    for c in prange(bounds.size - 1):
+        buf = scratch[c]
+        logits = buf[: active.shape[1]]
+        dh = buf[active.shape[1]: active.shape[1] + H]
+        dbuf = buf[active.shape[1] + H:]
+        for r in range(bounds[c], bounds[c + 1]):
+            gens[c] += 1
+            labels = y_indices[y_indptr[r]: y_indptr[r + 1]]
+            act_r = active[r]
+            k = _select_active(labels, codes[r], buckets, seen, stamp[c], hits[c], gens[c],
+                               cand[c], hist[c], target, pool, pool_offsets[r], act_r)
+            n_active[r] = k
+            h = acts[r, lo_last:]
+            # logits and softmax over the active set
+            zmax = np.float32(-np.inf)
+            for a in range(k):
+                wa = W[act_r[a]]
+                s = b[act_r[a]]
+                for j in range(H):
+                    s += wa[j] * h[j]
+                logits[a] = s
+                zmax = max(zmax, s)
+            total = np.float32(0.0)
+            for a in range(k):
+                logits[a] = np.exp(logits[a] - zmax)
+                total += logits[a]
+            n_lab = labels.size
+            loss = np.float32(0.0)
+            for a in range(n_lab):  # labels are the first n_lab active neurons
+                loss -= np.log(max(logits[a] / total, np.float32(1e-30)))
+            losses[r] = loss / max(n_lab, 1)
+            # g_a = p_a - y_a, y uniform over the labels; dh = sum_a g_a W[a]
+            dh[:] = 0.0
+            y = np.float32(1.0 / max(n_lab, 1))
+            for a in range(k):
+                g = logits[a] / total - (y if a < n_lab else np.float32(0.0))
+                i = act_r[a]
+                wa = W[i]
+                ga = gW[i]
+                gs = g * scale
+                gb[i] += gs
+                for j in range(H):
+                    dh[j] += g * wa[j]
+                    ga[j] += gs * h[j]
+            lo, hi = x_indptr[r], x_indptr[r + 1]
+            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dh, W0, Wh, h_off, sizes,
+                             gW0, gb0, gWh, gbh, b_off, scale, dbuf)
+
+
+# --------------------------------------------------------------------------------------------
+# Adam over touched rows
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def unique_rows(lists, lengths, mark, out):
+    """Distinct ids of ragged ``lists`` [n, m] (first ``lengths[i]`` of each row) into ``out``;
+    ``mark`` uint8 [n_ids] is all zero on entry and on exit. Returns the count."""
+    n = 0
+    for r in range(lists.shape[0]):
+        for a in range(lengths[r]):
+            i = lists[r, a]
+            if mark[i] == 0:
+                mark[i] = 1
+                out[n] = i
+                n += 1
+    for t in range(n):
+        mark[out[t]] = 0
+    return n
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _adam(w, m, v, g, j, b1, b2, lr, eps, c1, c2):
+    gj = g[j]
+    m[j] = b1 * m[j] + (1 - b1) * gj
+    v[j] = b2 * v[j] + (1 - b2) * gj * gj
+    w[j] -= lr * (m[j] * c1) / (np.sqrt(v[j] * c2) + eps)
+    g[j] = 0.0
+
+
+@njit(cache=True, nogil=True)
+def _adam_constants(lr, beta1, beta2, eps, step):
+    """float32 constants; bias corrections for the global step (lazy Adam: rows that were not
+    touched keep their moments undecayed, as in sparse Adam)."""
+    return (np.float32(beta1), np.float32(beta2), np.float32(lr), np.float32(eps),
+            np.float32(1.0 / (1.0 - beta1 ** step)), np.float32(1.0 / (1.0 - beta2 ** step)))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def adam_rows(rows, W, M, V, G, lr, beta1, beta2, eps, step):
+    """Adam on the listed rows of W [n, d] (moments M, V; gradient G, zeroed after use)."""
+    b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
+    for t in prange(rows.size):
+        i = rows[t]
+        w, m, v, g = W[i], M[i], V[i], G[i]
+        for j in range(w.size):
+            _adam(w, m, v, g, j, b1, b2, lr32, eps32, c1, c2)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def adam_entries(idx, W, M, V, G, lr, beta1, beta2, eps, step):
+    """Adam on the listed entries of flat arrays (e.g. the biases of touched neurons)."""
+    b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
+    for t in prange(idx.size):
+        _adam(W, M, V, G, idx[t], b1, b2, lr32, eps32, c1, c2)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step):
+    """Adam on every entry of flat arrays (biases and the small hidden stack)."""
+    b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
+    for j in prange(W.size):
+        _adam(W, M, V, G, j, b1, b2, lr32, eps32, c1, c2)
+
+
+# --------------------------------------------------------------------------------------------
+# Inference
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, parallel=True)
+def score_candidates(acts_last, W, b, cand, lengths, out):
+    """out[r, a] = W[cand[r, a]] · h_r + b for the first lengths[r] candidates, -inf after."""
+    H = W.shape[1]
+    for r in prange(cand.shape[0]):
+        h = acts_last[r]
+        for a in range(cand.shape[1]):
+            if a >= lengths[r]:
+                out[r, a] = -np.inf
+                continue
+            i = cand[r, a]
+            wa = W[i]
+            s = b[i]
+            for j in range(H):
+                s += wa[j] * h[j]
+            out[r, a] = s

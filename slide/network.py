@@ -1,0 +1,468 @@
+"""The SLIDE model: sparse input → dense hidden layers → LSH-sampled output layer.
+
+:class:`SlideConfig` holds every hyperparameter; :class:`SlideClassifier` holds the arrays and
+follows scikit-learn's conventions (``fit``, ``partial_fit``, ``predict``, ``predict_topk``,
+``score``, ``get_params``/``set_params``), so it drops into a Pipeline after a vectorizer.
+The Python layer validates at the boundary and orchestrates one batch at a time; all per-sample
+work happens in :mod:`slide.kernels`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import scipy.sparse as sp
+
+from lsh import HashTables, autotune, set_num_threads
+from lsh.families import _chunks
+from lsh.tables import QueryScratch
+from slide import kernels
+from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_checkpoint
+from slide.data import check_xy
+from slide.metrics import evaluate, topk
+
+__all__ = ["SlideConfig", "SlideClassifier", "init_parameters"]
+
+@dataclass(frozen=True)
+class SlideConfig:
+    """Hyperparameters of a :class:`SlideClassifier`.
+
+    ``None`` means "derive from the data" (see :meth:`SlideClassifier.resolved_config`).
+
+    Attributes
+    ----------
+    hidden : dense ReLU hidden layer sizes, input side first.
+    sparsity : fraction of output neurons active per sample (labels + LSH candidates + random
+        negatives shared by the batch). 1.0 computes every neuron (exact softmax). ``None``:
+        ``max(1024, 0.005 · n_labels)`` active neurons, all of them when there are fewer labels.
+    hash_family, K, L, range_pow, bucket_size, bucket_policy : the output layer's LSH tables
+        (``None``: :func:`lsh.autotune` from the sparsity).
+    rehash_every : samples between rehashes (same functions, current weights); it is multiplied
+        by ``rehash_growth`` after each one. ``rebuild_every``: samples between draws of new
+        hash functions. ``None``: 64 batches, and 16 times that.
+    lr, beta1, beta2, eps : Adam. batch_size : samples per step. threads : numba threads
+        (``None``: all cores). seed : fixes initialisation, data order and sampling.
+    """
+    hidden: tuple = (128,)
+    sparsity: float | None = None
+    hash_family: str = "dwta"
+    K: int | None = None
+    L: int | None = None
+    range_pow: int | None = None
+    bucket_size: int | None = None
+    bucket_policy: str = "reservoir"
+    rehash_every: int | None = None
+    rehash_growth: float = 1.25
+    rebuild_every: int | None = None
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    batch_size: int = 128
+    threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "hidden", tuple(int(h) for h in np.atleast_1d(self.hidden)))
+        if not self.hidden or min(self.hidden) < 1:
+            raise ValueError(f"hidden must list positive layer sizes, got {self.hidden}")
+        if self.sparsity is not None and not 0 < self.sparsity <= 1:
+            raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity}")
+        if self.batch_size < 1 or self.lr <= 0:
+            raise ValueError("batch_size and lr must be positive")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("beta1 and beta2 must be in [0, 1)")
+
+
+_CONFIG_FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
+
+
+def _to_json(obj):
+    return list(obj) if isinstance(obj, tuple) else obj
+
+
+def init_parameters(hidden, n_features: int, n_labels: int, seed: int) -> dict:
+    """Initial float32 parameters (``W0, b0, Wh, bh, W, b``) for a seed; shared with gpu_ref."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(h) for h in hidden]
+    p = {}
+    # input rows are L2-normalised sparse vectors: unit-scale pre-activations need weights of
+    # order one, not 1/sqrt(n_features)
+    p["W0"] = rng.standard_normal((n_features, sizes[0]), np.float32) * np.float32(0.5)
+    p["b0"] = np.zeros(sizes[0], np.float32)
+    blocks = [rng.standard_normal((sizes[l], sizes[l - 1]), np.float32) * np.float32(math.sqrt(2.0 / sizes[l - 1]))
+              for l in range(1, len(sizes))]
+    p["Wh"] = np.concatenate([b.ravel() for b in blocks]) if blocks else np.zeros(0, np.float32)
+    p["bh"] = np.zeros(sum(sizes[1:]), np.float32)
+    p["W"] = rng.standard_normal((n_labels, sizes[-1]), np.float32) * np.float32(1.0 / math.sqrt(sizes[-1]))
+    p["b"] = np.zeros(n_labels, np.float32)
+    return p
+
+
+class SlideClassifier:
+    """Extreme multi-label classifier trained sparsely on CPU threads.
+
+    Parameters are those of :class:`SlideConfig`, e.g.
+    ``SlideClassifier(hidden=(128,), sparsity=0.005, lr=1e-3)``.
+
+    Fitted attributes: ``n_features_in_``, ``n_labels_``, ``params_`` (dict of float32 arrays),
+    ``step_`` (optimizer steps), ``epoch_`` (completed epochs), ``history_`` (per-epoch dicts),
+    ``timings_`` (seconds per phase).
+    """
+
+    def __init__(self, **config):
+        unknown = set(config) - set(_CONFIG_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
+        self.config = SlideConfig(**config)
+        self._fitted = False
+
+    # -- scikit-learn protocol -----------------------------------------------------------------
+    def get_params(self, deep: bool = True) -> dict:
+        return dataclasses.asdict(self.config)
+
+    def set_params(self, **params):
+        self.config = dataclasses.replace(self.config, **params)
+        return self
+
+    def __repr__(self):
+        default = dataclasses.asdict(SlideConfig())
+        changed = {k: v for k, v in self.get_params().items() if v != default[k]}
+        return f"SlideClassifier({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def resolved_config(self, n_labels: int) -> dict:
+        """Active-set target and table settings this model uses for ``n_labels`` outputs."""
+        c = self.config
+        if c.sparsity is None:
+            target = min(n_labels, max(1024, math.ceil(0.005 * n_labels)))
+        else:
+            target = min(n_labels, max(1, math.ceil(c.sparsity * n_labels)))
+        out = {"active_target": target, "sampled": target < n_labels}
+        if out["sampled"]:
+            over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
+            tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy, **over)
+            out["tables"] = dataclasses.asdict(tc)
+        per_batch = 64 * c.batch_size
+        out["rehash_every"] = c.rehash_every or per_batch
+        out["rebuild_every"] = c.rebuild_every or 16 * per_batch
+        return out
+
+    def _init_params(self, n_features: int, n_labels: int):
+        self.params_ = init_parameters(self.config.hidden, n_features, n_labels, self.config.seed)
+        p = self.params_
+        self.moments_ = {f"{k}.{s}": np.zeros_like(v) for k, v in p.items() for s in "mv"}
+        self.n_features_in_, self.n_labels_ = n_features, n_labels
+        self.step_, self.epoch_, self.samples_seen_ = 0, 0, 0
+        self.history_, self.timings_ = [], {}
+        self.hash_seed_ = self.config.seed
+        self._fitted = True
+        self._setup()
+        self._next_rehash = self.resolved_["rehash_every"]
+        self._rehash_interval = float(self.resolved_["rehash_every"])
+        self._next_rebuild = self.resolved_["rebuild_every"]
+
+    def _setup(self):
+        """Derived state: offsets, gradients, tables, scratch (never saved)."""
+        c = self.config
+        self.resolved_ = self.resolved_config(self.n_labels_)
+        sizes = np.array(c.hidden, np.int64)
+        self._sizes = sizes
+        blocks = sizes[1:] * sizes[:-1]
+        self._h_off = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else np.zeros(1, np.int64)
+        self._b_off = np.concatenate([[0], np.cumsum(sizes[1:])[:-1]]).astype(np.int64) if blocks.size else np.zeros(1, np.int64)
+        self.grads_ = {k: np.zeros_like(v) for k, v in self.params_.items()}
+        self.tables_ = None
+        if self.resolved_["sampled"]:
+            from lsh import TableConfig
+            tc = TableConfig(**self.resolved_["tables"])
+            self.tables_ = HashTables(int(sizes[-1]), self.n_labels_, tc, seed=self.hash_seed_)
+        self._mark_out = np.zeros(self.n_labels_, np.uint8)
+        self._mark_in = np.zeros(self.n_features_in_, np.uint8)
+        self._scratch_key = None
+
+    def _scratch(self, n_rows: int, max_labels: int):
+        t = numba.get_num_threads()
+        target = self.resolved_["active_target"]
+        width = target + max_labels
+        key = (t, width, n_rows)
+        if self._scratch_key is None or self._scratch_key[0] != t or self._scratch_key[1] < width \
+                or self._scratch_key[2] < n_rows:
+            width = max(width, self._scratch_key[1] if self._scratch_key else 0)
+            n_rows = max(n_rows, self._scratch_key[2] if self._scratch_key else 0)
+            if self.tables_ is not None:
+                tc = self.tables_.config
+                self._qs = QueryScratch(t, self.n_labels_, tc.L, tc.bucket_size)
+            else:
+                self._qs = QueryScratch(t, self.n_labels_, 1, 1)
+            self._active = np.zeros((n_rows, width), np.int32)
+            self._n_active = np.zeros(n_rows, np.int64)
+            self._buf = np.zeros((t, width + int(self._sizes[-1]) + 2 * int(self._sizes.max())), np.float32)
+            self._touched = np.zeros(n_rows * width, np.int32)
+            self._scratch_key = (t, width, n_rows)
+            key = self._scratch_key
+        self._qs.renew_if_old()
+        return key
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _forward(self, X: sp.csr_matrix) -> np.ndarray:
+        p = self.params_
+        acts = np.empty((X.shape[0], int(self._sizes.sum())), np.float32)
+        kernels.forward_hidden(X.indptr.astype(np.int64), X.indices, X.data, p["W0"], p["b0"], p["Wh"],
+                               self._h_off, p["bh"], self._b_off, self._sizes, acts)
+        return acts
+
+    def _last(self, acts):
+        return acts[:, acts.shape[1] - int(self._sizes[-1]):]
+
+    # -- training --------------------------------------------------------------------------------
+    def _tick(self, name, t0):
+        self.timings_[name] = self.timings_.get(name, 0.0) + time.perf_counter() - t0
+        return time.perf_counter()
+
+    def _train_batch(self, Xb: sp.csr_matrix, Yb: sp.csr_matrix) -> float:
+        c, p, g = self.config, self.params_, self.grads_
+        n = Xb.shape[0]
+        y_counts = np.diff(Yb.indptr)
+        self._scratch(n, int(y_counts.max()) if n else 0)
+        t0 = time.perf_counter()
+        acts = self._forward(Xb)
+        t0 = self._tick("forward_hidden", t0)
+        target = self.resolved_["active_target"]
+        rng = np.random.default_rng([c.seed, 1, self.step_])
+        if self.tables_ is not None:
+            codes = self.tables_.family.hash_dense(self._last(acts))
+            buckets, seen = self.tables_.buckets, self.tables_.seen
+            pool = rng.integers(0, self.n_labels_, size=target, dtype=np.int32)
+            offsets = rng.integers(0, target, size=n)
+        else:  # every neuron active: the pool is all of them
+            codes = np.zeros((n, 1), np.int32)
+            buckets, seen = np.zeros((0, 1, 1), np.int32), np.zeros((0, 1), np.int32)
+            pool = np.arange(self.n_labels_, dtype=np.int32)
+            offsets = np.zeros(n, np.int64)
+        t0 = self._tick("hash", t0)
+        qs = self._qs
+        losses = np.empty(n, np.float32)
+        kernels.train_step(
+            Xb.indptr.astype(np.int64), Xb.indices, Xb.data, Yb.indptr.astype(np.int64), Yb.indices,
+            acts, codes, p["W0"], p["b0"], p["Wh"], self._h_off, p["bh"], self._b_off, self._sizes,
+            p["W"], p["b"], g["W0"], g["b0"], g["Wh"], g["bh"], g["W"], g["b"],
+            buckets, seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, target, pool, offsets,
+            self._active, self._n_active, _chunks(n), self._buf, losses)
+        t0 = self._tick("select+output+backward", t0)
+        self.step_ += 1
+        hp = (c.lr, c.beta1, c.beta2, c.eps, self.step_)
+        m = self.moments_
+        n_out = kernels.unique_rows(self._active[:n], self._n_active[:n], self._mark_out, self._touched)
+        rows = self._touched[:n_out]
+        kernels.adam_rows(rows, p["W"], m["W.m"], m["W.v"], g["W"], *hp)
+        kernels.adam_entries(rows, p["b"], m["b.m"], m["b.v"], g["b"], *hp)
+        in_rows = np.unique(Xb.indices).astype(np.int32)
+        kernels.adam_rows(in_rows, p["W0"], m["W0.m"], m["W0.v"], g["W0"], *hp)
+        for k in ("b0", "Wh", "bh"):
+            if p[k].size:
+                kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], g[k], *hp)
+        t0 = self._tick("adam", t0)
+        self.samples_seen_ += n
+        self._maybe_rehash()
+        self._tick("rehash", t0)
+        return float(losses.mean())
+
+    def _maybe_rehash(self):
+        if self.tables_ is None:
+            return
+        if self.samples_seen_ >= self._next_rebuild:
+            self.hash_seed_ += 1
+            self.tables_.rebuild(self.params_["W"], seed=self.hash_seed_)
+            self._next_rebuild = self.samples_seen_ + self.resolved_["rebuild_every"]
+            self._next_rehash = self.samples_seen_ + int(self._rehash_interval)
+        elif self.samples_seen_ >= self._next_rehash:
+            self.tables_.rehash(self.params_["W"])
+            self._rehash_interval *= self.config.rehash_growth
+            self._next_rehash = self.samples_seen_ + int(self._rehash_interval)
+
+    def _check(self, X, Y=None, where="input"):
+        if not self._fitted:
+            return check_xy(X, Y, where=where)
+        return check_xy(X, Y, n_features=self.n_features_in_,
+                        n_labels=self.n_labels_ if Y is not None else None, where=where)
+
+    def _epoch(self, X, Y, progress=None) -> float:
+        """One pass over (X, Y) in a seeded order; returns the mean loss."""
+        bs = self.config.batch_size
+        order = np.random.default_rng([self.config.seed, 2, self.epoch_]).permutation(X.shape[0])
+        if self.tables_ is not None:  # epochs start from fresh tables: resuming is exact
+            self.tables_.rehash(self.params_["W"])
+        total, count = 0.0, 0
+        for lo in range(0, X.shape[0], bs):
+            idx = np.sort(order[lo:lo + bs])
+            loss = self._train_batch(X[idx], Y[idx])
+            total += loss * idx.size
+            count += idx.size
+            if progress is not None:
+                progress.update(idx.size)
+                progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        return total / max(count, 1)
+
+    def fit(self, X, Y, epochs: int = 1, validation=None, progress: bool = False,
+            on_epoch=None, eval_k: int = 5, eval_samples: int | None = None):
+        """Train for ``epochs`` more epochs (a fresh model if not yet fitted).
+
+        Parameters
+        ----------
+        X : CSR-convertible [n, n_features]; Y : CSR indicator [n, n_labels] or label lists.
+        validation : optional ``(X_val, Y_val)``, evaluated after each epoch (P@1/3/5, nDCG).
+        progress : show a tqdm bar (samples/s, loss).
+        on_epoch : called as ``on_epoch(model, record)`` after each epoch (checkpoints, logs).
+        eval_samples : evaluate on this many validation rows (a seeded random subset).
+        """
+        X, Y = self._check(X, Y, where="fit")
+        if not self._fitted:
+            self._init_params(X.shape[1], Y.shape[1])
+        if validation is not None:
+            Xv, Yv = self._check(*validation, where="validation")
+            if eval_samples is not None and eval_samples < Xv.shape[0]:
+                sel = np.sort(np.random.default_rng(self.config.seed).choice(Xv.shape[0], eval_samples, replace=False))
+                Xv, Yv = Xv[sel], Yv[sel]
+        threads = set_num_threads(self.config.threads)
+        start_epoch = self.epoch_
+        for _ in range(int(epochs)):
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True,
+                           desc=f"epoch {self.epoch_ + 1}/{start_epoch + epochs}", leave=True)
+            t0 = time.perf_counter()
+            loss = self._epoch(X, Y, bar)
+            seconds = time.perf_counter() - t0
+            if bar is not None:
+                bar.close()
+            self.epoch_ += 1
+            record = {"epoch": self.epoch_, "train_seconds": seconds,
+                      "samples_per_second": X.shape[0] / seconds, "loss": loss, "threads": threads}
+            if validation is not None:
+                record.update(self.evaluate(Xv, Yv, k=eval_k))
+            self.history_.append(record)
+            if on_epoch is not None:
+                on_epoch(self, record)
+        return self
+
+    def partial_fit(self, X, Y):
+        """One pass over (X, Y) in the given row order's batches (for streams)."""
+        X, Y = self._check(X, Y, where="partial_fit")
+        if not self._fitted:
+            self._init_params(X.shape[1], Y.shape[1])
+            if self.tables_ is not None:
+                self.tables_.rehash(self.params_["W"])
+        set_num_threads(self.config.threads)
+        bs = self.config.batch_size
+        for lo in range(0, X.shape[0], bs):
+            self._train_batch(X[lo:lo + bs], Y[lo:lo + bs])
+        return self
+
+    # -- inference -------------------------------------------------------------------------------
+    def _require_fitted(self):
+        if not self._fitted:
+            raise RuntimeError("this SlideClassifier is not fitted yet; call fit first")
+
+    def embed(self, X) -> np.ndarray:
+        """Last hidden layer activations, float32 [n, hidden[-1]]."""
+        self._require_fitted()
+        X = self._check(X, where="embed")
+        set_num_threads(self.config.threads)
+        return np.ascontiguousarray(self._last(self._forward(X)))
+
+    def predict_topk(self, X, k: int = 5, mode: str = "exact", block: int | None = None):
+        """Top-k labels per row: ``(ids int64 [n, k], scores float32 [n, k])``, best first.
+
+        ``mode="exact"`` scores every output (blocked matrix product + parallel partial sort);
+        ``mode="lsh"`` scores only the hash-table candidates of each row (sub-linear serving;
+        rows with fewer than k candidates are padded with id -1).
+        """
+        self._require_fitted()
+        X = self._check(X, where="predict")
+        set_num_threads(self.config.threads)
+        k = int(k)
+        if mode not in ("exact", "lsh"):
+            raise ValueError(f"mode must be 'exact' or 'lsh', got {mode!r}")
+        W, b = self.params_["W"], self.params_["b"]
+        ids = np.empty((X.shape[0], k), np.int64)
+        scores = np.empty((X.shape[0], k), np.float32)
+        block = block or max(1, min(4096, (1 << 26) // self.n_labels_))
+        for lo in range(0, X.shape[0], block):
+            hi = min(lo + block, X.shape[0])
+            h = self._last(self._forward(X[lo:hi]))
+            if mode == "exact" or self.tables_ is None:
+                s = h @ W.T
+                s += b
+                ids[lo:hi], scores[lo:hi] = topk(s, k)
+            else:
+                cand, n_c = self.tables_.query(h, rank=True)
+                cs = np.empty(cand.shape, np.float32)
+                kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
+                pos, scores[lo:hi] = topk(cs, k)
+                ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
+                ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1
+        return ids, scores
+
+    def predict(self, X) -> np.ndarray:
+        """Top-1 label per row, int64 [n]."""
+        return self.predict_topk(X, 1)[0][:, 0]
+
+    def decision_function(self, X) -> np.ndarray:
+        """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers)."""
+        self._require_fitted()
+        X = self._check(X, where="decision_function")
+        return self._last(self._forward(X)) @ self.params_["W"].T + self.params_["b"]
+
+    def evaluate(self, X, Y, k: int = 5, mode: str = "exact") -> dict:
+        """P@1/3/5 and nDCG@1/3/5 of the exact (or LSH) top-k."""
+        X, Y = self._check(X, Y, where="evaluate")
+        top, _ = self.predict_topk(X, k, mode=mode)
+        return evaluate(top, Y, k)
+
+    def score(self, X, Y) -> float:
+        """P@1."""
+        return self.evaluate(X, Y, k=1)["P@1"]
+
+    # -- persistence -----------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write the model to directory ``path`` (npz + JSON, atomic; see :mod:`slide.checkpoint`)."""
+        self._require_fitted()
+        meta = {
+            "engine": "slide",
+            "config": {k: _to_json(v) for k, v in self.get_params().items()},
+            "n_features": self.n_features_in_, "n_labels": self.n_labels_,
+            "step": self.step_, "epoch": self.epoch_, "samples_seen": self.samples_seen_,
+            "hash_seed": self.hash_seed_, "next_rehash": self._next_rehash,
+            "rehash_interval": self._rehash_interval, "next_rebuild": self._next_rebuild,
+            "history": self.history_,
+        }
+        write_checkpoint(path, join_arrays(self.params_, self.moments_), meta, self.step_)
+
+    @classmethod
+    def load(cls, path) -> "SlideClassifier":
+        """Load a model saved by :meth:`save`, or by the dense reference (same format)."""
+        arrays, meta = read_checkpoint(path)
+        fields = set(_CONFIG_FIELDS)
+        model = cls(**{k: v for k, v in meta["config"].items() if k in fields})
+        model.params_, model.moments_ = split_arrays(arrays)
+        model.n_features_in_, model.n_labels_ = int(meta["n_features"]), int(meta["n_labels"])
+        model.step_, model.epoch_ = int(meta["step"]), int(meta["epoch"])
+        model.samples_seen_ = int(meta.get("samples_seen", 0))
+        model.hash_seed_ = int(meta.get("hash_seed", model.config.seed))
+        model.history_ = meta.get("history", [])
+        model.timings_ = {}
+        model._fitted = True
+        model._setup()
+        r = model.resolved_
+        model._next_rehash = int(meta.get("next_rehash", r["rehash_every"]))
+        model._rehash_interval = float(meta.get("rehash_interval", r["rehash_every"]))
+        model._next_rebuild = int(meta.get("next_rebuild", r["rebuild_every"]))
+        if model.tables_ is not None:
+            model.tables_.build(model.params_["W"])
+        return model
