@@ -17,7 +17,7 @@ import scipy.sparse as sp
 from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_checkpoint
 from slide.data import check_xy
 from slide.metrics import evaluate, topk
-from slide.network import init_parameters
+from slide.network import default_batch_size, default_epochs, init_parameters
 
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available"]
 
@@ -44,16 +44,17 @@ def get_array_module(device: str = "auto"):
 
 
 class DenseClassifier:
-    """Dense reference: ``DenseClassifier(hidden=(128,), lr=1e-3, batch_size=128, seed=0,
+    """Dense reference: ``DenseClassifier(hidden=(128,), lr=3e-3, batch_size=None, seed=0,
     device="auto")``. Same ``fit``/``partial_fit``/``predict_topk``/``score``/``save``/``load``
-    as the sparse engine. Initialisation draws exactly as the engine's does for the same seed.
+    and the same defaults as the sparse engine; initialisation draws exactly as the engine's
+    does for the same seed.
     """
 
-    def __init__(self, hidden=(128,), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, batch_size=128,
-                 seed=0, device="auto", **ignored):
+    def __init__(self, hidden=(128,), lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, batch_size=None,
+                 seed=0, device="auto"):
         self.hidden = tuple(int(h) for h in np.atleast_1d(hidden))
         self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
-        self.batch_size, self.seed, self.device = int(batch_size), int(seed), device
+        self.batch_size, self.seed, self.device = batch_size, int(seed), device
         self.xp, self._sparse = get_array_module(device)
         self._fitted = False
 
@@ -67,7 +68,8 @@ class DenseClassifier:
         return self
 
     # -- parameters ------------------------------------------------------------------------------
-    def _init_params(self, n_features, n_labels):
+    def _init_params(self, n_features, n_labels, n_train):
+        self.batch_size_ = self.batch_size or default_batch_size(n_train)
         self._set_arrays(init_parameters(self.hidden, n_features, n_labels, self.seed), None,
                          n_features, n_labels)
         self.step_, self.epoch_ = 0, 0
@@ -162,10 +164,12 @@ class DenseClassifier:
         return check_xy(X, Y, n_features=self.n_features_in_,
                         n_labels=self.n_labels_ if Y is not None else None, where=where)
 
-    def fit(self, X, Y, epochs=1, validation=None, progress=False, on_epoch=None, eval_k=5):
+    def fit(self, X, Y, epochs=None, validation=None, progress=False, on_epoch=None, eval_k=5):
         X, Y = self._check(X, Y, where="fit")
         if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1])
+            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
+        if epochs is None:
+            epochs = default_epochs(X.shape[0], self.batch_size_)
         for _ in range(int(epochs)):
             order = np.random.default_rng([self.seed, 2, self.epoch_]).permutation(X.shape[0])
             bar = None
@@ -174,8 +178,8 @@ class DenseClassifier:
                 bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True, desc=f"dense epoch {self.epoch_ + 1}")
             t0 = time.perf_counter()
             total = 0.0
-            for lo in range(0, X.shape[0], self.batch_size):
-                idx = np.sort(order[lo:lo + self.batch_size])
+            for lo in range(0, X.shape[0], self.batch_size_):
+                idx = np.sort(order[lo:lo + self.batch_size_])
                 loss = self.train_batch(X[idx], Y[idx])
                 total += loss * idx.size
                 if bar is not None:
@@ -198,9 +202,9 @@ class DenseClassifier:
     def partial_fit(self, X, Y):
         X, Y = self._check(X, Y, where="partial_fit")
         if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1])
-        for lo in range(0, X.shape[0], self.batch_size):
-            self.train_batch(X[lo:lo + self.batch_size], Y[lo:lo + self.batch_size])
+            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
+        for lo in range(0, X.shape[0], self.batch_size_):
+            self.train_batch(X[lo:lo + self.batch_size_], Y[lo:lo + self.batch_size_])
         return self
 
     def _sync(self):
@@ -244,7 +248,7 @@ class DenseClassifier:
     def save(self, path):
         meta = {"engine": "dense", "config": {"hidden": list(self.hidden), "lr": self.lr,
                                               "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
-                                              "batch_size": self.batch_size, "seed": self.seed},
+                                              "batch_size": self.batch_size_, "seed": self.seed},
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_,
                 "step": self.step_, "epoch": self.epoch_, "history": self.history_}
         moments = {k: self._host(v) for k, v in self.moments_.items()}
@@ -254,11 +258,12 @@ class DenseClassifier:
     def load(cls, path, device="auto"):
         arrays, meta = read_checkpoint(path)
         c = meta["config"]
-        model = cls(hidden=c["hidden"], lr=c.get("lr", 1e-3), beta1=c.get("beta1", 0.9),
+        model = cls(hidden=c["hidden"], lr=c.get("lr", 3e-3), beta1=c.get("beta1", 0.9),
                     beta2=c.get("beta2", 0.999), eps=c.get("eps", 1e-8),
-                    batch_size=c.get("batch_size", 128), seed=c.get("seed", 0), device=device)
+                    batch_size=c.get("batch_size"), seed=c.get("seed", 0), device=device)
         params, moments = split_arrays(arrays)
         model._set_arrays(params, moments, meta["n_features"], meta["n_labels"])
+        model.batch_size_ = model.batch_size or default_batch_size(meta.get("n_train", 0))
         model.step_, model.epoch_ = int(meta["step"]), int(meta["epoch"])
         model.history_ = meta.get("history", [])
         return model

@@ -25,7 +25,7 @@ from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_c
 from slide.data import check_xy
 from slide.metrics import evaluate, topk
 
-__all__ = ["SlideConfig", "SlideClassifier", "init_parameters"]
+__all__ = ["SlideConfig", "SlideClassifier", "init_parameters", "default_batch_size", "default_epochs"]
 
 @dataclass(frozen=True)
 class SlideConfig:
@@ -44,8 +44,9 @@ class SlideConfig:
     rehash_every : samples between rehashes (same functions, current weights); it is multiplied
         by ``rehash_growth`` after each one. ``rebuild_every``: samples between draws of new
         hash functions. ``None``: 64 batches, and 16 times that.
-    lr, beta1, beta2, eps : Adam. batch_size : samples per step. threads : numba threads
-        (``None``: all cores). seed : fixes initialisation, data order and sampling.
+    lr, beta1, beta2, eps : Adam. batch_size : samples per step (``None``: from the training
+        set's size, :func:`default_batch_size`). threads : numba threads (``None``: all cores).
+    seed : fixes initialisation, data order and sampling.
     """
     hidden: tuple = (128,)
     sparsity: float | None = None
@@ -58,21 +59,22 @@ class SlideConfig:
     rehash_every: int | None = None
     rehash_growth: float = 1.25
     rebuild_every: int | None = None
-    lr: float = 1e-3
+    lr: float = 3e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    batch_size: int = 128
+    batch_size: int | None = None
     threads: int | None = None
     seed: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "hidden", tuple(int(h) for h in np.atleast_1d(self.hidden)))
+        if not (isinstance(self.hidden, tuple) and all(type(h) is int for h in self.hidden)):
+            object.__setattr__(self, "hidden", tuple(int(h) for h in np.atleast_1d(self.hidden)))
         if not self.hidden or min(self.hidden) < 1:
             raise ValueError(f"hidden must list positive layer sizes, got {self.hidden}")
         if self.sparsity is not None and not 0 < self.sparsity <= 1:
             raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity}")
-        if self.batch_size < 1 or self.lr <= 0:
+        if (self.batch_size is not None and self.batch_size < 1) or self.lr <= 0:
             raise ValueError("batch_size and lr must be positive")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError("beta1 and beta2 must be in [0, 1)")
@@ -83,6 +85,17 @@ _CONFIG_FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
 
 def _to_json(obj):
     return list(obj) if isinstance(obj, tuple) else obj
+
+
+def default_batch_size(n_train: int) -> int:
+    """Small data needs more, smaller steps: 32 below ~14K samples, 128 above ~56K."""
+    return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
+
+
+def default_epochs(n_train: int, batch_size: int) -> int:
+    """Enough epochs for about 3,000 optimizer steps, between 5 and 30."""
+    steps = math.ceil(n_train / batch_size)
+    return int(np.clip(math.ceil(3000 / steps), 5, 30))
 
 
 def init_parameters(hidden, n_features: int, n_labels: int, seed: int) -> dict:
@@ -103,7 +116,13 @@ def init_parameters(hidden, n_features: int, n_labels: int, seed: int) -> dict:
     return p
 
 
-class SlideClassifier:
+try:  # scikit-learn is optional; with it, the estimator carries its tags into Pipelines
+    from sklearn.base import BaseEstimator as _EstimatorBase
+except ImportError:  # pragma: no cover
+    _EstimatorBase = object
+
+
+class SlideClassifier(_EstimatorBase):
     """Extreme multi-label classifier trained sparsely on CPU threads.
 
     Parameters are those of :class:`SlideConfig`, e.g.
@@ -123,7 +142,7 @@ class SlideClassifier:
 
     # -- scikit-learn protocol -----------------------------------------------------------------
     def get_params(self, deep: bool = True) -> dict:
-        return dataclasses.asdict(self.config)
+        return {k: getattr(self.config, k) for k in _CONFIG_FIELDS}
 
     def set_params(self, **params):
         self.config = dataclasses.replace(self.config, **params)
@@ -135,28 +154,30 @@ class SlideClassifier:
         return f"SlideClassifier({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
 
     # -- set-up ----------------------------------------------------------------------------------
-    def resolved_config(self, n_labels: int) -> dict:
-        """Active-set target and table settings this model uses for ``n_labels`` outputs."""
+    def resolved_config(self, n_labels: int, n_train: int) -> dict:
+        """Batch size, active-set target and table settings for ``n_labels`` outputs and
+        ``n_train`` training samples."""
         c = self.config
+        batch_size = c.batch_size or default_batch_size(n_train)
         if c.sparsity is None:
             target = min(n_labels, max(1024, math.ceil(0.005 * n_labels)))
         else:
             target = min(n_labels, max(1, math.ceil(c.sparsity * n_labels)))
-        out = {"active_target": target, "sampled": target < n_labels}
+        out = {"batch_size": batch_size, "active_target": target, "sampled": target < n_labels}
         if out["sampled"]:
             over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
             tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy, **over)
             out["tables"] = dataclasses.asdict(tc)
-        per_batch = 64 * c.batch_size
+        per_batch = 64 * batch_size
         out["rehash_every"] = c.rehash_every or per_batch
         out["rebuild_every"] = c.rebuild_every or 16 * per_batch
         return out
 
-    def _init_params(self, n_features: int, n_labels: int):
+    def _init_params(self, n_features: int, n_labels: int, n_train: int):
         self.params_ = init_parameters(self.config.hidden, n_features, n_labels, self.config.seed)
         p = self.params_
         self.moments_ = {f"{k}.{s}": np.zeros_like(v) for k, v in p.items() for s in "mv"}
-        self.n_features_in_, self.n_labels_ = n_features, n_labels
+        self.n_features_in_, self.n_labels_, self.n_train_ = n_features, n_labels, n_train
         self.step_, self.epoch_, self.samples_seen_ = 0, 0, 0
         self.history_, self.timings_ = [], {}
         self.hash_seed_ = self.config.seed
@@ -165,11 +186,13 @@ class SlideClassifier:
         self._next_rehash = self.resolved_["rehash_every"]
         self._rehash_interval = float(self.resolved_["rehash_every"])
         self._next_rebuild = self.resolved_["rebuild_every"]
+        self._refresh_tables()
 
     def _setup(self):
         """Derived state: offsets, gradients, tables, scratch (never saved)."""
         c = self.config
-        self.resolved_ = self.resolved_config(self.n_labels_)
+        self.resolved_ = self.resolved_config(self.n_labels_, self.n_train_)
+        self.batch_size_ = self.resolved_["batch_size"]
         sizes = np.array(c.hidden, np.int64)
         self._sizes = sizes
         blocks = sizes[1:] * sizes[:-1]
@@ -293,10 +316,8 @@ class SlideClassifier:
 
     def _epoch(self, X, Y, progress=None) -> float:
         """One pass over (X, Y) in a seeded order; returns the mean loss."""
-        bs = self.config.batch_size
+        bs = self.batch_size_
         order = np.random.default_rng([self.config.seed, 2, self.epoch_]).permutation(X.shape[0])
-        if self.tables_ is not None:  # epochs start from fresh tables: resuming is exact
-            self.tables_.rehash(self.params_["W"])
         total, count = 0.0, 0
         for lo in range(0, X.shape[0], bs):
             idx = np.sort(order[lo:lo + bs])
@@ -308,13 +329,14 @@ class SlideClassifier:
                 progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
         return total / max(count, 1)
 
-    def fit(self, X, Y, epochs: int = 1, validation=None, progress: bool = False,
+    def fit(self, X, Y, epochs: int | None = None, validation=None, progress: bool = False,
             on_epoch=None, eval_k: int = 5, eval_samples: int | None = None):
         """Train for ``epochs`` more epochs (a fresh model if not yet fitted).
 
         Parameters
         ----------
         X : CSR-convertible [n, n_features]; Y : CSR indicator [n, n_labels] or label lists.
+        epochs : ``None`` for :func:`default_epochs` (about 3,000 steps, 5 to 30 epochs).
         validation : optional ``(X_val, Y_val)``, evaluated after each epoch (P@1/3/5, nDCG).
         progress : show a tqdm bar (samples/s, loss).
         on_epoch : called as ``on_epoch(model, record)`` after each epoch (checkpoints, logs).
@@ -322,13 +344,15 @@ class SlideClassifier:
         """
         X, Y = self._check(X, Y, where="fit")
         if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1])
+            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
         if validation is not None:
             Xv, Yv = self._check(*validation, where="validation")
             if eval_samples is not None and eval_samples < Xv.shape[0]:
                 sel = np.sort(np.random.default_rng(self.config.seed).choice(Xv.shape[0], eval_samples, replace=False))
                 Xv, Yv = Xv[sel], Yv[sel]
         threads = set_num_threads(self.config.threads)
+        if epochs is None:
+            epochs = default_epochs(X.shape[0], self.batch_size_)
         start_epoch = self.epoch_
         for _ in range(int(epochs)):
             bar = None
@@ -347,21 +371,27 @@ class SlideClassifier:
             if validation is not None:
                 record.update(self.evaluate(Xv, Yv, k=eval_k))
             self.history_.append(record)
+            self._refresh_tables()
             if on_epoch is not None:
                 on_epoch(self, record)
         return self
+
+    def _refresh_tables(self):
+        """Rehash with the final weights: LSH serving must not see stale tables, and a saved
+        model, whose tables are rebuilt from its weights on load, then serves identically."""
+        if self.tables_ is not None:
+            self.tables_.rehash(self.params_["W"])
 
     def partial_fit(self, X, Y):
         """One pass over (X, Y) in the given row order's batches (for streams)."""
         X, Y = self._check(X, Y, where="partial_fit")
         if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1])
-            if self.tables_ is not None:
-                self.tables_.rehash(self.params_["W"])
+            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
         set_num_threads(self.config.threads)
-        bs = self.config.batch_size
+        bs = self.batch_size_
         for lo in range(0, X.shape[0], bs):
             self._train_batch(X[lo:lo + bs], Y[lo:lo + bs])
+        self._refresh_tables()
         return self
 
     # -- inference -------------------------------------------------------------------------------
@@ -436,7 +466,7 @@ class SlideClassifier:
         meta = {
             "engine": "slide",
             "config": {k: _to_json(v) for k, v in self.get_params().items()},
-            "n_features": self.n_features_in_, "n_labels": self.n_labels_,
+            "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
             "step": self.step_, "epoch": self.epoch_, "samples_seen": self.samples_seen_,
             "hash_seed": self.hash_seed_, "next_rehash": self._next_rehash,
             "rehash_interval": self._rehash_interval, "next_rebuild": self._next_rebuild,
@@ -452,6 +482,7 @@ class SlideClassifier:
         model = cls(**{k: v for k, v in meta["config"].items() if k in fields})
         model.params_, model.moments_ = split_arrays(arrays)
         model.n_features_in_, model.n_labels_ = int(meta["n_features"]), int(meta["n_labels"])
+        model.n_train_ = int(meta.get("n_train", 0))
         model.step_, model.epoch_ = int(meta["step"]), int(meta["epoch"])
         model.samples_seen_ = int(meta.get("samples_seen", 0))
         model.hash_seed_ = int(meta.get("hash_seed", model.config.seed))
@@ -463,6 +494,5 @@ class SlideClassifier:
         model._next_rehash = int(meta.get("next_rehash", r["rehash_every"]))
         model._rehash_interval = float(meta.get("rehash_interval", r["rehash_every"]))
         model._next_rebuild = int(meta.get("next_rebuild", r["rebuild_every"]))
-        if model.tables_ is not None:
-            model.tables_.build(model.params_["W"])
+        model._refresh_tables()
         return model

@@ -1,0 +1,178 @@
+"""``slide`` command line: train, eval, predict, data synth, data stats."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+
+def _hidden(text):
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hidden takes comma-separated sizes, got {text!r}") from None
+
+
+def _positive(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (the built-in dataset when no file is given)")
+    t.add_argument("train", nargs="?", help="training file (XMC repository or libsvm format)")
+    t.add_argument("--test", help="test file, evaluated after every epoch")
+    t.add_argument("--engine", choices=["slide", "dense"], default="slide",
+                   help="the sparse engine, or the dense reference (gpu_ref)")
+    t.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto", help="dense engine's device")
+    t.add_argument("--epochs", type=_positive, default=None,
+                   help="default: enough for about 3,000 steps, 5 to 30 epochs")
+    t.add_argument("--hidden", type=_hidden, default=(128,), help="hidden sizes, e.g. 128 or 256,128")
+    t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
+    t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta")
+    t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 3e-3)")
+    t.add_argument("--batch-size", type=_positive, default=None,
+                   help="default: 32 to 128 by training-set size")
+    t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eval-samples", type=_positive, default=None, help="evaluate on a shuffled subset")
+    t.add_argument("--metrics-json", help="write per-epoch metrics here")
+    t.add_argument("--save", help="checkpoint directory (saved after every epoch)")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --save")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    e = sub.add_parser("eval", help="evaluate a saved model on a test file")
+    e.add_argument("model")
+    e.add_argument("test")
+    e.add_argument("--k", type=_positive, default=5)
+    e.add_argument("--mode", choices=["exact", "lsh"], default="exact")
+
+    pr = sub.add_parser("predict", help="write top-k label ids per input row")
+    pr.add_argument("model")
+    pr.add_argument("input")
+    pr.add_argument("--top-k", type=_positive, default=5)
+    pr.add_argument("--mode", choices=["exact", "lsh"], default="exact")
+    pr.add_argument("--output", "-o", help="output file (default: stdout)")
+
+    d = sub.add_parser("data", help="dataset utilities")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    s = dsub.add_parser("synth", help="generate a synthetic dataset: OUT_PREFIX_{train,test}.txt")
+    s.add_argument("preset")
+    s.add_argument("out_prefix")
+    s.add_argument("--train", type=_positive, default=None)
+    s.add_argument("--test", type=_positive, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    st = dsub.add_parser("stats", help="print a dataset's shape and label statistics")
+    st.add_argument("file")
+    return p
+
+
+def _load_model(path):
+    from slide.network import SlideClassifier
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such model directory")
+    return SlideClassifier.load(path)
+
+
+def _cmd_train(a):
+    from slide.train import load_train_test, run_training
+    Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
+    if a.resume:
+        if not a.save:
+            raise ValueError("--resume needs --save DIR")
+        if a.engine == "slide":
+            model = _load_model(a.save)
+        else:
+            from gpu_ref import DenseClassifier
+            model = DenseClassifier.load(a.save, a.device)
+        print(f"resuming from {a.save} at epoch {model.epoch_}")
+    else:
+        common = dict(hidden=a.hidden, batch_size=a.batch_size, seed=a.seed)
+        if a.lr is not None:
+            common["lr"] = a.lr
+        if a.engine == "slide":
+            from slide.network import SlideClassifier
+            model = SlideClassifier(sparsity=a.sparsity, hash_family=a.hash_family, threads=a.threads, **common)
+        else:
+            from gpu_ref import DenseClassifier
+            model = DenseClassifier(device=a.device, **common)
+    print(f"train: {Xtr.shape[0]} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
+          f"engine={a.engine}")
+    doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs, metrics_json=a.metrics_json,
+                       checkpoint_dir=a.save, eval_samples=a.eval_samples,
+                       progress=not a.no_progress, resume=a.resume)
+    if doc["epochs"] and "P@1" in doc["epochs"][-1]:
+        last = doc["epochs"][-1]
+        print(f"final: P@1={last['P@1']:.4f}  P@3={last['P@3']:.4f}  P@5={last['P@5']:.4f}  "
+              f"nDCG@5={last['nDCG@5']:.4f}  ({doc['wall_seconds']:.1f}s, peak RSS {doc.get('peak_rss_mb', 0):.0f} MiB)")
+    return 0
+
+
+def _cmd_eval(a):
+    from slide.data import read_dataset
+    model = _load_model(a.model)
+    X, Y = read_dataset(a.test, n_features=model.n_features_in_, n_labels=model.n_labels_)
+    res = model.evaluate(X, Y, k=a.k, mode=a.mode)
+    print("  ".join(f"{k}={v:.4f}" for k, v in res.items()))
+    return 0
+
+
+def _cmd_predict(a):
+    from slide.data import read_dataset
+    model = _load_model(a.model)
+    X, _ = read_dataset(a.input, n_features=model.n_features_in_)
+    ids, scores = model.predict_topk(X, a.top_k, mode=a.mode)
+    out = open(a.output, "w") if a.output else sys.stdout
+    try:
+        for row_ids, row_scores in zip(ids, scores):  # formatting output, not inference
+            out.write(" ".join(f"{i}:{s:.5g}" for i, s in zip(row_ids, row_scores) if i >= 0) + "\n")
+    finally:
+        if a.output:
+            out.close()
+    return 0
+
+
+def _cmd_data(a):
+    from slide.data import PRESETS, make_dataset, read_dataset, write_xmc
+    if a.data_command == "synth":
+        if a.preset not in PRESETS:
+            raise ValueError(f"unknown preset {a.preset!r}; choose from {', '.join(PRESETS)}")
+        Xtr, Ytr, Xte, Yte = make_dataset(a.preset, a.train, a.test, a.seed)
+        for split, X, Y in (("train", Xtr, Ytr), ("test", Xte, Yte)):
+            path = f"{a.out_prefix}_{split}.txt"
+            write_xmc(path, X, Y)
+            print(f"wrote {path}: {X.shape[0]} samples, {X.shape[1]} features, {Y.shape[1]} labels")
+        return 0
+    X, Y = read_dataset(a.file)
+    lab = np.diff(Y.indptr)
+    feat = np.diff(X.indptr)
+    freq = np.bincount(Y.indices, minlength=Y.shape[1])
+    print(f"{a.file}: {X.shape[0]} samples, {X.shape[1]} features, {Y.shape[1]} labels")
+    print(f"features/sample: mean {feat.mean():.1f}, max {feat.max()}")
+    print(f"labels/sample: mean {lab.mean():.2f}, max {lab.max()}, empty {int((lab == 0).sum())}")
+    print(f"labels used: {int((freq > 0).sum())}; most frequent label covers {freq.max() / X.shape[0]:.2%}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _build_parser().parse_args(argv)
+    from slide.data import DataFormatError
+    try:
+        return {"train": _cmd_train, "eval": _cmd_eval, "predict": _cmd_predict, "data": _cmd_data}[args.command](args)
+    except (DataFormatError, FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"slide: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from slide.data import (DataFormatError, check_xy, make_dataset, read_dataset, read_libsvm, read_xmc,
+                        write_libsvm, write_xmc)
+
+
+def _write(tmp_path, text, name="d.txt"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_read_xmc_basic(tmp_path):
+    p = _write(tmp_path, "3 5 4\n0,2 1:0.5 3:1.25\n 4:2e-1\n3 0:1 1:-2.5E+1\n")
+    X, Y = read_xmc(p)
+    assert X.shape == (3, 5) and Y.shape == (3, 4) and X.dtype == np.float32
+    np.testing.assert_allclose(X.toarray(), [[0, .5, 0, 1.25, 0], [0, 0, 0, 0, .2], [1, -25, 0, 0, 0]])
+    np.testing.assert_array_equal(Y.toarray(), [[1, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 1]])
+
+
+def test_blank_label_field_without_space_and_crlf(tmp_path):
+    p = _write(tmp_path, "2 3 2\r\n1:1 2:3\r\n1 0:2\r\n")
+    X, Y = read_xmc(p)
+    np.testing.assert_allclose(X.toarray(), [[0, 1, 3], [2, 0, 0]])
+    assert Y.nnz == 1 and Y[1, 1] == 1
+
+
+@pytest.mark.parametrize("fmt", ["xmc", "libsvm"])
+def test_round_trip_exact(tmp_path, fmt):
+    Xtr, Ytr, _, _ = make_dataset("eurlex-4k", n_train=300, n_test=1, seed=3)
+    p = tmp_path / "rt.txt"
+    (write_xmc if fmt == "xmc" else write_libsvm)(p, Xtr, Ytr)
+    X, Y = (read_xmc(p) if fmt == "xmc" else read_libsvm(p, Xtr.shape[1], Ytr.shape[1]))
+    assert (X != Xtr).nnz == 0 and (Y != Ytr).nnz == 0
+    assert X.shape == Xtr.shape and Y.shape == Ytr.shape
+    X2, Y2 = read_dataset(p, Xtr.shape[1], Ytr.shape[1])
+    assert (X2 != Xtr).nnz == 0
+
+
+def test_libsvm_infers_sizes(tmp_path):
+    X, Y = read_libsvm(_write(tmp_path, "1,4 0:1 9:2\n2 3:1\n"))
+    assert X.shape == (2, 10) and Y.shape == (2, 5)
+
+
+@pytest.mark.parametrize("text,line,problem", [
+    ("2 5 3\n0 1:1\n1 2:x\n", 3, "malformed value"),
+    ("2 5 3\n0 1:1\n1 7:1\n", 3, "feature id out of range"),
+    ("2 5 3\n0 1:1\n0,3 2:1\n", 3, "label id out of range"),
+    ("2 5 3\n0 -1:1\n1 2:1\n", 2, "negative id"),
+    ("2 5 3\n-1 1:1\n1 2:1\n", 2, "negative id"),
+    ("2 5 3\n0 1:nan\n1 2:1\n", 2, "NaN or infinite"),
+    ("2 5 3\n0 1:1\n1 2:inf\n", 3, "NaN or infinite"),
+    ("2 5 3\n0 1:1e999\n1 2:1\n", 2, "NaN or infinite"),
+    ("2 5 3\n0 1:1\n1 2\n", 3, "malformed token"),
+    ("2 5 3\n0 1:1 ab:2\n1 2:1\n", 2, "malformed token"),
+    ("3 5 3\n0 1:1\n1 2:1\n", 4, "declares 3 rows"),
+    ("1 5 3\n0 1:1\n1 2:1\n", 3, "declares 1 rows"),
+    ("2 5 3\n0 1:1\n\n1 2:1\n", 3, "malformed token"),
+])
+def test_malformed_input_names_file_and_line(tmp_path, text, line, problem):
+    p = _write(tmp_path, text)
+    with pytest.raises(DataFormatError) as e:
+        read_xmc(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:{line}:"), msg
+    assert problem in msg
+
+
+def test_empty_and_missing_files(tmp_path):
+    with pytest.raises(DataFormatError, match="empty file"):
+        read_xmc(_write(tmp_path, ""))
+    with pytest.raises(DataFormatError, match="empty file"):
+        read_dataset(_write(tmp_path, "\n \n", "b.txt"))
+    with pytest.raises(FileNotFoundError):
+        read_xmc(tmp_path / "nope.txt")
+    with pytest.raises(DataFormatError, match="missing 'N D L' header"):
+        read_xmc(_write(tmp_path, "0 1:1\n", "c.txt"))
+
+
+def test_generator_is_deterministic_and_shaped():
+    a = make_dataset("demo", n_train=500, n_test=100, seed=5)
+    b = make_dataset("demo", n_train=500, n_test=100, seed=5)
+    c = make_dataset("demo", n_train=500, n_test=100, seed=6)
+    for u, v in zip(a, b):
+        assert (u != v).nnz == 0
+    assert (a[0] != c[0]).nnz > 0
+    X, Y = a[0], a[1]
+    assert X.shape == (500, 20_000) and Y.shape == (500, 10_000)
+    assert np.all(np.diff(Y.indptr) >= 1) and np.all(np.diff(X.indptr) >= 1)
+    np.testing.assert_allclose(sp.linalg.norm(X, axis=1), 1.0, rtol=1e-5)
+
+
+def test_generator_label_frequencies_follow_a_power_law():
+    _, Y, _, _ = make_dataset("eurlex-4k", n_train=5000, n_test=1, seed=0)
+    freq = np.sort(np.bincount(Y.indices, minlength=Y.shape[1]))[::-1]
+    # head labels are far more frequent than the median label, and a long tail is rare
+    assert freq[0] > 20 * max(np.median(freq), 1)
+    assert (freq <= 2).mean() > 0.2
+
+
+def test_check_xy_errors():
+    X = sp.csr_matrix(np.array([[1.0, np.nan]], np.float32))
+    with pytest.raises(DataFormatError, match="row 0: X holds a NaN"):
+        check_xy(X)
+    with pytest.raises(DataFormatError, match="3 features, the model expects 2"):
+        check_xy(sp.csr_matrix(np.ones((1, 3))), n_features=2)
+    with pytest.raises(DataFormatError, match="rows"):
+        check_xy(sp.csr_matrix(np.ones((2, 3))), [[0]])
+    with pytest.raises(DataFormatError, match="out of range"):
+        check_xy(sp.csr_matrix(np.ones((1, 3))), [[5]], n_labels=3)
+    with pytest.raises(DataFormatError, match="no samples"):
+        check_xy(sp.csr_matrix((0, 3)))

@@ -1,0 +1,64 @@
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from slide.metrics import evaluate, ndcg_at_k, precision_at_k, propensities, psp_at_k, topk
+
+Y = sp.csr_matrix(np.array([[1, 0, 1, 0, 0], [0, 0, 0, 0, 1], [0, 1, 1, 1, 0]], np.float32))
+TOP = np.array([[2, 1, 0], [0, 1, 2], [3, 4, 1]])
+
+
+def test_precision_hand_computed():
+    # row 0: hit, miss, hit; row 1: none; row 2: hit, miss, hit
+    p = precision_at_k(TOP, Y, 3)
+    np.testing.assert_allclose(p, [2 / 3, (1 / 2 + 0 + 1 / 2) / 3, (2 / 3 + 0 + 2 / 3) / 3])
+
+
+def test_ndcg_hand_computed():
+    d = 1 / np.log2([2, 3, 4])
+    r0 = (d[0] + d[2]) / (d[0] + d[1])
+    r2 = (d[0] + d[2]) / (d[0] + d[1] + d[2])
+    n = ndcg_at_k(TOP, Y, 3)
+    np.testing.assert_allclose(n[0], 2 / 3)
+    np.testing.assert_allclose(n[2], (r0 + 0 + r2) / 3)
+
+
+def test_scores_and_topk_agree():
+    s = np.array([[0.1, 0.5, 0.9, -1, 0], [3, 2, 1, 0, -1], [0, 1, 0, 5, 2]], np.float32)
+    ids, vals = topk(s, 3)
+    np.testing.assert_array_equal(ids, TOP)
+    np.testing.assert_allclose(vals, np.take_along_axis(s, TOP, 1))
+    np.testing.assert_allclose(precision_at_k(s, Y, 3), precision_at_k(TOP, Y, 3))
+
+
+def test_topk_matches_sort_and_breaks_ties_by_index(rng):
+    s = rng.integers(0, 5, size=(50, 40)).astype(np.float32)
+    ids, vals = topk(s, 7)
+    ref = np.lexsort((np.tile(np.arange(40), (50, 1)), -s), axis=1)[:, :7]
+    np.testing.assert_array_equal(ids, ref)
+    ids, _ = topk(s[:, :3], 5)
+    assert (ids[:, 3:] == -1).all()
+
+
+def test_psp_hand_computed():
+    p = np.array([0.5, 0.25, 1.0, 0.5, 1.0])
+    w = 1 / p
+    psp = psp_at_k(TOP, Y, p, 1)
+    # top-1 hits: row 0 label 2 (w=1), row 1 miss, row 2 label 3 (w=2); best: 2 + 1 + 4
+    np.testing.assert_allclose(psp[0], (w[2] + w[3]) / (w[0] + w[4] + w[1]))
+
+
+def test_propensity_formula():
+    Ytr = sp.csr_matrix(np.array([[1, 0], [1, 0], [1, 1], [1, 0]], np.float32))
+    A, B = 0.55, 1.5
+    C = (np.log(4) - 1) * (B + 1) ** A
+    np.testing.assert_allclose(propensities(Ytr, A, B), 1 / (1 + C * np.exp(-A * np.log(np.array([4, 1]) + B))))
+
+
+def test_evaluate_keys_and_errors():
+    res = evaluate(TOP[:, :3], Y, 3)
+    assert set(res) == {"P@1", "P@3", "nDCG@1", "nDCG@3"}
+    with pytest.raises(ValueError):
+        precision_at_k(TOP[:2], Y, 3)
+    with pytest.raises(ValueError):
+        precision_at_k(TOP, Y, 5)

@@ -1,0 +1,210 @@
+import threading
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from gpu_ref import DenseClassifier
+from slide.data import DataFormatError
+from slide.metrics import precision_at_k
+from slide.network import SlideClassifier
+
+
+def _small(tiny_data, n=64, labels=300):
+    X, Y = tiny_data[0], tiny_data[1][:, :labels]
+    keep = np.flatnonzero(np.diff(Y.indptr) > 0)[:n]
+    return X[keep], Y[keep]
+
+
+@pytest.mark.parametrize("hidden", [(32,), (24, 16)])
+def test_one_step_with_every_neuron_active_equals_dense_reference(tiny_data, hidden):
+    X, Y = _small(tiny_data)
+    eng = SlideClassifier(hidden=hidden, sparsity=1.0, threads=1, batch_size=64, seed=3)
+    ref = DenseClassifier(hidden=hidden, batch_size=64, seed=3, device="cpu")
+    eng.partial_fit(X, Y)
+    ref.partial_fit(X, Y)
+    for k, v in ref.params_.items():
+        np.testing.assert_allclose(eng.params_[k], v, atol=2e-6, rtol=1e-4, err_msg=k)
+    # and after a few more steps, still the same model
+    for _ in range(3):
+        eng.partial_fit(X, Y)
+        ref.partial_fit(X, Y)
+    for k, v in ref.params_.items():
+        np.testing.assert_allclose(eng.params_[k], v, atol=1e-4, rtol=1e-3, err_msg=k)
+
+
+def test_engine_gradient_matches_numerical_gradient(tiny_data):
+    """Finite differences of the dense loss (float64) against the engine's accumulated gradient."""
+    X, Y = _small(tiny_data, n=8, labels=40)
+    eng = SlideClassifier(hidden=(6, 5), sparsity=1.0, threads=1, batch_size=8, seed=1)
+    grads = {}
+    orig = SlideClassifier._train_batch
+
+    def capture(self, Xb, Yb):
+        g = self.grads_
+        before = {k: v.copy() for k, v in self.params_.items()}
+        import slide.kernels as K
+        real = K.adam_rows, K.adam_entries, K.adam_dense
+        try:
+            K.adam_rows = K.adam_entries = K.adam_dense = lambda *a, **k: None
+            loss = orig(self, Xb, Yb)
+        finally:
+            K.adam_rows, K.adam_entries, K.adam_dense = real
+        grads.update({k: v.copy() for k, v in g.items()})
+        for k in before:
+            assert np.array_equal(before[k], self.params_[k])
+        return loss
+
+    SlideClassifier._train_batch = capture
+    try:
+        eng.partial_fit(X, Y)
+    finally:
+        SlideClassifier._train_batch = orig
+    ref = DenseClassifier(hidden=(6, 5), seed=1, device="cpu")
+    ref._init_params(X.shape[1], Y.shape[1], X.shape[0])
+    ref.params_ = {k: v.astype(np.float64) for k, v in eng.params_.items()}
+    rng = np.random.default_rng(0)
+    for name in ("W", "b", "Wh", "bh", "W0", "b0"):
+        flat = ref.params_[name].reshape(-1)
+        cand = np.flatnonzero(grads[name].reshape(-1) != 0)
+        picks = rng.choice(cand if cand.size else np.arange(flat.size), size=min(6, max(cand.size, 1)), replace=False)
+        for i in picks:
+            old = flat[i]
+            flat[i] = old + 1e-5
+            lp, _ = ref.loss_and_grads(X, Y)
+            flat[i] = old - 1e-5
+            lm, _ = ref.loss_and_grads(X, Y)
+            flat[i] = old
+            num = (lp - lm) / 2e-5
+            assert abs(num - grads[name].reshape(-1)[i]) < 1e-4 + 1e-3 * abs(num), (name, i, num)
+
+
+def test_learns_and_beats_most_frequent_baseline(tiny_data):
+    Xtr, Ytr, Xte, Yte = tiny_data
+    model = SlideClassifier(hidden=(64,), sparsity=0.25, seed=0)
+    model.fit(Xtr, Ytr, epochs=6, validation=(Xte, Yte))
+    losses = [h["loss"] for h in model.history_]
+    assert losses[-1] < losses[0] * 0.8
+    popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
+    base = precision_at_k(np.tile(popular, (Xte.shape[0], 1)), Yte, 1)[0]
+    assert model.history_[-1]["P@1"] > base + 0.15, (model.history_[-1]["P@1"], base)
+    lsh_p1 = model.evaluate(Xte, Yte, mode="lsh")["P@1"]
+    assert lsh_p1 > base + 0.1
+
+
+def test_one_thread_is_bit_for_bit_reproducible(tiny_data):
+    X, Y = tiny_data[0][:600], tiny_data[1][:600]
+    runs = []
+    for _ in range(2):
+        m = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, seed=4, rehash_every=256)
+        m.fit(X, Y, epochs=2)
+        runs.append(m.params_)
+    for k in runs[0]:
+        assert np.array_equal(runs[0][k], runs[1][k]), k
+
+
+def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
+    X, Y, Xte, _ = tiny_data
+    X, Y = X[:800], Y[:800]
+    kw = dict(hidden=(16,), sparsity=0.2, threads=1, seed=2, rehash_every=300)
+    straight = SlideClassifier(**kw).fit(X, Y, epochs=2)
+    first = SlideClassifier(**kw).fit(X, Y, epochs=1)
+    first.save(tmp_path / "ck")
+    loaded = SlideClassifier.load(tmp_path / "ck")
+    for mode in ("exact", "lsh"):
+        a, sa = first.predict_topk(Xte[:50], 5, mode=mode)
+        b, sb = loaded.predict_topk(Xte[:50], 5, mode=mode)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(sa, sb)
+    loaded.fit(X, Y, epochs=1)
+    assert loaded.epoch_ == 2 and loaded.step_ == straight.step_
+    for k in straight.params_:
+        assert np.array_equal(straight.params_[k], loaded.params_[k]), k
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert files == ["config.json", f"model-{first.step_}.npz"]
+
+
+def test_dense_and_engine_checkpoints_are_interchangeable(tmp_path, tiny_data):
+    X, Y = _small(tiny_data, n=200)
+    ref = DenseClassifier(hidden=(16,), seed=0, device="cpu").fit(X, Y, epochs=1)
+    ref.save(tmp_path / "d")
+    eng = SlideClassifier.load(tmp_path / "d")
+    np.testing.assert_array_equal(eng.predict_topk(X[:20], 3)[0], ref.predict_topk(X[:20], 3)[0])
+    eng.save(tmp_path / "e")
+    back = DenseClassifier.load(tmp_path / "e", device="cpu")
+    np.testing.assert_allclose(back.params_["W"], ref.params_["W"])
+
+
+def test_bad_inputs_give_clear_errors(tiny_data):
+    X, Y = tiny_data[0][:100], tiny_data[1][:100]
+    m = SlideClassifier(hidden=(8,), sparsity=0.5).fit(X, Y)
+    with pytest.raises(DataFormatError, match="features, the model expects"):
+        m.predict(sp.csr_matrix((3, X.shape[1] + 1), dtype=np.float32))
+    bad = X.copy()
+    bad.data[0] = np.nan
+    with pytest.raises(DataFormatError, match="NaN"):
+        m.partial_fit(bad, Y)
+    with pytest.raises(DataFormatError, match="out of range"):
+        m.partial_fit(X[:2], [[0], [Y.shape[1] + 5]])
+    with pytest.raises(DataFormatError, match="rows"):
+        m.partial_fit(X[:3], Y[:2])
+    with pytest.raises(RuntimeError, match="not fitted"):
+        SlideClassifier().predict(X)
+    with pytest.raises(TypeError, match="unknown parameter"):
+        SlideClassifier(hiden=3)
+    with pytest.raises(ValueError, match="sparsity"):
+        SlideClassifier(sparsity=2.0)
+
+
+def test_label_lists_and_sampled_hidden_stack(tiny_data):
+    X, Y = tiny_data[0][:300], tiny_data[1][:300]
+    lists = [Y.indices[Y.indptr[i]:Y.indptr[i + 1]].tolist() for i in range(300)]
+    m = SlideClassifier(hidden=(32, 16), sparsity=0.1, seed=0).fit(X, lists)
+    assert m.n_labels_ == Y.indices.max() + 1
+    ids, scores = m.predict_topk(X[:10], 4)
+    assert ids.shape == (10, 4) and (np.diff(scores, axis=1) <= 0).all()
+    assert m.embed(X[:5]).shape == (5, 16)
+
+
+def test_sklearn_pipeline_after_tfidf():
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.pipeline import make_pipeline
+    rng = np.random.default_rng(0)
+    topics = {0: "cat dog pet fur paw", 1: "stock market price trade bank", 2: "goal match team ball score",
+              3: "rain cloud storm wind snow"}
+    docs, labels = [], []
+    for _ in range(400):
+        ts = rng.choice(4, size=rng.integers(1, 3), replace=False)
+        words = sum((topics[t].split() for t in ts), [])
+        docs.append(" ".join(rng.choice(words, size=8)))
+        labels.append(sorted(ts.tolist()))
+    pipe = make_pipeline(TfidfVectorizer(), SlideClassifier(hidden=(16,), sparsity=1.0, seed=0, lr=0.01))
+    pipe.fit(docs[:300], labels[:300], slideclassifier__epochs=5)
+    pred = pipe.predict(docs[300:])
+    assert np.mean([p in l for p, l in zip(pred, labels[300:])]) > 0.9
+    from sklearn.base import clone
+    assert clone(pipe).get_params()["slideclassifier__lr"] == 0.01
+
+
+def test_concurrent_parallel_kernels_from_two_threads(tiny_data):
+    """Two Python threads launching parallel kernels at once (heterogeneous training does):
+    the threading layer must be thread-safe (numba's workqueue would abort the process)."""
+    import numba
+    X, Y = tiny_data[0][:500], tiny_data[1][:500]
+    models = [SlideClassifier(hidden=(16,), sparsity=0.2, seed=s) for s in (0, 1)]
+    errors = []
+
+    def work(m):
+        try:
+            m.fit(X, Y, epochs=2)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert numba.threading_layer() in ("omp", "tbb")
+    assert all(np.isfinite(m.params_["W"]).all() for m in models)
