@@ -19,7 +19,8 @@ from slide.data import check_xy
 from slide.metrics import evaluate, topk
 from slide.network import default_batch_size, default_epochs, init_parameters
 
-__all__ = ["DenseClassifier", "get_array_module", "gpu_available"]
+__all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
+           "uniform_targets", "hidden_blocks"]
 
 
 def gpu_available() -> bool:
@@ -41,6 +42,70 @@ def get_array_module(device: str = "auto"):
         import cupyx.scipy.sparse as cusparse
         return cupy, cusparse
     return np, sp
+
+
+def hidden_blocks(hidden) -> list:
+    """(weight offset, bias offset, n_out, n_in) of each block of the flat hidden stack."""
+    blocks, off, boff = [], 0, 0
+    for n_in, n_out in zip(hidden[:-1], hidden[1:]):
+        blocks.append((off, boff, int(n_out), int(n_in)))
+        off += int(n_out * n_in)
+        boff += int(n_out)
+    return blocks
+
+
+def _block(p, blk):
+    off, boff, n_out, n_in = blk
+    return p["Wh"][off:off + n_out * n_in].reshape(n_out, n_in), p["bh"][boff:boff + n_out]
+
+
+def forward(xp, Xd, p, blocks) -> list:
+    """Activations of every hidden layer for CSR ``Xd`` [n, rows of p["W0"]] on module ``xp``."""
+    acts = [xp.maximum(Xd @ p["W0"] + p["b0"], 0)]
+    for blk in blocks:
+        W, b = _block(p, blk)
+        acts.append(xp.maximum(acts[-1] @ W.T + b, 0))
+    return acts
+
+
+def uniform_targets(xp, Y):
+    """Dense float32 targets [n, L]: uniform over each row's labels (rows without labels: 0)."""
+    Y = sp.csr_matrix(Y, dtype=np.float32)
+    counts = np.maximum(np.diff(Y.indptr), 1).astype(np.float32)
+    return xp.asarray((sp.diags(1.0 / counts) @ Y).toarray(), dtype=xp.float32)
+
+
+def softmax_grads(xp, Xd, T, p, blocks):
+    """Mean softmax cross-entropy of the network ``p`` and its gradients.
+
+    ``p`` holds ``W0`` [d, H0] (the rows of the features in ``Xd`` [n, d]), ``b0``, the flat hidden
+    stack ``Wh``/``bh`` and an output block ``W`` [m, H], ``b`` [m]: every label, or any subset
+    of rows (a sampled softmax, as the heterogeneous trainer's GPU worker uses) whose targets are
+    the columns of ``T`` [n, m]. Returns ``(loss, grads)``, grads shaped like ``p``.
+    """
+    acts = forward(xp, Xd, p, blocks)
+    n = Xd.shape[0]
+    h = acts[-1]
+    z = h @ p["W"].T + p["b"]
+    z -= z.max(axis=1, keepdims=True)
+    logp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
+    loss = float(-(T * logp).sum() / n)
+    dz = (xp.exp(logp) - T) / n
+    g = {"W": dz.T @ h, "b": dz.sum(axis=0)}
+    dh = dz @ p["W"]
+    gWh, gbh = [], []
+    for l in range(len(blocks) - 1, -1, -1):
+        dpre = dh * (acts[l + 1] > 0)
+        W, _ = _block(p, blocks[l])
+        gWh.append((dpre.T @ acts[l]).ravel())
+        gbh.append(dpre.sum(axis=0))
+        dh = dpre @ W
+    d0 = dh * (acts[0] > 0)
+    g["W0"] = xp.asarray(Xd.T @ d0)
+    g["b0"] = d0.sum(axis=0)
+    g["Wh"] = xp.concatenate(gWh[::-1]) if gWh else xp.zeros(0, xp.float32)
+    g["bh"] = xp.concatenate(gbh[::-1]) if gbh else xp.zeros(0, xp.float32)
+    return loss, g
 
 
 class DenseClassifier:
@@ -81,64 +146,19 @@ class DenseClassifier:
         self.moments_ = ({k: xp.asarray(v) for k, v in moments.items()} if moments else
                          {f"{k}.{s}": xp.zeros_like(v) for k, v in self.params_.items() for s in "mv"})
         self.n_features_in_, self.n_labels_ = int(n_features), int(n_labels)
-        sizes = np.array(self.hidden, np.int64)
-        self._blocks = []
-        off = boff = 0
-        for l in range(1, sizes.size):
-            self._blocks.append((off, boff, int(sizes[l]), int(sizes[l - 1])))
-            off += int(sizes[l] * sizes[l - 1])
-            boff += int(sizes[l])
+        self._blocks = hidden_blocks(self.hidden)
         self._fitted = True
 
-    def _hidden(self, l):
-        off, boff, n_out, n_in = self._blocks[l]
-        p = self.params_
-        return p["Wh"][off:off + n_out * n_in].reshape(n_out, n_in), p["bh"][boff:boff + n_out]
-
-    # -- math ------------------------------------------------------------------------------------
     def _to_device(self, X):
         return X if self.xp is np else self._sparse.csr_matrix(X)
 
     def _forward(self, Xd):
-        """Activations of every hidden layer (list) for device CSR ``Xd``."""
-        xp, p = self.xp, self.params_
-        acts = [xp.maximum(Xd @ p["W0"] + p["b0"], 0)]
-        for l in range(len(self._blocks)):
-            W, b = self._hidden(l)
-            acts.append(xp.maximum(acts[-1] @ W.T + b, 0))
-        return acts
+        return forward(self.xp, Xd, self.params_, self._blocks)
 
     def loss_and_grads(self, X, Y):
-        """Mean softmax cross-entropy (uniform target over each row's labels) and its gradients
-        w.r.t. every parameter, as a dict of arrays shaped like ``params_``."""
-        xp = self.xp
-        Xd = self._to_device(X)
-        acts = self._forward(Xd)
-        n = X.shape[0]
-        h = acts[-1]
-        z = h @ self.params_["W"].T + self.params_["b"]
-        z -= z.max(axis=1, keepdims=True)
-        logp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
-        Yn = sp.csr_matrix(Y, dtype=np.float32)
-        counts = np.maximum(np.diff(Yn.indptr), 1).astype(np.float32)
-        T = xp.asarray((sp.diags(1.0 / counts) @ Yn).toarray(), dtype=xp.float32)
-        loss = float(-(T * logp).sum() / n)
-        dz = (xp.exp(logp) - T) / n
-        g = {"W": dz.T @ h, "b": dz.sum(axis=0)}
-        dh = dz @ self.params_["W"]
-        gWh, gbh = [], []
-        for l in range(len(self._blocks) - 1, -1, -1):
-            dpre = dh * (acts[l + 1] > 0)
-            W, _ = self._hidden(l)
-            gWh.append((dpre.T @ acts[l]).ravel())
-            gbh.append(dpre.sum(axis=0))
-            dh = dpre @ W
-        d0 = dh * (acts[0] > 0)
-        g["W0"] = xp.asarray((Xd.T @ d0))
-        g["b0"] = d0.sum(axis=0)
-        g["Wh"] = xp.concatenate(gWh[::-1]) if gWh else xp.zeros(0, xp.float32)
-        g["bh"] = xp.concatenate(gbh[::-1]) if gbh else xp.zeros(0, xp.float32)
-        return loss, g
+        """Mean softmax cross-entropy over every label and its gradients (see :func:`softmax_grads`)."""
+        return softmax_grads(self.xp, self._to_device(X), uniform_targets(self.xp, Y), self.params_,
+                             self._blocks)
 
     def _adam(self, grads):
         self.step_ += 1

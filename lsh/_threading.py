@@ -1,13 +1,19 @@
-"""The one place that picks numba's threading layer and thread count.
+"""The one place that picks numba's threading layer and thread counts.
 
 numba's default ``workqueue`` layer aborts the process when two Python threads launch parallel
 kernels at the same time, which heterogeneous CPU+GPU training does. We ask numba for a
 thread-safe layer, OpenMP (gcc's libgomp) first and TBB second, so ``workqueue`` is never used.
 This must run before the first parallel kernel is called; importing :mod:`lsh` does it.
+
+While the engine runs, BLAS gets one thread (:func:`engine_threads`): its workers spin after
+each small matrix product and take the cores from numba's threads (on 2 cores this halved
+training throughput).
 """
+import contextlib
 import os
 
 import numba
+from threadpoolctl import threadpool_limits
 
 
 def configure_threading_layer() -> None:
@@ -23,3 +29,15 @@ def set_num_threads(threads: int | None) -> int:
     n = limit if not threads else max(1, min(int(threads), limit))
     numba.set_num_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def engine_threads(threads: int | None):
+    """numba threads for the engine's kernels, and a single-threaded BLAS, inside the block."""
+    previous = numba.get_num_threads()
+    n = set_num_threads(threads)
+    try:
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield n
+    finally:
+        numba.set_num_threads(previous)

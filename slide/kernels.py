@@ -63,14 +63,9 @@ def forward_hidden(x_indptr, x_indices, x_data, W0, b0, Wh, h_off, bh, b_off, si
 # Active-set selection
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _select_active(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, target, pool,
-                   pool_start, active):
-    """Active output neurons of one sample into ``active``; returns how many.
-
-    The sample's labels come first (all of them), then LSH candidates ranked by hit count up to
-    ``target``, then neurons from the batch's shared random ``pool`` (starting at
-    ``pool_start``) until ``target`` is reached. One stamp array deduplicates all three.
-    """
+def _select_own(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, lsh_cap, active):
+    """A sample's own active neurons: its labels, then up to ``lsh_cap`` LSH candidates ranked
+    by hit count. Everything selected is stamped with ``gen``; returns the count."""
     n = 0
     for i in range(labels.size):
         lab = labels[i]
@@ -78,30 +73,92 @@ def _select_active(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, t
             stamp[lab] = gen
             active[n] = lab
             n += 1
-    if buckets.shape[0] > 0 and n < target:
-        n += query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, target - n, True,
-                       active[n:])
-    p = pool_start
-    tries = 0
-    while n < target and tries < pool.size:
-        c = pool[p]
-        p += 1
-        if p == pool.size:
-            p = 0
-        tries += 1
-        if stamp[c] != gen:
-            stamp[c] = gen
-            active[n] = c
-            n += 1
+    if buckets.shape[0] > 0 and lsh_cap > 0:
+        n += query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, lsh_cap, True, active[n:])
     return n
 
 
 # --------------------------------------------------------------------------------------------
-# Training step over the output layer and back through the hidden layers
+# Training step: the output layer, then back through the hidden layers
 # --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, parallel=True)
+def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, stamp, hits, gens,
+                cand, hist, lsh_cap, pool, zpool, active, n_active, bounds, logits_buf, dH, losses):
+    """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
+
+    A sample's active set is its own neurons (labels + LSH candidates, see :func:`_select_own`)
+    plus the batch's shared random ``pool`` [P]. The pool's logits ``zpool`` [n, P] come in
+    precomputed (one matrix product for the batch); pool neurons that are also in the sample's
+    own set are left out. On return ``zpool`` holds the pool's logit gradients (scaled by 1/n)
+    for the caller's matrix products, ``dH`` [n, H] the own set's share of the gradient w.r.t.
+    the last hidden layer (scaled by 1/n), and the own rows' gradients are added to
+    ``gW``/``gb`` (Hogwild). Target: uniform over the sample's labels. ``losses`` [n] gets
+    each sample's loss; ``active``/``n_active`` the own sets (for Adam).
+    """
+    n = y_indptr.size - 1
+    scale = np.float32(1.0 / n)
+    H = W.shape[1]
+    lo_last = acts.shape[1] - H
+    P = pool.size
+    for c in prange(bounds.size - 1):
+        logits = logits_buf[c]
+        st = stamp[c]
+        for r in range(bounds[c], bounds[c + 1]):
+            gens[c] += 1
+            gen = gens[c]
+            labels = y_indices[y_indptr[r]: y_indptr[r + 1]]
+            own = active[r]
+            k = _select_own(labels, codes[r], buckets, seen, st, hits[c], gen, cand[c], hist[c],
+                            lsh_cap, own)
+            n_active[r] = k
+            h = acts[r, lo_last:]
+            zp = zpool[r]
+            zmax = np.float32(-np.inf)
+            for a in range(k):
+                wa = W[own[a]]
+                s = b[own[a]]
+                for j in range(H):
+                    s += wa[j] * h[j]
+                logits[a] = s
+                zmax = max(zmax, s)
+            for j in range(P):
+                if st[pool[j]] == gen:  # already in the own set
+                    zp[j] = -np.inf
+                else:
+                    zmax = max(zmax, zp[j])
+            total = np.float32(0.0)
+            for a in range(k):
+                logits[a] = np.exp(logits[a] - zmax)
+                total += logits[a]
+            for j in range(P):
+                zp[j] = np.exp(zp[j] - zmax)
+                total += zp[j]
+            inv = np.float32(1.0) / total
+            n_lab = labels.size
+            loss = np.float32(0.0)
+            for a in range(n_lab):  # labels are the first n_lab own neurons
+                loss -= np.log(max(logits[a] * inv, np.float32(1e-30)))
+            losses[r] = loss / max(n_lab, 1)
+            # g = p - y; the own set's share of dh here, the pool's share is a matrix product
+            dh = dH[r]
+            dh[:] = 0.0
+            y = np.float32(1.0 / max(n_lab, 1))
+            for a in range(k):
+                gs = (logits[a] * inv - (y if a < n_lab else np.float32(0.0))) * scale
+                i = own[a]
+                wa = W[i]
+                ga = gW[i]
+                gb[i] += gs
+                for j in range(H):
+                    dh[j] += gs * wa[j]
+                    ga[j] += gs * h[j]
+            for j in range(P):
+                zp[j] *= inv * scale
+
+
 @njit(cache=True, nogil=True)
 def _backward_hidden(x_ids, x_vals, act, dh_last, W0, Wh, h_off, sizes, gW0, gb0, gWh, gbh,
-                     b_off, scale, dbuf):
+                     b_off, dbuf):
     """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) to all hidden
     parameters; ``dbuf`` is scratch of size max(sizes) * 2."""
     n_layers = sizes.size
@@ -129,100 +186,51 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, Wh, h_off, sizes, gW0, gb0
             d = cur[i]
             if d == 0:
                 continue
-            gb[i] += d * scale
+            gb[i] += d
             wi = W[i]
             gi = gW[i]
             for j in range(n_in):
                 nxt[j] += d * wi[j]
-                gi[j] += d * scale * prev[j]
+                gi[j] += d * prev[j]
         for j in range(n_in):
             cur[j] = nxt[j] if prev[j] > 0 else np.float32(0.0)
         lo = lo_in
     H0 = sizes[0]
     for j in range(H0):
-        gb0[j] += cur[j] * scale
+        gb0[j] += cur[j]
     for p in range(x_ids.size):
         g = gW0[x_ids[p]]
-        v = x_vals[p] * scale
+        v = x_vals[p]
         for j in range(H0):
             g[j] += v * cur[j]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def train_step(x_indptr, x_indices, x_data, y_indptr, y_indices, acts, codes,
-               W0, b0, Wh, h_off, bh, b_off, sizes, W, b,
-               gW0, gb0, gWh, gbh, gW, gb,
-               buckets, seen, stamp, hits, gens, cand, hist, target, pool, pool_offsets,
-               active, n_active, bounds, scratch, losses):
-    """One batch: active sets, sparse softmax cross-entropy, and gradients (Hogwild).
-
-    ``acts`` [n, Σ H] holds the forward pass of :func:`forward_hidden`; ``codes`` int32 [n, L]
-    the last hidden layer's bucket ids (``buckets`` with 0 tables disables LSH). Per-thread
-    scratch rows (``stamp``, ``hits``, ``cand``, ``hist``, ``scratch``) are indexed by chunk.
-    Writes the active sets to ``active`` [n, max_active] / ``n_active`` [n] (for Adam) and the
-    per-sample loss to ``losses``. Gradients are the batch mean.
-    """
-    n = x_indptr.size - 1
-    scale = np.float32(1.0 / n)
-    H = W.shape[1]
-    lo_last = acts.shape[1] - H
+def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, Wh, h_off, sizes, gW0, gb0, gWh,
+                    gbh, b_off, bounds, dbuf):
+    """Back-propagate ``dH`` [n, H_last] (gradient w.r.t. the last hidden activations, already
+    scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [threads, 2·max H]."""
     for c in prange(bounds.size - 1):
-        buf = scratch[c]
-        logits = buf[: active.shape[1]]
-        dh = buf[active.shape[1]: active.shape[1] + H]
-        dbuf = buf[active.shape[1] + H:]
         for r in range(bounds[c], bounds[c + 1]):
-            gens[c] += 1
-            labels = y_indices[y_indptr[r]: y_indptr[r + 1]]
-            act_r = active[r]
-            k = _select_active(labels, codes[r], buckets, seen, stamp[c], hits[c], gens[c],
-                               cand[c], hist[c], target, pool, pool_offsets[r], act_r)
-            n_active[r] = k
-            h = acts[r, lo_last:]
-            # logits and softmax over the active set
-            zmax = np.float32(-np.inf)
-            for a in range(k):
-                wa = W[act_r[a]]
-                s = b[act_r[a]]
-                for j in range(H):
-                    s += wa[j] * h[j]
-                logits[a] = s
-                zmax = max(zmax, s)
-            total = np.float32(0.0)
-            for a in range(k):
-                logits[a] = np.exp(logits[a] - zmax)
-                total += logits[a]
-            n_lab = labels.size
-            loss = np.float32(0.0)
-            for a in range(n_lab):  # labels are the first n_lab active neurons
-                loss -= np.log(max(logits[a] / total, np.float32(1e-30)))
-            losses[r] = loss / max(n_lab, 1)
-            # g_a = p_a - y_a, y uniform over the labels; dh = sum_a g_a W[a]
-            dh[:] = 0.0
-            y = np.float32(1.0 / max(n_lab, 1))
-            for a in range(k):
-                g = logits[a] / total - (y if a < n_lab else np.float32(0.0))
-                i = act_r[a]
-                wa = W[i]
-                ga = gW[i]
-                gs = g * scale
-                gb[i] += gs
-                for j in range(H):
-                    dh[j] += g * wa[j]
-                    ga[j] += gs * h[j]
             lo, hi = x_indptr[r], x_indptr[r + 1]
-            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dh, W0, Wh, h_off, sizes,
-                             gW0, gb0, gWh, gbh, b_off, scale, dbuf)
+            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, Wh, h_off, sizes,
+                             gW0, gb0, gWh, gbh, b_off, dbuf[c])
 
 
 # --------------------------------------------------------------------------------------------
 # Adam over touched rows
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def unique_rows(lists, lengths, mark, out):
-    """Distinct ids of ragged ``lists`` [n, m] (first ``lengths[i]`` of each row) into ``out``;
-    ``mark`` uint8 [n_ids] is all zero on entry and on exit. Returns the count."""
+def unique_rows(extra, lists, lengths, mark, out):
+    """Distinct ids of ``extra`` [m] and of ragged ``lists`` [n, w] (first ``lengths[i]`` of each
+    row) into ``out``; ``mark`` uint8 [n_ids] is all zero on entry and on exit. Returns the
+    count."""
     n = 0
+    for i in extra:
+        if mark[i] == 0:
+            mark[i] = 1
+            out[n] = i
+            n += 1
     for r in range(lists.shape[0]):
         for a in range(lengths[r]):
             i = lists[r, a]
@@ -236,11 +244,16 @@ def unique_rows(lists, lengths, mark, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _adam(w, m, v, g, j, b1, b2, lr, eps, c1, c2):
-    gj = g[j]
+def _adam_step(m, v, j, gj, b1, b2, lr, eps, c1, c2):
+    """Update moments m[j], v[j] with gradient gj; return the weight decrement."""
     m[j] = b1 * m[j] + (1 - b1) * gj
     v[j] = b2 * v[j] + (1 - b2) * gj * gj
-    w[j] -= lr * (m[j] * c1) / (np.sqrt(v[j] * c2) + eps)
+    return lr * (m[j] * c1) / (np.sqrt(v[j] * c2) + eps)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _adam(w, m, v, g, j, b1, b2, lr, eps, c1, c2):
+    w[j] -= _adam_step(m, v, j, g[j], b1, b2, lr, eps, c1, c2)
     g[j] = 0.0
 
 
@@ -253,22 +266,27 @@ def _adam_constants(lr, beta1, beta2, eps, step):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adam_rows(rows, W, M, V, G, lr, beta1, beta2, eps, step):
-    """Adam on the listed rows of W [n, d] (moments M, V; gradient G, zeroed after use)."""
+def adam_rows(rows, grad_rows, W, M, V, G, lr, beta1, beta2, eps, step):
+    """Adam on rows ``rows[t]`` of W [n, d] (moments M, V) with gradient ``G[grad_rows[t]]``,
+    zeroed after use: ``grad_rows = rows`` for full-size accumulators, ``arange`` for a compact
+    block of gradient rows."""
     b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
     for t in prange(rows.size):
         i = rows[t]
-        w, m, v, g = W[i], M[i], V[i], G[i]
+        w, m, v, g = W[i], M[i], V[i], G[grad_rows[t]]
         for j in range(w.size):
             _adam(w, m, v, g, j, b1, b2, lr32, eps32, c1, c2)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adam_entries(idx, W, M, V, G, lr, beta1, beta2, eps, step):
-    """Adam on the listed entries of flat arrays (e.g. the biases of touched neurons)."""
+def adam_entries(idx, grad_idx, W, M, V, G, lr, beta1, beta2, eps, step):
+    """Adam on entries ``idx[t]`` of flat arrays with gradient ``G[grad_idx[t]]`` (biases)."""
     b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
     for t in prange(idx.size):
-        _adam(W, M, V, G, idx[t], b1, b2, lr32, eps32, c1, c2)
+        i = idx[t]
+        gj = G[grad_idx[t]]
+        W[i] -= _adam_step(M, V, i, gj, b1, b2, lr32, eps32, c1, c2)
+        G[grad_idx[t]] = 0.0
 
 
 @njit(cache=True, nogil=True, parallel=True)

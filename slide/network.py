@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import scipy.sparse as sp
 
-from lsh import HashTables, autotune, set_num_threads
+from lsh import HashTables, autotune, engine_threads, set_num_threads
 from lsh.families import _chunks
 from lsh.tables import QueryScratch
 from slide import kernels
@@ -163,7 +163,13 @@ class SlideClassifier(_EstimatorBase):
             target = min(n_labels, max(1024, math.ceil(0.005 * n_labels)))
         else:
             target = min(n_labels, max(1, math.ceil(c.sparsity * n_labels)))
-        out = {"batch_size": batch_size, "active_target": target, "sampled": target < n_labels}
+        sampled = target < n_labels
+        # a quarter of the active set is each sample's own LSH candidates (hard negatives), the
+        # rest a random pool shared by the batch (dense matrix products, few distinct rows to
+        # update); without sampling the pool is every neuron
+        lsh_cap = target // 4 if sampled else 0
+        out = {"batch_size": batch_size, "active_target": target, "sampled": sampled,
+               "lsh_cap": lsh_cap, "pool": target - lsh_cap}
         if out["sampled"]:
             over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
             tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy, **over)
@@ -205,31 +211,25 @@ class SlideClassifier(_EstimatorBase):
             tc = TableConfig(**self.resolved_["tables"])
             self.tables_ = HashTables(int(sizes[-1]), self.n_labels_, tc, seed=self.hash_seed_)
         self._mark_out = np.zeros(self.n_labels_, np.uint8)
-        self._mark_in = np.zeros(self.n_features_in_, np.uint8)
         self._scratch_key = None
 
     def _scratch(self, n_rows: int, max_labels: int):
+        """Per-thread and per-batch buffers, grown when a batch needs more."""
         t = numba.get_num_threads()
-        target = self.resolved_["active_target"]
-        width = target + max_labels
-        key = (t, width, n_rows)
-        if self._scratch_key is None or self._scratch_key[0] != t or self._scratch_key[1] < width \
-                or self._scratch_key[2] < n_rows:
-            width = max(width, self._scratch_key[1] if self._scratch_key else 0)
-            n_rows = max(n_rows, self._scratch_key[2] if self._scratch_key else 0)
-            if self.tables_ is not None:
-                tc = self.tables_.config
-                self._qs = QueryScratch(t, self.n_labels_, tc.L, tc.bucket_size)
-            else:
-                self._qs = QueryScratch(t, self.n_labels_, 1, 1)
+        width = self.resolved_["lsh_cap"] + max_labels
+        old = self._scratch_key
+        if old is None or old[0] != t or old[1] < width or old[2] < n_rows:
+            width = max(width, old[1] if old else 0)
+            n_rows = max(n_rows, old[2] if old else 0)
+            tc = self.tables_.config if self.tables_ is not None else None
+            self._qs = QueryScratch(t, self.n_labels_, tc.L if tc else 1, tc.bucket_size if tc else 1)
             self._active = np.zeros((n_rows, width), np.int32)
             self._n_active = np.zeros(n_rows, np.int64)
-            self._buf = np.zeros((t, width + int(self._sizes[-1]) + 2 * int(self._sizes.max())), np.float32)
-            self._touched = np.zeros(n_rows * width, np.int32)
+            self._logits = np.zeros((t, width), np.float32)
+            self._dbuf = np.zeros((t, 2 * int(self._sizes.max())), np.float32)
+            self._touched = np.zeros(n_rows * width + self.resolved_["pool"], np.int32)
             self._scratch_key = (t, width, n_rows)
-            key = self._scratch_key
         self._qs.renew_if_old()
-        return key
 
     # -- forward ---------------------------------------------------------------------------------
     def _forward(self, X: sp.csr_matrix) -> np.ndarray:
@@ -250,50 +250,80 @@ class SlideClassifier(_EstimatorBase):
     def _train_batch(self, Xb: sp.csr_matrix, Yb: sp.csr_matrix) -> float:
         c, p, g = self.config, self.params_, self.grads_
         n = Xb.shape[0]
-        y_counts = np.diff(Yb.indptr)
-        self._scratch(n, int(y_counts.max()) if n else 0)
+        self._scratch(n, int(np.diff(Yb.indptr).max()))
+        bounds = _chunks(n)
         t0 = time.perf_counter()
         acts = self._forward(Xb)
+        h = self._last(acts)
         t0 = self._tick("forward_hidden", t0)
-        target = self.resolved_["active_target"]
         rng = np.random.default_rng([c.seed, 1, self.step_])
         if self.tables_ is not None:
-            codes = self.tables_.family.hash_dense(self._last(acts))
+            codes = self.tables_.family.hash_dense(h)
             buckets, seen = self.tables_.buckets, self.tables_.seen
-            pool = rng.integers(0, self.n_labels_, size=target, dtype=np.int32)
-            offsets = rng.integers(0, target, size=n)
+            pool = np.sort(rng.choice(self.n_labels_, size=self.resolved_["pool"], replace=False)).astype(np.int32)
         else:  # every neuron active: the pool is all of them
             codes = np.zeros((n, 1), np.int32)
             buckets, seen = np.zeros((0, 1, 1), np.int32), np.zeros((0, 1), np.int32)
             pool = np.arange(self.n_labels_, dtype=np.int32)
-            offsets = np.zeros(n, np.int64)
         t0 = self._tick("hash", t0)
+        # the shared pool is a dense block: its logits and gradients are matrix products
+        W_pool = p["W"][pool]
+        z_pool = h @ W_pool.T
+        z_pool += p["b"][pool]
+        t0 = self._tick("pool_matmul", t0)
         qs = self._qs
+        dH = np.empty((n, h.shape[1]), np.float32)
         losses = np.empty(n, np.float32)
-        kernels.train_step(
-            Xb.indptr.astype(np.int64), Xb.indices, Xb.data, Yb.indptr.astype(np.int64), Yb.indices,
-            acts, codes, p["W0"], p["b0"], p["Wh"], self._h_off, p["bh"], self._b_off, self._sizes,
-            p["W"], p["b"], g["W0"], g["b0"], g["Wh"], g["bh"], g["W"], g["b"],
-            buckets, seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, target, pool, offsets,
-            self._active, self._n_active, _chunks(n), self._buf, losses)
-        t0 = self._tick("select+output+backward", t0)
+        kernels.output_step(
+            Yb.indptr.astype(np.int64), Yb.indices, acts, codes, p["W"], p["b"], g["W"], g["b"],
+            buckets, seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, self.resolved_["lsh_cap"],
+            pool, z_pool, self._active, self._n_active, bounds, self._logits, dH, losses)
+        t0 = self._tick("select+output", t0)
+        dH += z_pool @ W_pool
+        g["W"][pool] += z_pool.T @ h
+        g["b"][pool] += z_pool.sum(axis=0)
+        t0 = self._tick("pool_matmul", t0)
+        kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
+                                p["W0"], p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"],
+                                g["Wh"], g["bh"], self._b_off, bounds, self._dbuf)
+        t0 = self._tick("backward_hidden", t0)
         self.step_ += 1
         hp = (c.lr, c.beta1, c.beta2, c.eps, self.step_)
-        m = self.moments_
-        n_out = kernels.unique_rows(self._active[:n], self._n_active[:n], self._mark_out, self._touched)
-        rows = self._touched[:n_out]
-        kernels.adam_rows(rows, p["W"], m["W.m"], m["W.v"], g["W"], *hp)
-        kernels.adam_entries(rows, p["b"], m["b.m"], m["b.v"], g["b"], *hp)
+        n_out = kernels.unique_rows(pool, self._active[:n], self._n_active[:n], self._mark_out, self._touched)
         in_rows = np.unique(Xb.indices).astype(np.int32)
-        kernels.adam_rows(in_rows, p["W0"], m["W0.m"], m["W0.v"], g["W0"], *hp)
-        for k in ("b0", "Wh", "bh"):
-            if p[k].size:
-                kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], g[k], *hp)
+        self._adam_update(self._touched[:n_out], in_rows, g, g["W"], g["W0"], hp)
         t0 = self._tick("adam", t0)
         self.samples_seen_ += n
+        self._tables_stale = True
         self._maybe_rehash()
         self._tick("rehash", t0)
         return float(losses.mean())
+
+    def _adam_update(self, out_rows, in_rows, dense_grads, gW, gW0, hp, compact=False):
+        """Adam on the touched output rows (and their biases), the touched input rows, and the
+        small dense parameters. ``gW``/``gW0`` are full-size accumulators indexed by row, or
+        with ``compact`` blocks whose row t belongs to ``out_rows[t]`` / ``in_rows[t]``."""
+        p, m = self.params_, self.moments_
+        g_out = np.arange(out_rows.size, dtype=np.int32) if compact else out_rows
+        g_in = np.arange(in_rows.size, dtype=np.int32) if compact else in_rows
+        kernels.adam_rows(out_rows, g_out, p["W"], m["W.m"], m["W.v"], gW, *hp)
+        kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], dense_grads["b"], *hp)
+        kernels.adam_rows(in_rows, g_in, p["W0"], m["W0.m"], m["W0.v"], gW0, *hp)
+        for k in ("b0", "Wh", "bh"):
+            if p[k].size:
+                kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], dense_grads[k], *hp)
+
+    def apply_gradients(self, out_rows, in_rows, grads) -> None:
+        """One Adam step from gradients computed elsewhere (the heterogeneous trainer's GPU
+        worker): ``grads["W"]`` [len(out_rows), H] and ``grads["b"]`` [len(out_rows)] for output
+        rows ``out_rows``, ``grads["W0"]`` [len(in_rows), H0] for input rows ``in_rows``, and full
+        ``b0``, ``Wh``, ``bh``. All float32 host arrays; they are zeroed on return."""
+        c = self.config
+        self.step_ += 1
+        self._adam_update(np.asarray(out_rows, np.int32), np.asarray(in_rows, np.int32), grads,
+                          grads["W"], grads["W0"], (c.lr, c.beta1, c.beta2, c.eps, self.step_),
+                          compact=True)
+        self._tables_stale = True
 
     def _maybe_rehash(self):
         if self.tables_ is None:
@@ -301,10 +331,12 @@ class SlideClassifier(_EstimatorBase):
         if self.samples_seen_ >= self._next_rebuild:
             self.hash_seed_ += 1
             self.tables_.rebuild(self.params_["W"], seed=self.hash_seed_)
+            self._tables_stale = False
             self._next_rebuild = self.samples_seen_ + self.resolved_["rebuild_every"]
             self._next_rehash = self.samples_seen_ + int(self._rehash_interval)
         elif self.samples_seen_ >= self._next_rehash:
             self.tables_.rehash(self.params_["W"])
+            self._tables_stale = False
             self._rehash_interval *= self.config.rehash_growth
             self._next_rehash = self.samples_seen_ + int(self._rehash_interval)
 
@@ -318,6 +350,7 @@ class SlideClassifier(_EstimatorBase):
         """One pass over (X, Y) in a seeded order; returns the mean loss."""
         bs = self.batch_size_
         order = np.random.default_rng([self.config.seed, 2, self.epoch_]).permutation(X.shape[0])
+        self._refresh_tables()
         total, count = 0.0, 0
         for lo in range(0, X.shape[0], bs):
             idx = np.sort(order[lo:lo + bs])
@@ -361,7 +394,8 @@ class SlideClassifier(_EstimatorBase):
                 bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True,
                            desc=f"epoch {self.epoch_ + 1}/{start_epoch + epochs}", leave=True)
             t0 = time.perf_counter()
-            loss = self._epoch(X, Y, bar)
+            with engine_threads(self.config.threads):
+                loss = self._epoch(X, Y, bar)
             seconds = time.perf_counter() - t0
             if bar is not None:
                 bar.close()
@@ -371,27 +405,27 @@ class SlideClassifier(_EstimatorBase):
             if validation is not None:
                 record.update(self.evaluate(Xv, Yv, k=eval_k))
             self.history_.append(record)
-            self._refresh_tables()
             if on_epoch is not None:
                 on_epoch(self, record)
         return self
 
     def _refresh_tables(self):
-        """Rehash with the final weights: LSH serving must not see stale tables, and a saved
-        model, whose tables are rebuilt from its weights on load, then serves identically."""
+        """Rehash with the current weights. Epochs start with it (so a run resumed from a
+        checkpoint, whose tables are rebuilt on load, continues exactly), and LSH serving does
+        it first when training has moved the weights since the last rehash."""
         if self.tables_ is not None:
             self.tables_.rehash(self.params_["W"])
+        self._tables_stale = False
 
     def partial_fit(self, X, Y):
         """One pass over (X, Y) in the given row order's batches (for streams)."""
         X, Y = self._check(X, Y, where="partial_fit")
         if not self._fitted:
             self._init_params(X.shape[1], Y.shape[1], X.shape[0])
-        set_num_threads(self.config.threads)
         bs = self.batch_size_
-        for lo in range(0, X.shape[0], bs):
-            self._train_batch(X[lo:lo + bs], Y[lo:lo + bs])
-        self._refresh_tables()
+        with engine_threads(self.config.threads):
+            for lo in range(0, X.shape[0], bs):
+                self._train_batch(X[lo:lo + bs], Y[lo:lo + bs])
         return self
 
     # -- inference -------------------------------------------------------------------------------
@@ -431,6 +465,8 @@ class SlideClassifier(_EstimatorBase):
                 s += b
                 ids[lo:hi], scores[lo:hi] = topk(s, k)
             else:
+                if self._tables_stale:
+                    self._refresh_tables()
                 cand, n_c = self.tables_.query(h, rank=True)
                 cs = np.empty(cand.shape, np.float32)
                 kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)

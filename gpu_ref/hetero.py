@@ -1,0 +1,255 @@
+"""Heterogeneous CPU+GPU training of one model: Hogbatch and Adaptive Hogbatch.
+
+Two workers share one epoch stream and whichever is free takes the next chunk of it:
+
+* the **CPU worker** runs the sparse engine's batch step (numba threads, Hogwild) on small
+  batches, updating the host model in place;
+* the **GPU worker** takes large batches. For each one it pulls from the host model only the rows
+  the batch needs (the input rows of its features, and as output rows its labels plus a random
+  pool of negatives), computes a dense softmax over those rows on the device (cupy, or numpy in
+  a thread when there is no GPU), and pushes back the gradient rows, which the host applies with
+  the same row-wise Adam as the CPU's. The output layer never crosses whole, and every GPU batch
+  starts from the CPU's latest rows.
+
+Policies: ``hogbatch`` keeps both batch sizes fixed. ``adaptive`` moves them so that the ratio of
+CPU to GPU updates approaches ``target_ratio``: with measured speeds s (samples per busy second),
+update rates are s / batch, so it sets gpu_batch / cpu_batch = target_ratio · s_gpu / s_cpu while
+keeping their product fixed, each within a factor ``threshold`` of its initial value.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from gpu_ref.dense import get_array_module, hidden_blocks, softmax_grads, uniform_targets
+from lsh import engine_threads
+
+__all__ = ["HeteroConfig", "HeteroTrainer", "HeteroError", "BatchPolicy"]
+
+
+class HeteroError(RuntimeError):
+    """A worker failed; the run stopped and the message names the worker."""
+
+
+@dataclass(frozen=True)
+class HeteroConfig:
+    """Settings of a heterogeneous run.
+
+    policy : "hogbatch" (fixed batch sizes) or "adaptive".
+    cpu_batch, gpu_batch : (initial) batch sizes of the two workers.
+    gpu_pool : random negative output rows per GPU batch, besides the batch's labels.
+    target_ratio : CPU updates per GPU update that ``adaptive`` aims at.
+    threshold : ``adaptive`` keeps each batch size within [initial / threshold, initial · threshold].
+    device : the GPU worker's device: "auto" (cupy if a GPU is present), "gpu" or "cpu".
+    cpu_threads : the CPU worker's numba threads (default: the model's, one fewer when the GPU
+        worker runs on the CPU).
+    """
+    policy: str = "adaptive"
+    cpu_batch: int = 128
+    gpu_batch: int = 1024
+    gpu_pool: int = 4096
+    target_ratio: float = 1.0
+    threshold: float = 8.0
+    device: str = "auto"
+    cpu_threads: int | None = None
+
+    def __post_init__(self):
+        if self.policy not in ("hogbatch", "adaptive"):
+            raise ValueError(f"policy must be 'hogbatch' or 'adaptive', got {self.policy!r}")
+        if min(self.cpu_batch, self.gpu_batch) < 1 or self.gpu_pool < 0:
+            raise ValueError("batch sizes must be positive and gpu_pool non-negative")
+        if self.target_ratio <= 0 or self.threshold < 1:
+            raise ValueError("target_ratio must be positive and threshold at least 1")
+
+
+class BatchPolicy:
+    """Batch sizes of the two workers, fixed or adapted from their measured speeds."""
+
+    def __init__(self, config: HeteroConfig, smoothing: float = 0.3):
+        self.config = config
+        self.batch = {"cpu": config.cpu_batch, "gpu": config.gpu_batch}
+        self._speed = {}
+        self._alpha = smoothing
+        self._lock = threading.Lock()
+
+    def observe(self, worker: str, samples: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        with self._lock:
+            s = samples / seconds
+            old = self._speed.get(worker)
+            self._speed[worker] = s if old is None else (1 - self._alpha) * old + self._alpha * s
+            if self.config.policy == "adaptive" and len(self._speed) == 2:
+                self._adapt()
+
+    def _adapt(self):
+        c = self.config
+        product = c.cpu_batch * c.gpu_batch
+        ratio = c.target_ratio * self._speed["gpu"] / self._speed["cpu"]  # wanted gpu/cpu batch
+        gpu = np.clip(np.sqrt(product * ratio), c.gpu_batch / c.threshold, c.gpu_batch * c.threshold)
+        cpu = np.clip(product / gpu, c.cpu_batch / c.threshold, c.cpu_batch * c.threshold)
+        self.batch = {"cpu": max(1, int(round(cpu))), "gpu": max(1, int(round(gpu)))}
+
+
+class _Stream:
+    """One epoch's sample order, handed out in chunks to whichever worker asks."""
+
+    def __init__(self, order: np.ndarray):
+        self.order, self.pos = order, 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int):
+        with self._lock:
+            if self.pos >= self.order.size:
+                return None
+            chunk = self.order[self.pos:self.pos + n]
+            self.pos += chunk.size
+            return chunk
+
+
+class HeteroTrainer:
+    """Trains a :class:`slide.SlideClassifier` with a CPU worker and a GPU worker together.
+
+    ``HeteroTrainer(model, HeteroConfig(policy="adaptive"))``, then ``fit(X, Y, epochs,
+    validation)`` as for the model. ``history_`` gets, per epoch, each worker's updates,
+    samples, busy seconds and utilisation (busy / wall), its final batch size, and P@k.
+    ``epoch_indices_`` keeps the sample ids each worker processed in the last epoch.
+    """
+
+    def __init__(self, model, config: HeteroConfig = HeteroConfig()):
+        self.model, self.config = model, config
+        self.xp, self._sparse = get_array_module(config.device)
+        self.history_ = []
+
+    # the training run (slide.train) treats the trainer like a model
+    def get_params(self, deep=True):
+        from dataclasses import asdict
+        return {**self.model.get_params(), **{f"hetero_{k}": v for k, v in asdict(self.config).items()}}
+
+    @property
+    def epoch_(self):
+        return self.model.epoch_
+
+    def save(self, path):
+        self.model.save(path)
+
+    def evaluate(self, X, Y, k=5):
+        return self.model.evaluate(X, Y, k=k)
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _cpu_step(self, X, Y, idx):
+        self.model._train_batch(X[idx], Y[idx])
+
+    def _gpu_step(self, X, Y, idx):
+        """Pull the rows batch ``idx`` needs, compute their gradients on the device, push them."""
+        xp, m = self.xp, self.model
+        p = m.params_
+        Xb, Yb = X[idx], Y[idx]
+        in_rows = np.unique(Xb.indices).astype(np.int32)
+        pool = self._rng.choice(m.n_labels_, size=min(self.config.gpu_pool, m.n_labels_), replace=False)
+        out_rows = np.union1d(Yb.indices, pool).astype(np.int32)
+        Xl = sp.csr_matrix((Xb.data, np.searchsorted(in_rows, Xb.indices), Xb.indptr),
+                           shape=(Xb.shape[0], in_rows.size))
+        Yl = sp.csr_matrix((Yb.data, np.searchsorted(out_rows, Yb.indices), Yb.indptr),
+                           shape=(Yb.shape[0], out_rows.size))
+        rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"],
+                "W": p["W"][out_rows], "b": p["b"][out_rows]}
+        device_rows = {k: xp.asarray(v) for k, v in rows.items()}
+        Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
+        _, grads = softmax_grads(xp, Xd, uniform_targets(xp, Yl), device_rows, self._blocks)
+        host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
+                for k, v in grads.items()}
+        m.apply_gradients(out_rows, in_rows, host)
+
+    def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads):
+        try:
+            with engine_threads(threads):
+                t_start = time.perf_counter()
+                while not stop.is_set():
+                    idx = stream.take(self._policy.batch[name])
+                    if idx is None:
+                        break
+                    idx = np.sort(idx)
+                    t0 = time.perf_counter()
+                    step(X, Y, idx)
+                    dt = time.perf_counter() - t0
+                    self._policy.observe(name, idx.size, dt)
+                    stats["updates"] += 1
+                    stats["samples"] += int(idx.size)
+                    stats["busy_seconds"] += dt
+                    self.epoch_indices_[name].append(idx)
+                stats["wall_seconds"] = time.perf_counter() - t_start
+        except BaseException as e:  # reported by fit, after the other worker stopped
+            errors.append((name, e))
+            stop.set()
+
+    def _epoch(self, X, Y):
+        m = self.model
+        order = np.random.default_rng([m.config.seed, 2, m.epoch_]).permutation(X.shape[0])
+        m._refresh_tables()
+        stream = _Stream(order)
+        stop = threading.Event()
+        errors = []
+        stats = {w: {"updates": 0, "samples": 0, "busy_seconds": 0.0, "wall_seconds": 0.0}
+                 for w in ("cpu", "gpu")}
+        self.epoch_indices_ = {"cpu": [], "gpu": []}
+        cpu_threads = self.config.cpu_threads or m.config.threads
+        if cpu_threads is None:
+            cores = os.cpu_count() or 1
+            cpu_threads = max(1, cores - 1) if self.xp is np else cores
+        t0 = time.perf_counter()
+        workers = [threading.Thread(target=self._worker, name=f"slide-{w}", daemon=True,
+                                    args=(w, step, stream, X, Y, stats[w], stop, errors, thr))
+                   for w, step, thr in (("cpu", self._cpu_step, cpu_threads), ("gpu", self._gpu_step, 1))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - t0
+        if errors:
+            name, e = errors[0]
+            raise HeteroError(f"{name} worker failed at epoch {m.epoch_ + 1}: "
+                              f"{type(e).__name__}: {e}") from e
+        for w in stats:
+            stats[w]["utilisation"] = stats[w]["busy_seconds"] / wall if wall > 0 else 0.0
+            stats[w]["final_batch"] = self._policy.batch[w]
+        return wall, stats
+
+    def fit(self, X, Y, epochs: int | None = None, validation=None, progress: bool = False,
+            on_epoch=None, eval_k: int = 5):
+        """Train ``epochs`` more epochs (default as for the model) with both workers."""
+        m = self.model
+        X, Y = m._check(X, Y, where="fit")
+        if not m._fitted:
+            m._init_params(X.shape[1], Y.shape[1], X.shape[0])
+        if validation is not None:
+            validation = m._check(*validation, where="validation")
+        if epochs is None:
+            from slide.network import default_epochs
+            epochs = default_epochs(X.shape[0], self.config.cpu_batch)
+        self._blocks = hidden_blocks(m.config.hidden)
+        self._policy = BatchPolicy(self.config)
+        for _ in range(int(epochs)):
+            self._rng = np.random.default_rng([m.config.seed, 3, m.epoch_])
+            wall, stats = self._epoch(X, Y)
+            m.epoch_ += 1
+            record = {"epoch": m.epoch_, "train_seconds": wall, "samples_per_second": X.shape[0] / wall,
+                      "policy": self.config.policy, "device": "gpu" if self.xp is not np else "cpu",
+                      **{f"{w}_{k}": v for w, s in stats.items() for k, v in s.items()}}
+            record["update_ratio"] = stats["cpu"]["updates"] / max(stats["gpu"]["updates"], 1)
+            if validation is not None:
+                record.update(m.evaluate(*validation, k=eval_k))
+            if progress:
+                print(f"epoch {m.epoch_}: cpu {stats['cpu']['updates']} updates / {stats['cpu']['samples']} "
+                      f"samples ({stats['cpu']['utilisation']:.0%} busy), gpu {stats['gpu']['updates']} / "
+                      f"{stats['gpu']['samples']} ({stats['gpu']['utilisation']:.0%} busy)", flush=True)
+            m.history_.append(record)
+            self.history_.append(record)
+            if on_epoch is not None:
+                on_epoch(self, record)
+        return self
