@@ -188,10 +188,9 @@ class HeteroTrainer:
             errors.append((name, e))
             stop.set()
 
-    def _epoch(self, X, Y):
+    def _run(self, X, Y, order):
+        """Both workers over the samples ``order``; returns (wall seconds, per-worker stats)."""
         m = self.model
-        order = np.random.default_rng([m.config.seed, 2, m.epoch_]).permutation(X.shape[0])
-        m._refresh_tables()
         stream = _Stream(order)
         stop = threading.Event()
         errors = []
@@ -220,23 +219,37 @@ class HeteroTrainer:
             stats[w]["final_batch"] = self._policy.batch[w]
         return wall, stats
 
+    def _prepare(self, X, Y, where):
+        m = self.model
+        X, Y = m._check(X, Y, where=where)
+        if not m._fitted:
+            m._init_params(X.shape[1], Y.shape[1], X.shape[0])
+        if not hasattr(self, "_policy"):
+            self._blocks = hidden_blocks(m.config.hidden)
+            self._policy = BatchPolicy(self.config)
+            self._rng = np.random.default_rng([m.config.seed, 3, m.step_])
+        return X, Y
+
+    def partial_fit(self, X, Y):
+        """One pass over (X, Y) in row order with both workers; returns the per-worker stats."""
+        X, Y = self._prepare(X, Y, "partial_fit")
+        return self._run(X, Y, np.arange(X.shape[0]))[1]
+
     def fit(self, X, Y, epochs: int | None = None, validation=None, progress: bool = False,
             on_epoch=None, eval_k: int = 5):
         """Train ``epochs`` more epochs (default as for the model) with both workers."""
         m = self.model
-        X, Y = m._check(X, Y, where="fit")
-        if not m._fitted:
-            m._init_params(X.shape[1], Y.shape[1], X.shape[0])
+        X, Y = self._prepare(X, Y, "fit")
         if validation is not None:
             validation = m._check(*validation, where="validation")
         if epochs is None:
             from slide.network import default_epochs
             epochs = default_epochs(X.shape[0], self.config.cpu_batch)
-        self._blocks = hidden_blocks(m.config.hidden)
-        self._policy = BatchPolicy(self.config)
         for _ in range(int(epochs)):
             self._rng = np.random.default_rng([m.config.seed, 3, m.epoch_])
-            wall, stats = self._epoch(X, Y)
+            m._refresh_tables()
+            order = np.random.default_rng([m.config.seed, 2, m.epoch_]).permutation(X.shape[0])
+            wall, stats = self._run(X, Y, order)
             m.epoch_ += 1
             record = {"epoch": m.epoch_, "train_seconds": wall, "samples_per_second": X.shape[0] / wall,
                       "policy": self.config.policy, "device": "gpu" if self.xp is not np else "cpu",

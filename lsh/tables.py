@@ -65,14 +65,15 @@ class TableConfig:
 
 
 def autotune(n_neurons: int, sparsity: float, family: str = "dwta", policy: str = "reservoir",
-             max_memory_bytes: int = 1 << 30, **overrides) -> TableConfig:
+             max_memory_bytes: int = 1 << 30, max_tables: int = 128, max_bucket_size: int = 256,
+             **overrides) -> TableConfig:
     """Hash-table sizes for a layer of ``n_neurons`` of which a fraction ``sparsity`` is active.
 
     BOLT's rule: range_pow = log2(128 / sparsity), K = round(range_pow / 3) in 2..8,
     L = round(sparsity · 2**range_pow), bucket_size = 4 · n_neurons / 2**range_pow. We also keep
     range_pow no larger than needed to spread the neurons (≥ 1 neuron per bucket on average)
-    and cap L (and then bucket_size) so the tables fit in ``max_memory_bytes``.
-    Any field given in ``overrides`` wins.
+    and cap L at ``max_tables``, bucket_size at ``max_bucket_size``, and both so the tables fit
+    in ``max_memory_bytes``. Any field given in ``overrides`` wins.
     """
     if not 0 < sparsity <= 1:
         raise ValueError(f"sparsity must be in (0, 1], got {sparsity}")
@@ -80,8 +81,8 @@ def autotune(n_neurons: int, sparsity: float, family: str = "dwta", policy: str 
     range_pow = int(math.floor(math.log2(128.0 / sparsity)))
     range_pow = max(4, min(range_pow, max(4, int(math.ceil(math.log2(max(n_neurons, 2)))))))
     K = max(2, min(8, int(round(range_pow / 3))))
-    L = max(4, min(128, int(round(sparsity * (1 << range_pow)))))
-    bucket_size = max(4, min(256, int(math.ceil(4 * n_neurons / (1 << range_pow)))))
+    L = max(4, min(max_tables, int(round(sparsity * (1 << range_pow)))))
+    bucket_size = max(4, min(max_bucket_size, int(math.ceil(4 * n_neurons / (1 << range_pow)))))
     cfg = dict(family=family, K=K, L=L, range_pow=range_pow, bucket_size=bucket_size, policy=policy)
     cfg.update(overrides)
     while TableConfig(**cfg).memory_bytes() > max_memory_bytes and "L" not in overrides and cfg["L"] > 8:

@@ -34,7 +34,12 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--test", help="test file, evaluated after every epoch")
     t.add_argument("--engine", choices=["slide", "dense"], default="slide",
                    help="the sparse engine, or the dense reference (gpu_ref)")
-    t.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto", help="dense engine's device")
+    t.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="device of the dense engine, or of the GPU worker with --mode hetero")
+    t.add_argument("--mode", choices=["cpu", "hetero"], default="cpu",
+                   help="hetero: CPU threads and a GPU worker train the model together")
+    t.add_argument("--policy", choices=["hogbatch", "adaptive"], default="adaptive",
+                   help="hetero batch-size policy")
     t.add_argument("--epochs", type=_positive, default=None,
                    help="default: enough for about 3,000 steps, 5 to 30 epochs")
     t.add_argument("--hidden", type=_hidden, default=(128,), help="hidden sizes, e.g. 128 or 256,128")
@@ -87,6 +92,8 @@ def _load_model(path):
 def _cmd_train(a):
     from slide.train import load_train_test, run_training
     Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
+    if a.mode == "hetero" and a.engine != "slide":
+        raise ValueError("--mode hetero trains the slide engine together with a GPU worker")
     if a.resume:
         if not a.save:
             raise ValueError("--resume needs --save DIR")
@@ -106,8 +113,11 @@ def _cmd_train(a):
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier(device=a.device, **common)
+    if a.mode == "hetero":
+        from gpu_ref.hetero import HeteroConfig, HeteroTrainer
+        model = HeteroTrainer(model, HeteroConfig(policy=a.policy, device=a.device))
     print(f"train: {Xtr.shape[0]} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
-          f"engine={a.engine}")
+          f"engine={a.engine}, mode={a.mode}")
     doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs, metrics_json=a.metrics_json,
                        checkpoint_dir=a.save, eval_samples=a.eval_samples,
                        progress=not a.no_progress, resume=a.resume)

@@ -87,7 +87,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
             or default_batch_size(Xtr.shape[0])
         epochs = default_epochs(Xtr.shape[0], bs)
     log_doc["epochs_planned"] = epochs
-    remaining = epochs - model.epoch_ if resume and getattr(model, "_fitted", False) else epochs
+    remaining = epochs - model.epoch_ if resume else epochs
     t0 = time.perf_counter()
     model.fit(Xtr, Ytr, epochs=max(0, remaining), validation=validation, progress=progress,
               on_epoch=on_epoch)

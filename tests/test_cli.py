@@ -46,6 +46,16 @@ def test_dense_engine_from_cli(synth, capsys):
     assert "final: P@1=" in capsys.readouterr().out
 
 
+def test_hetero_mode_from_cli(synth, capsys):
+    d = synth
+    assert main(["train", str(d / "eur_train.txt"), "--mode", "hetero", "--policy", "hogbatch", "--device", "cpu",
+                 "--epochs", "1", "--hidden", "16", "--no-progress", "--test", str(d / "eur_test.txt"),
+                 "--metrics-json", str(d / "h.json")]) == 0
+    rec = json.loads((d / "h.json").read_text())["epochs"][0]
+    assert rec["cpu_updates"] > 0 and rec["gpu_updates"] > 0 and "P@1" in rec
+    assert main(["train", str(d / "eur_train.txt"), "--mode", "hetero", "--engine", "dense"]) == 2
+
+
 def test_stats(synth, capsys):
     assert main(["data", "stats", str(synth / "eur_test.txt")]) == 0
     assert "300 samples, 5000 features, 3993 labels" in capsys.readouterr().out

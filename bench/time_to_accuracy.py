@@ -1,0 +1,131 @@
+"""Time to accuracy: P@1 against wall-clock training seconds, one line per engine.
+
+    python -m bench.time_to_accuracy --preset amazon-670k --engines slide,dense-cpu --minutes 10 \
+        --n-train 100000 --out bench/results/tta_amazon
+
+Every engine trains for the same wall-clock budget on the same data (batches of a seeded
+shuffled order, epoch after epoch). Every ``--eval-every`` seconds of training it is evaluated
+on the same fixed shuffled test sample; evaluation time is not counted in the budget. Writes
+``OUT.json`` (points, config, machine) and ``OUT.png`` (the plot). Engines: ``slide``, ``dense-cpu``,
+``dense-gpu`` (cupy), ``hetero`` (CPU threads + GPU worker, Adaptive Hogbatch; on numpy without
+a GPU). Each engine runs in its own process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import time
+
+import numpy as np
+
+from bench.common import dataset, machine, write_json
+
+
+def _make(engine, args):
+    if engine == "slide":
+        from slide.network import SlideClassifier
+        return SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
+                               batch_size=args.batch_size, seed=args.seed)
+    if engine in ("dense-cpu", "dense-gpu"):
+        from gpu_ref import DenseClassifier
+        return DenseClassifier(hidden=(args.hidden,), batch_size=args.batch_size, seed=args.seed,
+                               device="gpu" if engine == "dense-gpu" else "cpu")
+    if engine == "hetero":
+        from gpu_ref.hetero import HeteroConfig, HeteroTrainer
+        from slide.network import SlideClassifier
+        model = SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
+                                batch_size=args.batch_size, seed=args.seed)
+        return HeteroTrainer(model, HeteroConfig(policy="adaptive", cpu_batch=args.batch_size))
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def _run(engine, args, queue):
+    Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_eval, args.seed)
+    model = _make(engine, args)
+    evaluated = model.model if engine == "hetero" else model
+    chunk = args.batch_size * args.chunk_batches
+    points = []
+    train_seconds, samples, epoch = 0.0, 0, 0
+    next_eval = 0.0
+    budget = args.minutes * 60
+    order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
+    pos = 0
+    while True:
+        if train_seconds >= next_eval or train_seconds >= budget:
+            res = evaluated.evaluate(Xte, Yte, k=5)
+            points.append({"seconds": train_seconds, "samples": samples, "epoch": samples / Xtr.shape[0], **res})
+            print(f"[{engine}] {train_seconds:7.1f}s  {samples:8d} samples  P@1={res['P@1']:.4f}", flush=True)
+            next_eval = train_seconds + args.eval_every
+            if train_seconds >= budget:
+                break
+        if pos >= Xtr.shape[0]:
+            epoch += 1
+            order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
+            pos = 0
+        idx = np.sort(order[pos:pos + chunk])
+        pos += idx.size
+        t0 = time.perf_counter()
+        model.partial_fit(Xtr[idx], Ytr[idx])
+        if hasattr(model, "_sync"):
+            model._sync()
+        train_seconds += time.perf_counter() - t0
+        samples += idx.size
+    queue.put({"engine": engine, "points": points})
+
+
+def plot(doc, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run in doc["runs"]:
+        pts = run["points"]
+        ax.plot([p["seconds"] for p in pts], [p["P@1"] for p in pts], marker="o", ms=3, label=run["engine"])
+    a, mach = doc["args"], doc["machine"]
+    ax.set_xlabel("training wall-clock seconds")
+    ax.set_ylabel(f"P@1 on {a['n_eval']} shuffled test samples")
+    ax.set_title(f"{a['preset']} ({a['n_train']:,} train), hidden {a['hidden']}, batch {a['batch_size']}, "
+                 f"sparsity {a['sparsity']}\n{mach['cores']} cores ({mach['cpu']}), {a['threads']} threads, "
+                 f"{mach['date']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="amazon-670k")
+    p.add_argument("--engines", default="slide,dense-cpu")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--n-train", type=int, default=100_000)
+    p.add_argument("--n-eval", type=int, default=2_000)
+    p.add_argument("--eval-every", type=float, default=30.0, help="training seconds between evaluations")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--sparsity", type=float, default=0.005)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--chunk-batches", type=int, default=10, help="batches between clock checks")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/tta")
+    args = p.parse_args(argv)
+    doc = {"machine": machine(), "args": vars(args), "runs": []}
+    ctx = mp.get_context("spawn")
+    for engine in args.engines.split(","):
+        q = ctx.Queue()
+        proc = ctx.Process(target=_run, args=(engine, args, q))
+        proc.start()
+        doc["runs"].append(q.get())
+        proc.join()
+        write_json(args.out + ".json", doc)
+    plot(doc, args.out + ".png")
+    for run in doc["runs"]:
+        last = run["points"][-1]
+        print(f"{run['engine']}: P@1={last['P@1']:.4f} after {last['seconds']:.0f}s ({last['samples']} samples)")
+    print(f"wrote {args.out}.json and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

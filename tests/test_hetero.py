@@ -1,0 +1,98 @@
+import time
+
+import numpy as np
+import pytest
+
+from gpu_ref.hetero import BatchPolicy, HeteroConfig, HeteroError, HeteroTrainer
+from slide.metrics import precision_at_k
+from slide.network import SlideClassifier
+
+
+def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
+    model = SlideClassifier(hidden=(32,), sparsity=0.25, seed=0)
+    cfg = dict(policy=policy, cpu_batch=32, gpu_batch=128, gpu_pool=64, device="cpu")
+    cfg.update(kw)
+    return cls(model, HeteroConfig(**cfg))
+
+
+@pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
+def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
+    Xtr, Ytr, Xte, Yte = tiny_data
+    h = _trainer(policy).fit(Xtr, Ytr, epochs=4, validation=(Xte, Yte))
+    seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
+    rec = h.history_[-1]
+    assert rec["cpu_samples"] + rec["gpu_samples"] == Xtr.shape[0]
+    assert rec["cpu_updates"] > 0 and rec["gpu_updates"] > 0
+    assert 0 < rec["cpu_utilisation"] <= 1.0 and 0 < rec["gpu_utilisation"] <= 1.0
+    assert all(np.isfinite(v).all() for v in h.model.params_.values())
+    popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
+    base = precision_at_k(np.tile(popular, (Xte.shape[0], 1)), Yte, 1)[0]
+    assert rec["P@1"] > base + 0.1, (rec["P@1"], base)
+
+
+class _SlowGPU(HeteroTrainer):
+    """The GPU worker made artificially slower: a fixed delay per sample."""
+
+    def _gpu_step(self, X, Y, idx):
+        time.sleep(2e-4 * idx.size)
+        super()._gpu_step(X, Y, idx)
+
+
+def test_adaptive_balances_update_ratio_when_one_worker_is_slow(tiny_data):
+    Xtr, Ytr = tiny_data[0], tiny_data[1]
+    ratios = {}
+    for policy in ("hogbatch", "adaptive"):
+        h = _trainer(policy, cls=_SlowGPU, cpu_batch=16, gpu_batch=256, target_ratio=2.0, threshold=16)
+        h.fit(Xtr, Ytr, epochs=3)
+        ratios[policy] = h.history_[-1]["update_ratio"]
+    # fixed batches: the slow GPU's few large updates leave the CPU doing far more than 2x;
+    # adaptive moves the ratio to its target (within the noise of a short epoch)
+    assert abs(np.log(ratios["adaptive"] / 2.0)) < np.log(1.6), ratios
+    assert abs(np.log(ratios["adaptive"] / 2.0)) < abs(np.log(ratios["hogbatch"] / 2.0)), ratios
+
+
+def test_policy_rule_and_bounds():
+    p = BatchPolicy(HeteroConfig(policy="adaptive", cpu_batch=100, gpu_batch=400, target_ratio=1.0, threshold=2))
+    p.observe("cpu", 1000, 1.0)
+    p.observe("gpu", 4000, 1.0)  # 4x faster: equal update rates need gpu/cpu batch = 4: unchanged
+    assert p.batch == {"cpu": 100, "gpu": 400}
+    p = BatchPolicy(HeteroConfig(policy="adaptive", cpu_batch=100, gpu_batch=400, threshold=2))
+    p.observe("cpu", 1000, 1.0)
+    p.observe("gpu", 1e6, 1.0)  # far faster: clipped at threshold
+    assert p.batch["gpu"] == 800 and p.batch["cpu"] == 50
+    fixed = BatchPolicy(HeteroConfig(policy="hogbatch", cpu_batch=100, gpu_batch=400))
+    fixed.observe("cpu", 10, 1.0)
+    fixed.observe("gpu", 1e6, 1.0)
+    assert fixed.batch == {"cpu": 100, "gpu": 400}
+
+
+class _FailingGPU(HeteroTrainer):
+    def _gpu_step(self, X, Y, idx):
+        if self.model.epoch_ >= 1:
+            raise MemoryError("device out of memory (injected)")
+        super()._gpu_step(X, Y, idx)
+
+
+def test_worker_error_stops_run_and_keeps_last_checkpoint(tmp_path, tiny_data):
+    Xtr, Ytr = tiny_data[0][:1000], tiny_data[1][:1000]
+    h = _trainer(cls=_FailingGPU)
+    saved_steps = []
+
+    def checkpoint(trainer, record):
+        trainer.save(tmp_path / "ck")
+        saved_steps.append(trainer.model.step_)
+
+    with pytest.raises(HeteroError, match="gpu worker failed at epoch 2: MemoryError: device out of memory"):
+        h.fit(Xtr, Ytr, epochs=3, on_epoch=checkpoint)
+    assert h.model.epoch_ == 1 and saved_steps and len(saved_steps) == 1
+    loaded = SlideClassifier.load(tmp_path / "ck")
+    assert loaded.epoch_ == 1 and loaded.step_ == saved_steps[0]
+    assert all(np.isfinite(v).all() for v in loaded.params_.values())
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="policy"):
+        HeteroConfig(policy="greedy")
+    with pytest.raises(ValueError):
+        HeteroConfig(threshold=0.5)
