@@ -66,21 +66,6 @@ def _simhash_dense(proj_idx, proj_sign, V, K, L, range_pow, bounds, out):
             combine_codes(codes, K, L, 1, range_pow, out[r])
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _simhash_csr(proj_idx, proj_sign, dim, indptr, indices, data, K, L, range_pow, bounds, out):
-    # scatter each row into a per-thread dense buffer, hash, then clear only what was set
-    for c in prange(bounds.size - 1):
-        codes = np.empty(K * L, np.int64)
-        dense = np.zeros(dim, np.float32)
-        for r in range(bounds[c], bounds[c + 1]):
-            for p in range(indptr[r], indptr[r + 1]):
-                dense[indices[p]] = data[p]
-            _simhash_dense_codes(proj_idx, proj_sign, dense, codes)
-            combine_codes(codes, K, L, 1, range_pow, out[r])
-            for p in range(indptr[r], indptr[r + 1]):
-                dense[indices[p]] = 0.0
-
-
 # --------------------------------------------------------------------------------------------
 # WTA / DWTA: bins of m coordinates cut from concatenated random permutations
 # --------------------------------------------------------------------------------------------
@@ -186,14 +171,20 @@ def _dwta_csr(inv_bin, inv_pos, indptr, indices, data, seed, K, L, bits, range_p
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _wta_csr(bins, dim, indptr, indices, data, K, L, bits, range_pow, bounds, out):
+def _scatter_csr(simhash, proj_idx, proj_sign, bins, dim, indptr, indices, data, K, L, bits,
+                 range_pow, bounds, out):
+    """SimHash (``simhash``) or WTA bucket ids of CSR rows: each row is scattered into a
+    per-thread dense buffer, hashed, and only its non-zeros cleared again."""
     for c in prange(bounds.size - 1):
         codes = np.empty(K * L, np.int64)
         dense = np.zeros(dim, np.float32)
         for r in range(bounds[c], bounds[c + 1]):
             for p in range(indptr[r], indptr[r + 1]):
                 dense[indices[p]] = data[p]
-            _wta_dense_codes(bins, dense, False, codes)
+            if simhash:
+                _simhash_dense_codes(proj_idx, proj_sign, dense, codes)
+            else:
+                _wta_dense_codes(bins, dense, False, codes)
             combine_codes(codes, K, L, bits, range_pow, out[r])
             for p in range(indptr[r], indptr[r + 1]):
                 dense[indices[p]] = 0.0
@@ -281,8 +272,9 @@ class SimHash(_Family):
 
     def hash_csr(self, X) -> np.ndarray:
         X, out, bounds = self._csr_input(X)
-        _simhash_csr(self.proj_idx, self.proj_sign, self.dim, X.indptr.astype(np.int64), X.indices,
-                     X.data, self.K, self.L, self.range_pow, bounds, out)
+        _scatter_csr(True, self.proj_idx, self.proj_sign, np.zeros((0, 1), np.int32), self.dim,
+                     X.indptr.astype(np.int64), X.indices, X.data, self.K, self.L, 1, self.range_pow,
+                     bounds, out)
         return out
 
 
@@ -328,8 +320,9 @@ class WTA(_Family):
 
     def hash_csr(self, X) -> np.ndarray:
         X, out, bounds = self._csr_input(X)
-        _wta_csr(self.bins, self.dim, X.indptr.astype(np.int64), X.indices, X.data, self.K, self.L,
-                 self.bits, self.range_pow, bounds, out)
+        _scatter_csr(False, np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32), self.bins,
+                     self.dim, X.indptr.astype(np.int64), X.indices, X.data, self.K, self.L, self.bits,
+                     self.range_pow, bounds, out)
         return out
 
 
