@@ -9,8 +9,11 @@ Array layout (all float32, C-contiguous):
 * output layer ``W`` [n_out, H_last] (neuron-major: an active neuron's row is contiguous), ``b``.
 
 Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
-Gradients go into shared accumulators of the same shapes, lock-free (Hogwild): threads may
-race on a row and lose an addition, by design. With one thread everything is deterministic.
+A sample's output active set is its own neurons (its labels and LSH candidates), handled here,
+plus a random pool shared by the batch, whose logits and gradients are matrix products done by
+the caller. Gradients go into shared accumulators shaped like the parameters, lock-free
+(Hogwild): threads may race on a row and lose an addition, by design. With one thread
+everything is deterministic.
 """
 import numpy as np
 from numba import njit, prange
