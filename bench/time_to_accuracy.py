@@ -47,18 +47,11 @@ def _run(engine, args, queue):
     chunk = args.batch_size * args.chunk_batches
     points = []
     train_seconds, samples, epoch = 0.0, 0, 0
-    next_eval = 0.0
+    next_eval = 0.0  # the first point comes after the first chunk
     budget = args.minutes * 60
     order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
     pos = 0
     while True:
-        if train_seconds >= next_eval or train_seconds >= budget:
-            res = evaluated.evaluate(Xte, Yte, k=5)
-            points.append({"seconds": train_seconds, "samples": samples, "epoch": samples / Xtr.shape[0], **res})
-            print(f"[{engine}] {train_seconds:7.1f}s  {samples:8d} samples  P@1={res['P@1']:.4f}", flush=True)
-            next_eval = train_seconds + args.eval_every
-            if train_seconds >= budget:
-                break
         if pos >= Xtr.shape[0]:
             epoch += 1
             order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
@@ -71,7 +64,17 @@ def _run(engine, args, queue):
             model._sync()
         train_seconds += time.perf_counter() - t0
         samples += idx.size
-    queue.put({"engine": engine, "points": points})
+        if train_seconds >= next_eval or train_seconds >= budget:
+            res = evaluated.evaluate(Xte, Yte, k=5)
+            points.append({"seconds": train_seconds, "samples": samples, "epoch": samples / Xtr.shape[0], **res})
+            print(f"[{engine}] {train_seconds:7.1f}s  {samples:8d} samples  P@1={res['P@1']:.4f}", flush=True)
+            next_eval = train_seconds + args.eval_every
+            if train_seconds >= budget:
+                break
+    label = engine
+    if engine == "hetero":
+        label = f"hetero (GPU worker on {'cupy' if model.xp is not np else 'numpy, no GPU'})"
+    queue.put({"engine": engine, "label": label, "points": points})
 
 
 def plot(doc, path):
@@ -81,7 +84,7 @@ def plot(doc, path):
     fig, ax = plt.subplots(figsize=(8, 5))
     for run in doc["runs"]:
         pts = run["points"]
-        ax.plot([p["seconds"] for p in pts], [p["P@1"] for p in pts], marker="o", ms=3, label=run["engine"])
+        ax.plot([p["seconds"] for p in pts], [p["P@1"] for p in pts], marker="o", ms=3, label=run.get("label", run["engine"]))
     a, mach = doc["args"], doc["machine"]
     ax.set_xlabel("training wall-clock seconds")
     ax.set_ylabel(f"P@1 on {a['n_eval']} shuffled test samples")
@@ -110,7 +113,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/tta")
+    p.add_argument("--replot", action="store_true", help="only redraw OUT.png from OUT.json")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.out + ".json") as fh:
+            plot(json.load(fh), args.out + ".png")
+        return
     doc = {"machine": machine(), "args": vars(args), "runs": []}
     ctx = mp.get_context("spawn")
     for engine in args.engines.split(","):

@@ -15,6 +15,13 @@ def _hidden(text):
         raise argparse.ArgumentTypeError(f"--hidden takes comma-separated sizes, got {text!r}") from None
 
 
+def _fractions(text):
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
+
+
 def _positive(text):
     try:
         v = int(text)
@@ -44,6 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="default: enough for about 3,000 steps, 5 to 30 epochs")
     t.add_argument("--hidden", type=_hidden, default=(128,), help="hidden sizes, e.g. 128 or 256,128")
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
+    t.add_argument("--hidden-sparsity", type=_fractions, default=None,
+                   help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta")
     t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 3e-3)")
     t.add_argument("--batch-size", type=_positive, default=None,
@@ -109,7 +118,8 @@ def _cmd_train(a):
             common["lr"] = a.lr
         if a.engine == "slide":
             from slide.network import SlideClassifier
-            model = SlideClassifier(sparsity=a.sparsity, hash_family=a.hash_family, threads=a.threads, **common)
+            model = SlideClassifier(sparsity=a.sparsity, hidden_sparsity=a.hidden_sparsity,
+                                    hash_family=a.hash_family, threads=a.threads, **common)
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier(device=a.device, **common)

@@ -25,41 +25,42 @@ from lsh.tables import query_one
 # --------------------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
-def _forward_one(x_ids, x_vals, W0, b0, Wh, h_off, bh, b_off, sizes, act):
-    """Hidden activations of one sample into ``act`` [Σ sizes] (ReLU after every layer)."""
-    H0 = sizes[0]
-    h = act[:H0]
-    h[:] = b0
-    for p in range(x_ids.size):
-        row = W0[x_ids[p]]
-        v = x_vals[p]
+@njit(cache=True, nogil=True, parallel=True)
+def forward_input(x_indptr, x_indices, x_data, W0, b0, acts):
+    """First hidden layer, ReLU(x W0 + b0), for a batch of CSR rows into ``acts[:, :H0]``."""
+    H0 = W0.shape[1]
+    for r in prange(x_indptr.size - 1):
+        h = acts[r, :H0]
+        h[:] = b0
+        for p in range(x_indptr[r], x_indptr[r + 1]):
+            row = W0[x_indices[p]]
+            v = x_data[p]
+            for j in range(H0):
+                h[j] += v * row[j]
         for j in range(H0):
-            h[j] += v * row[j]
-    for j in range(H0):
-        h[j] = max(h[j], np.float32(0.0))
-    lo = 0
-    for l in range(1, sizes.size):
-        n_in, n_outl = sizes[l - 1], sizes[l]
-        W = Wh[h_off[l - 1]: h_off[l - 1] + n_outl * n_in].reshape(n_outl, n_in)
-        prev = act[lo: lo + n_in]
-        cur = act[lo + n_in: lo + n_in + n_outl]
-        bb = bh[b_off[l - 1]: b_off[l - 1] + n_outl]
-        for i in range(n_outl):
-            s = bb[i]
-            wi = W[i]
-            for j in range(n_in):
-                s += wi[j] * prev[j]
-            cur[i] = max(s, np.float32(0.0))
-        lo += n_in
+            h[j] = max(h[j], np.float32(0.0))
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def forward_hidden(x_indptr, x_indices, x_data, W0, b0, Wh, h_off, bh, b_off, sizes, acts):
-    """Hidden activations for a batch of CSR rows into ``acts`` [n, Σ sizes]."""
-    for r in prange(x_indptr.size - 1):
-        lo, hi = x_indptr[r], x_indptr[r + 1]
-        _forward_one(x_indices[lo:hi], x_data[lo:hi], W0, b0, Wh, h_off, bh, b_off, sizes, acts[r])
+def forward_layer(acts, lo_in, lo_out, W, b, active, n_active):
+    """Hidden layer ReLU(W h + b) from ``acts[:, lo_in:lo_in+n_in]`` into
+    ``acts[:, lo_out:lo_out+n_out]`` for W [n_out, n_in]. With ``active`` [n, m] (m > 0) only
+    the neurons ``active[r, :n_active[r]]`` are computed and the others are 0 (a sampled layer);
+    with m == 0 every neuron is."""
+    n_out, n_in = W.shape
+    for r in prange(acts.shape[0]):
+        prev = acts[r, lo_in:lo_in + n_in]
+        out = acts[r, lo_out:lo_out + n_out]
+        k = n_out if active.shape[1] == 0 else n_active[r]
+        if active.shape[1] > 0:
+            out[:] = 0.0
+        for a in range(k):
+            i = a if active.shape[1] == 0 else active[r, a]
+            s = b[i]
+            wi = W[i]
+            for j in range(n_in):
+                s += wi[j] * prev[j]
+            out[i] = max(s, np.float32(0.0))
 
 
 # --------------------------------------------------------------------------------------------

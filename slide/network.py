@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import scipy.sparse as sp
 
-from lsh import HashTables, autotune, engine_threads, set_num_threads
+from lsh import HashTables, TableConfig, autotune, engine_threads, set_num_threads
 from lsh.families import _chunks
 from lsh.tables import QueryScratch
 from slide import kernels
@@ -35,7 +35,11 @@ class SlideConfig:
 
     Attributes
     ----------
-    hidden : dense ReLU hidden layer sizes, input side first.
+    hidden : ReLU hidden layer sizes, input side first.
+    hidden_sparsity : per hidden layer, the fraction of its neurons computed per sample (1.0:
+        dense; ``None``: all dense). A sampled layer computes only the neurons its LSH tables
+        return for the previous layer's activation, ranked by hit count; the first hidden
+        layer reads the sparse input and is always dense.
     sparsity : fraction of output neurons active per sample (labels + LSH candidates + random
         negatives shared by the batch). 1.0 computes every neuron (exact softmax). ``None``:
         ``max(1024, 0.005 · n_labels)`` active neurons, all of them when there are fewer labels.
@@ -49,6 +53,7 @@ class SlideConfig:
     seed : fixes initialisation, data order and sampling.
     """
     hidden: tuple = (128,)
+    hidden_sparsity: tuple | None = None
     sparsity: float | None = None
     hash_family: str = "dwta"
     K: int | None = None
@@ -72,6 +77,15 @@ class SlideConfig:
             object.__setattr__(self, "hidden", tuple(int(h) for h in np.atleast_1d(self.hidden)))
         if not self.hidden or min(self.hidden) < 1:
             raise ValueError(f"hidden must list positive layer sizes, got {self.hidden}")
+        if self.hidden_sparsity is not None:
+            if not isinstance(self.hidden_sparsity, tuple):
+                object.__setattr__(self, "hidden_sparsity", tuple(float(v) for v in self.hidden_sparsity))
+            hs = self.hidden_sparsity
+            if len(hs) != len(self.hidden) or not all(0 < v <= 1 for v in hs):
+                raise ValueError(f"hidden_sparsity needs one value in (0, 1] per hidden layer, got {hs}")
+            if hs[0] != 1:
+                raise ValueError("the first hidden layer reads the sparse input and must be dense "
+                                 "(hidden_sparsity[0] = 1.0)")
         if self.sparsity is not None and not 0 < self.sparsity <= 1:
             raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity}")
         if (self.batch_size is not None and self.batch_size < 1) or self.lr <= 0:
@@ -178,6 +192,14 @@ class SlideClassifier(_EstimatorBase):
             tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy,
                           max_tables=24, max_bucket_size=64, **over)
             out["tables"] = dataclasses.asdict(tc)
+        hs = c.hidden_sparsity or (1.0,) * len(c.hidden)
+        out["hidden_layers"] = [None] * len(c.hidden)
+        for l in range(1, len(c.hidden)):
+            if hs[l] < 1:
+                tc = autotune(c.hidden[l], hs[l], family=c.hash_family, policy=c.bucket_policy,
+                              max_tables=24, max_bucket_size=64)
+                out["hidden_layers"][l] = {"target": max(1, math.ceil(hs[l] * c.hidden[l])),
+                                           "tables": dataclasses.asdict(tc)}
         per_batch = 64 * batch_size
         out["rehash_every"] = c.rehash_every or per_batch
         out["rebuild_every"] = c.rebuild_every or 16 * per_batch
@@ -211,9 +233,14 @@ class SlideClassifier(_EstimatorBase):
         self.grads_ = {k: np.zeros_like(v) for k, v in self.params_.items()}
         self.tables_ = None
         if self.resolved_["sampled"]:
-            from lsh import TableConfig
             tc = TableConfig(**self.resolved_["tables"])
             self.tables_ = HashTables(int(sizes[-1]), self.n_labels_, tc, seed=self.hash_seed_)
+        self.hidden_tables_ = [None] * sizes.size
+        for l, layer in enumerate(self.resolved_["hidden_layers"]):
+            if layer is not None:
+                self.hidden_tables_[l] = HashTables(int(sizes[l - 1]), int(sizes[l]),
+                                                    TableConfig(**layer["tables"]),
+                                                    seed=self._layer_seed(l))
         self._mark_out = np.zeros(self.n_labels_, np.uint8)
         self._scratch_key = None
 
@@ -236,11 +263,34 @@ class SlideClassifier(_EstimatorBase):
         self._qs.renew_if_old()
 
     # -- forward ---------------------------------------------------------------------------------
+    def _layer_seed(self, l: int) -> int:
+        """Hash seed of hidden layer l's tables (the output layer's is ``hash_seed_``)."""
+        return self.hash_seed_ + 7919 * l
+
+    def _block(self, l: int):
+        """Weights [H_l, H_{l-1}] and bias [H_l] of hidden layer l >= 1 (views into Wh, bh)."""
+        p, sizes = self.params_, self._sizes
+        n_out, n_in = int(sizes[l]), int(sizes[l - 1])
+        w0, b0 = int(self._h_off[l - 1]), int(self._b_off[l - 1])
+        return p["Wh"][w0:w0 + n_out * n_in].reshape(n_out, n_in), p["bh"][b0:b0 + n_out]
+
     def _forward(self, X: sp.csr_matrix) -> np.ndarray:
-        p = self.params_
-        acts = np.empty((X.shape[0], int(self._sizes.sum())), np.float32)
-        kernels.forward_hidden(X.indptr.astype(np.int64), X.indices, X.data, p["W0"], p["b0"], p["Wh"],
-                               self._h_off, p["bh"], self._b_off, self._sizes, acts)
+        """Activations of every hidden layer, float32 [n, Σ hidden], layer by layer over the batch."""
+        p, sizes = self.params_, self._sizes
+        acts = np.empty((X.shape[0], int(sizes.sum())), np.float32)
+        kernels.forward_input(X.indptr.astype(np.int64), X.indices, X.data, p["W0"], p["b0"], acts)
+        lo = 0
+        for l in range(1, sizes.size):
+            W, b = self._block(l)
+            tables = self.hidden_tables_[l]
+            if tables is None:
+                active, n_active = np.zeros((X.shape[0], 0), np.int32), np.zeros(X.shape[0], np.int64)
+            else:
+                codes = tables.family.hash_dense(acts[:, lo:lo + int(sizes[l - 1])])
+                active, n_active = tables.query_codes(
+                    codes, self.resolved_["hidden_layers"][l]["target"], rank=True)
+            kernels.forward_layer(acts, lo, lo + int(sizes[l - 1]), W, b, active, n_active)
+            lo += int(sizes[l - 1])
         return acts
 
     def _last(self, acts):
@@ -329,17 +379,25 @@ class SlideClassifier(_EstimatorBase):
                           compact=True)
         self._tables_stale = True
 
+    def _tables(self):
+        """(tables, weights, seed) of every sampled layer: hidden ones, then the output."""
+        out = [(t, self._block(l)[0], self._layer_seed(l)) for l, t in enumerate(self.hidden_tables_)
+               if t is not None]
+        if self.tables_ is not None:
+            out.append((self.tables_, self.params_["W"], self.hash_seed_))
+        return out
+
     def _maybe_rehash(self):
-        if self.tables_ is None:
-            return
         if self.samples_seen_ >= self._next_rebuild:
             self.hash_seed_ += 1
-            self.tables_.rebuild(self.params_["W"], seed=self.hash_seed_)
+            for tables, W, seed in self._tables():
+                tables.rebuild(W, seed=seed)
             self._tables_stale = False
             self._next_rebuild = self.samples_seen_ + self.resolved_["rebuild_every"]
             self._next_rehash = self.samples_seen_ + int(self._rehash_interval)
         elif self.samples_seen_ >= self._next_rehash:
-            self.tables_.rehash(self.params_["W"])
+            for tables, W, _ in self._tables():
+                tables.rehash(W)
             self._tables_stale = False
             self._rehash_interval *= self.config.rehash_growth
             self._next_rehash = self.samples_seen_ + int(self._rehash_interval)
@@ -417,8 +475,8 @@ class SlideClassifier(_EstimatorBase):
         """Rehash with the current weights. Epochs start with it (so a run resumed from a
         checkpoint, whose tables are rebuilt on load, continues exactly), and LSH serving does
         it first when training has moved the weights since the last rehash."""
-        if self.tables_ is not None:
-            self.tables_.rehash(self.params_["W"])
+        for tables, W, _ in self._tables():
+            tables.rehash(W)
         self._tables_stale = False
 
     def partial_fit(self, X, Y):
@@ -434,8 +492,11 @@ class SlideClassifier(_EstimatorBase):
 
     # -- inference -------------------------------------------------------------------------------
     def _require_fitted(self):
+        """Serving starts here: the model must exist, and its tables reflect its weights."""
         if not self._fitted:
             raise RuntimeError("this SlideClassifier is not fitted yet; call fit first")
+        if self._tables_stale:
+            self._refresh_tables()
 
     def embed(self, X) -> np.ndarray:
         """Last hidden layer activations, float32 [n, hidden[-1]]."""
@@ -469,8 +530,6 @@ class SlideClassifier(_EstimatorBase):
                 s += b
                 ids[lo:hi], scores[lo:hi] = topk(s, k)
             else:
-                if self._tables_stale:
-                    self._refresh_tables()
                 cand, n_c = self.tables_.query(h, rank=True)
                 cs = np.empty(cand.shape, np.float32)
                 kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)

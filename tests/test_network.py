@@ -156,7 +156,30 @@ def test_bad_inputs_give_clear_errors(tiny_data):
         SlideClassifier(sparsity=2.0)
 
 
-def test_label_lists_and_sampled_hidden_stack(tiny_data):
+def test_sampled_hidden_layer_computes_only_its_active_neurons(tmp_path, tiny_data):
+    Xtr, Ytr, Xte, Yte = tiny_data
+    m = SlideClassifier(hidden=(64, 1024), hidden_sparsity=(1.0, 0.05), sparsity=0.25, seed=0)
+    m.fit(Xtr, Ytr, epochs=5, validation=(Xte, Yte))
+    target = m.resolved_["hidden_layers"][1]["target"]
+    assert target == 52
+    h = m.embed(Xte)
+    assert h.shape == (Xte.shape[0], 1024)
+    per_row = (h != 0).sum(axis=1)
+    assert per_row.max() <= target and per_row.mean() > 5
+    assert np.unique(np.flatnonzero(h.any(axis=0))).size > 3 * target  # rows pick different neurons
+    popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
+    base = precision_at_k(np.tile(popular, (Xte.shape[0], 1)), Yte, 1)[0]
+    assert m.history_[-1]["P@1"] > base + 0.1, (m.history_[-1]["P@1"], base)
+    m.save(tmp_path / "s")
+    loaded = SlideClassifier.load(tmp_path / "s")
+    np.testing.assert_array_equal(loaded.embed(Xte[:50]), m.embed(Xte[:50]))
+    with pytest.raises(ValueError, match="first hidden layer"):
+        SlideClassifier(hidden=(64, 32), hidden_sparsity=(0.5, 1.0))
+    with pytest.raises(ValueError, match="one value"):
+        SlideClassifier(hidden=(64, 32), hidden_sparsity=(1.0,))
+
+
+def test_label_lists_and_hidden_stack(tiny_data):
     X, Y = tiny_data[0][:300], tiny_data[1][:300]
     lists = [Y.indices[Y.indptr[i]:Y.indptr[i + 1]].tolist() for i in range(300)]
     m = SlideClassifier(hidden=(32, 16), sparsity=0.1, seed=0).fit(X, lists)
