@@ -37,7 +37,7 @@ def _run(kind, overrides, args, queue):
                                 device="gpu" if kind == "dense-gpu" else "cpu")
     # per-window throughput: time partial_fit over windows of 20 batches of a seeded order
     window = 20 * args.batch_size
-    rates, losses = [], []
+    rates = []
     t_all = time.perf_counter()
     for epoch in range(args.epochs):
         order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])

@@ -8,7 +8,6 @@ names and layouts (``W0`` [n_features, H0] input-major, flat hidden stack ``Wh``
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np

@@ -13,6 +13,7 @@ import contextlib
 import os
 
 import numba
+import numpy as np
 from threadpoolctl import threadpool_limits
 
 
@@ -41,3 +42,10 @@ def engine_threads(threads: int | None):
             yield n
     finally:
         numba.set_num_threads(previous)
+
+
+def thread_chunks(n: int) -> np.ndarray:
+    """Row boundaries int64 [t + 1] splitting n rows into one contiguous chunk per numba thread:
+    kernels loop ``prange`` over chunks so each chunk allocates its scratch once."""
+    t = max(1, min(numba.get_num_threads(), n))
+    return np.linspace(0, n, t + 1).astype(np.int64)

@@ -16,10 +16,11 @@ The kernels are module-level numba functions over the family's arrays so that ot
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 import scipy.sparse as sp
 from numba import njit, prange
+
+from lsh._threading import thread_chunks
 
 __all__ = ["SimHash", "WTA", "DWTA", "make_family", "combine_codes"]
 
@@ -37,12 +38,6 @@ def combine_codes(codes, K, L, bits, range_pow, out):
         if total > range_pow:
             key = (key * _FIB) >> np.uint64(64 - range_pow)
         out[t] = np.int32(key)
-
-
-def _chunks(n: int) -> np.ndarray:
-    """Row boundaries splitting n rows into one contiguous chunk per numba thread."""
-    t = max(1, min(numba.get_num_threads(), n))
-    return np.linspace(0, n, t + 1).astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,13 +208,13 @@ class _Family:
         V = np.ascontiguousarray(V, dtype=np.float32)
         if V.ndim != 2 or V.shape[1] != self.dim:
             raise ValueError(f"expected rows of dimension {self.dim}, got shape {V.shape}")
-        return V, np.empty((V.shape[0], self.L), np.int32), _chunks(V.shape[0])
+        return V, np.empty((V.shape[0], self.L), np.int32), thread_chunks(V.shape[0])
 
     def _csr_input(self, X):
         X = sp.csr_matrix(X, dtype=np.float32)
         if X.shape[1] != self.dim:
             raise ValueError(f"expected rows of dimension {self.dim}, got shape {X.shape}")
-        return X, np.empty((X.shape[0], self.L), np.int32), _chunks(X.shape[0])
+        return X, np.empty((X.shape[0], self.L), np.int32), thread_chunks(X.shape[0])
 
     def hash_one(self, v) -> np.ndarray:
         """Bucket ids int32 [L] of one dense vector [dim]."""

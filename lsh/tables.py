@@ -24,7 +24,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from lsh.families import _chunks, make_family
+from lsh._threading import thread_chunks
+from lsh.families import make_family
 
 __all__ = ["TableConfig", "HashTables", "autotune", "query_one", "QueryScratch"]
 
@@ -294,7 +295,7 @@ class HashTables:
         s = self.scratch()
         out = np.full((codes.shape[0], max_out), -1, np.int32)
         lengths = np.zeros(codes.shape[0], np.int64)
-        bounds = _chunks(codes.shape[0])
+        bounds = thread_chunks(codes.shape[0])
         _query_batch(self.buckets, self.seen, codes, s.stamp, s.hits, s.gens, s.cand, s.hist,
                      max_out, rank, bounds, out, lengths)
         return out, lengths

@@ -17,8 +17,7 @@ import numba
 import numpy as np
 import scipy.sparse as sp
 
-from lsh import HashTables, TableConfig, autotune, engine_threads, set_num_threads
-from lsh.families import _chunks
+from lsh import HashTables, TableConfig, autotune, engine_threads, set_num_threads, thread_chunks
 from lsh.tables import QueryScratch
 from slide import kernels
 from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_checkpoint
@@ -305,7 +304,7 @@ class SlideClassifier(_EstimatorBase):
         c, p, g = self.config, self.params_, self.grads_
         n = Xb.shape[0]
         self._scratch(n, int(np.diff(Yb.indptr).max()))
-        bounds = _chunks(n)
+        bounds = thread_chunks(n)
         t0 = time.perf_counter()
         acts = self._forward(Xb)
         h = self._last(acts)

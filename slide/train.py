@@ -1,14 +1,12 @@
 """The training run behind ``slide train``: data, epochs, evaluation, metrics JSON, checkpoints."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import resource
 import sys
 import time
 
-import numpy as np
 
 from slide.data import load_default, read_dataset, shuffle_rows
 from slide.network import default_batch_size, default_epochs
