@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import platform
+import queue
 import time
 
 import numba
@@ -29,3 +31,21 @@ def write_json(path, obj) -> None:
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=1, default=float)
     os.replace(tmp, path)
+
+
+def run_isolated(target, *args):
+    """``target(*args, queue)`` in a fresh process (its own peak RSS, no shared numba state);
+    returns what it put on the queue, or raises if the process died without an answer."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, q))
+    proc.start()
+    while True:
+        try:
+            result = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"benchmark process for {args[0]!r} exited with code {proc.exitcode}") from None
+    proc.join()
+    return result

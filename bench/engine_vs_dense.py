@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import time
 
 import numpy as np
 
-from bench.common import dataset, machine, write_json
+from bench.common import dataset, machine, run_isolated, write_json
 
 
 def _run(kind, overrides, args, queue):
@@ -83,14 +82,9 @@ def main(argv=None):
     configs = json.loads(args.engine_configs)
     configs = configs if isinstance(configs, list) else [configs]
     results = []
-    ctx = mp.get_context("spawn")
     for kind in args.engines.split(","):
         for overrides in (configs if kind == "slide" else [{}]):
-            q = ctx.Queue()
-            proc = ctx.Process(target=_run, args=(kind, overrides, args, q))
-            proc.start()
-            res = q.get()
-            proc.join()
+            res = run_isolated(_run, kind, overrides, args)
             print(json.dumps({k: v for k, v in res.items() if k not in ("timings", "resolved")}), flush=True)
             results.append(res)
             write_json(args.out, {"machine": machine(), "args": vars(args), "results": results})

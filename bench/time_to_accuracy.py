@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import time
 
 import numpy as np
 
-from bench.common import dataset, machine, write_json
+from bench.common import dataset, machine, run_isolated, write_json
 
 
 def _make(engine, args):
@@ -120,13 +119,8 @@ def main(argv=None):
             plot(json.load(fh), args.out + ".png")
         return
     doc = {"machine": machine(), "args": vars(args), "runs": []}
-    ctx = mp.get_context("spawn")
     for engine in args.engines.split(","):
-        q = ctx.Queue()
-        proc = ctx.Process(target=_run, args=(engine, args, q))
-        proc.start()
-        doc["runs"].append(q.get())
-        proc.join()
+        doc["runs"].append(run_isolated(_run, engine, args))
         write_json(args.out + ".json", doc)
     plot(doc, args.out + ".png")
     for run in doc["runs"]:
