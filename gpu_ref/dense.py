@@ -16,10 +16,10 @@ import scipy.sparse as sp
 from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_checkpoint
 from slide.data import check_xy
 from slide.metrics import evaluate, topk
-from slide.network import default_batch_size, default_epochs, init_parameters
+from slide.network import default_batch_size, default_epochs, hidden_block, hidden_blocks, init_parameters
 
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
-           "uniform_targets", "hidden_blocks"]
+           "uniform_targets"]
 
 
 def gpu_available() -> bool:
@@ -43,26 +43,11 @@ def get_array_module(device: str = "auto"):
     return np, sp
 
 
-def hidden_blocks(hidden) -> list:
-    """(weight offset, bias offset, n_out, n_in) of each block of the flat hidden stack."""
-    blocks, off, boff = [], 0, 0
-    for n_in, n_out in zip(hidden[:-1], hidden[1:]):
-        blocks.append((off, boff, int(n_out), int(n_in)))
-        off += int(n_out * n_in)
-        boff += int(n_out)
-    return blocks
-
-
-def _block(p, blk):
-    off, boff, n_out, n_in = blk
-    return p["Wh"][off:off + n_out * n_in].reshape(n_out, n_in), p["bh"][boff:boff + n_out]
-
-
 def forward(xp, Xd, p, blocks) -> list:
     """Activations of every hidden layer for CSR ``Xd`` [n, rows of p["W0"]] on module ``xp``."""
     acts = [xp.maximum(Xd @ p["W0"] + p["b0"], 0)]
     for blk in blocks:
-        W, b = _block(p, blk)
+        W, b = hidden_block(p, blk)
         acts.append(xp.maximum(acts[-1] @ W.T + b, 0))
     return acts
 
@@ -95,7 +80,7 @@ def softmax_grads(xp, Xd, T, p, blocks):
     gWh, gbh = [], []
     for l in range(len(blocks) - 1, -1, -1):
         dpre = dh * (acts[l + 1] > 0)
-        W, _ = _block(p, blocks[l])
+        W, _ = hidden_block(p, blocks[l])
         gWh.append((dpre.T @ acts[l]).ravel())
         gbh.append(dpre.sum(axis=0))
         dh = dpre @ W

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from gpu_ref.dense import get_array_module, hidden_blocks, softmax_grads, uniform_targets
+from gpu_ref.dense import get_array_module, softmax_grads, uniform_targets
 from lsh import engine_threads
+from slide.network import hidden_blocks
 
 __all__ = ["HeteroConfig", "HeteroTrainer", "HeteroError", "BatchPolicy"]
 

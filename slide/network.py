@@ -24,7 +24,8 @@ from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_c
 from slide.data import check_xy
 from slide.metrics import evaluate, topk
 
-__all__ = ["SlideConfig", "SlideClassifier", "init_parameters", "default_batch_size", "default_epochs"]
+__all__ = ["SlideConfig", "SlideClassifier", "init_parameters", "hidden_blocks", "hidden_block",
+           "default_batch_size", "default_epochs"]
 
 @dataclass(frozen=True)
 class SlideConfig:
@@ -109,6 +110,23 @@ def default_epochs(n_train: int, batch_size: int) -> int:
     """Enough epochs for about 3,000 optimizer steps, between 5 and 30."""
     steps = math.ceil(n_train / batch_size)
     return int(np.clip(math.ceil(3000 / steps), 5, 30))
+
+
+def hidden_blocks(hidden) -> list:
+    """(weight offset, bias offset, n_out, n_in) of each layer of the flat hidden stack
+    ``Wh``/``bh``, which holds hidden layers 1..len(hidden)-1 as [n_out, n_in] blocks."""
+    blocks, off, boff = [], 0, 0
+    for n_in, n_out in zip(hidden[:-1], hidden[1:]):
+        blocks.append((off, boff, int(n_out), int(n_in)))
+        off += int(n_out * n_in)
+        boff += int(n_out)
+    return blocks
+
+
+def hidden_block(p, blk):
+    """Weights [n_out, n_in] and bias [n_out] of one hidden block: views into p["Wh"], p["bh"]."""
+    off, boff, n_out, n_in = blk
+    return p["Wh"][off:off + n_out * n_in].reshape(n_out, n_in), p["bh"][boff:boff + n_out]
 
 
 def init_parameters(hidden, n_features: int, n_labels: int, seed: int) -> dict:
@@ -226,9 +244,10 @@ class SlideClassifier(_EstimatorBase):
         self.batch_size_ = self.resolved_["batch_size"]
         sizes = np.array(c.hidden, np.int64)
         self._sizes = sizes
-        blocks = sizes[1:] * sizes[:-1]
-        self._h_off = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64) if blocks.size else np.zeros(1, np.int64)
-        self._b_off = np.concatenate([[0], np.cumsum(sizes[1:])[:-1]]).astype(np.int64) if blocks.size else np.zeros(1, np.int64)
+        self._blocks = hidden_blocks(c.hidden)
+        # the kernels take the offsets as arrays (at least one entry, even with no stack)
+        self._h_off = np.array([b[0] for b in self._blocks] or [0], np.int64)
+        self._b_off = np.array([b[1] for b in self._blocks] or [0], np.int64)
         self.grads_ = {k: np.zeros_like(v) for k, v in self.params_.items()}
         self.tables_ = None
         if self.resolved_["sampled"]:
@@ -268,10 +287,7 @@ class SlideClassifier(_EstimatorBase):
 
     def _block(self, l: int):
         """Weights [H_l, H_{l-1}] and bias [H_l] of hidden layer l >= 1 (views into Wh, bh)."""
-        p, sizes = self.params_, self._sizes
-        n_out, n_in = int(sizes[l]), int(sizes[l - 1])
-        w0, b0 = int(self._h_off[l - 1]), int(self._b_off[l - 1])
-        return p["Wh"][w0:w0 + n_out * n_in].reshape(n_out, n_in), p["bh"][b0:b0 + n_out]
+        return hidden_block(self.params_, self._blocks[l - 1])
 
     def _forward(self, X: sp.csr_matrix) -> np.ndarray:
         """Activations of every hidden layer, float32 [n, Σ hidden], layer by layer over the batch."""
