@@ -10,7 +10,7 @@ import time
 
 import numba
 
-from slide.data import make_dataset
+from slide.synthetic import make_dataset
 
 
 def machine() -> dict:

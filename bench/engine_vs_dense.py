@@ -44,8 +44,8 @@ def _run(kind, overrides, args, queue):
             idx = np.sort(order[lo:lo + window])
             t0 = time.perf_counter()
             model.partial_fit(Xtr[idx], Ytr[idx])
-            if hasattr(model, "_sync"):
-                model._sync()
+            if hasattr(model, "synchronize"):
+                model.synchronize()
             rates.append(idx.size / (time.perf_counter() - t0))
             if args.max_seconds and time.perf_counter() - t_all > args.max_seconds:
                 break

@@ -46,8 +46,8 @@ def test_train_batch(benchmark, engine_model):
         lo = state["lo"] % (X.shape[0] - BATCH)
         state["lo"] += BATCH
         model.partial_fit(X[lo:lo + BATCH], Y[lo:lo + BATCH])
-        if hasattr(model, "_sync"):
-            model._sync()
+        if hasattr(model, "synchronize"):
+            model.synchronize()
 
     rounds = 3 if engine.startswith("dense") and shape == "amazon-670k" else 10
     benchmark.pedantic(one_batch, rounds=rounds, warmup_rounds=1)

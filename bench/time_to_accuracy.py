@@ -59,8 +59,8 @@ def _run(engine, args, queue):
         pos += idx.size
         t0 = time.perf_counter()
         model.partial_fit(Xtr[idx], Ytr[idx])
-        if hasattr(model, "_sync"):
-            model._sync()
+        if hasattr(model, "synchronize"):
+            model.synchronize()
         train_seconds += time.perf_counter() - t0
         samples += idx.size
         if train_seconds >= next_eval or train_seconds >= budget:

@@ -1,25 +1,30 @@
-"""The engine's network trained densely: full softmax over every label, Adam on every parameter.
+"""The engine's network trained densely: full softmax over every label, Adam on every parameter
+a step touches (all of them but the input rows of features absent from the batch).
 
 One implementation for both devices: the array module ``xp`` (cupy on a GPU, numpy otherwise)
-is chosen once at construction and the math never branches on it. Parameters use the engine's
-names and layouts (``W0`` [n_features, H0] input-major, flat hidden stack ``Wh``/``bh``, output
-``W`` [n_labels, H_last], ``b``) and its checkpoint format, so a model trained here loads into
-:class:`slide.SlideClassifier` and vice versa.
+is chosen from ``device`` and the math never branches on it. Parameters use the engine's names
+and layouts (``W0`` [n_features, H0] input-major, flat hidden stack ``Wh``/``bh``, output ``W``
+[n_labels, H_last], ``b``), its settings and defaults (:class:`slide.config.SlideConfig`,
+:func:`slide.config.resolve`), its preprocessing, training loop and checkpoint format, so a
+model trained here loads into :class:`slide.SlideClassifier` and vice versa.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import scipy.sparse as sp
+from sklearn.base import BaseEstimator
+from sklearn.exceptions import NotFittedError
 
-from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_checkpoint
+from slide.checkpoint import read_checkpoint, write_checkpoint
+from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
+                          parameter_shapes, resolve)
 from slide.data import check_xy
-from slide.metrics import evaluate, topk
-from slide.network import default_batch_size, default_epochs, hidden_block, hidden_blocks, init_parameters
+from slide.metrics import topk
+from slide.preprocess import Preprocessor
+from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
-           "uniform_targets"]
+           "uniform_targets", "local_columns", "adam_step"]
 
 
 def gpu_available() -> bool:
@@ -59,6 +64,13 @@ def uniform_targets(xp, Y):
     return xp.asarray((sp.diags(1.0 / counts) @ Y).toarray(), dtype=xp.float32)
 
 
+def local_columns(M: sp.csr_matrix, columns: np.ndarray) -> sp.csr_matrix:
+    """``M`` restricted to (and renumbered over) the sorted ``columns`` it uses: a batch's rows
+    over only the input rows (or output labels) the step touches."""
+    return sp.csr_matrix((M.data, np.searchsorted(columns, M.indices), M.indptr),
+                         shape=(M.shape[0], columns.size))
+
+
 def softmax_grads(xp, Xd, T, p, blocks):
     """Mean softmax cross-entropy of the network ``p`` and its gradients.
 
@@ -92,182 +104,216 @@ def softmax_grads(xp, Xd, T, p, blocks):
     return loss, g
 
 
-class DenseClassifier:
-    """Dense reference: ``DenseClassifier(hidden=(128,), lr=3e-3, batch_size=None, seed=0,
-    device="auto")``. Same ``fit``/``partial_fit``/``predict_topk``/``score``/``save``/``load``
-    and the same defaults as the sparse engine; initialisation draws exactly as the engine's
-    does for the same seed.
+def adam_step(xp, w, m, v, g, lr, beta1, beta2, eps, step, decay=0.0):
+    """Adam (with decoupled weight decay ``decay`` × lr) on arrays ``w``, ``m``, ``v`` in place,
+    in the same float32 arithmetic as the engine's kernels."""
+    c1 = np.float32(1.0 / (1.0 - beta1 ** step))
+    c2 = np.float32(1.0 / (1.0 - beta2 ** step))
+    b1, b2 = np.float32(beta1), np.float32(beta2)
+    m *= b1
+    m += (np.float32(1) - b1) * g
+    v *= b2
+    v += (np.float32(1) - b2) * g * g
+    w -= np.float32(lr) * (m * c1) / (xp.sqrt(v * c2) + np.float32(eps)) + np.float32(lr * decay) * w
+
+
+class DenseClassifier(TrainableMixin, BaseEstimator):
+    """Dense reference with the engine's settings, defaults, loop and checkpoints.
+
+    ``device``: "auto" (cupy when a GPU is present), "cpu" (numpy) or "gpu"; changing it with
+    ``set_params`` on a fitted model moves the parameters at the next call.
     """
 
-    def __init__(self, hidden=(128,), lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, batch_size=None,
-                 seed=0, device="auto"):
-        self.hidden = tuple(int(h) for h in np.atleast_1d(hidden))
-        self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
-        self.batch_size, self.seed, self.device = batch_size, int(seed), device
-        self.xp, self._sparse = get_array_module(device)
-        self._fitted = False
+    def __init__(self, hidden=None, norm="l2", tfidf=False, lr=None, beta1=0.9, beta2=0.999,
+                 eps=1e-8, weight_decay=None, batch_size=None, epochs=None, early_stopping=True,
+                 validation_fraction=0.1, n_iter_no_change=5, seed=0, warm_start=False,
+                 device="auto"):
+        self.hidden = hidden
+        self.norm = norm
+        self.tfidf = tfidf
+        self.lr = lr
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
+        self.n_iter_no_change = n_iter_no_change
+        self.seed = seed
+        self.warm_start = warm_start
+        self.device = device
 
-    def get_params(self, deep=True):
-        return {"hidden": self.hidden, "lr": self.lr, "beta1": self.beta1, "beta2": self.beta2,
-                "eps": self.eps, "batch_size": self.batch_size, "seed": self.seed, "device": self.device}
+    # -- settings --------------------------------------------------------------------------------
+    def _is_fitted(self) -> bool:
+        return hasattr(self, "params_")
 
-    def set_params(self, **params):
-        for k, v in params.items():
-            setattr(self, k, v)
-        return self
+    def __sklearn_is_fitted__(self) -> bool:
+        return self._is_fitted()
 
-    # -- parameters ------------------------------------------------------------------------------
-    def _init_params(self, n_features, n_labels, n_train):
-        self.batch_size_ = self.batch_size or default_batch_size(n_train)
-        self._set_arrays(init_parameters(self.hidden, n_features, n_labels, self.seed), None,
-                         n_features, n_labels)
-        self.step_, self.epoch_ = 0, 0
-        self.history_ = []
+    def _config(self) -> SlideConfig:
+        return SlideConfig(**{k: v for k, v in self.get_params().items() if k != "device"})
 
-    def _set_arrays(self, params, moments, n_features, n_labels):
-        xp = self.xp
-        self.params_ = {k: xp.asarray(v, dtype=xp.float32) for k, v in params.items()}
-        self.moments_ = ({k: xp.asarray(v) for k, v in moments.items()} if moments else
-                         {f"{k}.{s}": xp.zeros_like(v) for k, v in self.params_.items() for s in "mv"})
-        self.n_features_in_, self.n_labels_ = int(n_features), int(n_labels)
-        self._blocks = hidden_blocks(self.hidden)
-        self._fitted = True
+    def fit_settings(self) -> dict:
+        c = self._config()
+        return {"early_stopping": c.early_stopping,
+                "validation_fraction": c.validation_fraction,
+                "n_iter_no_change": c.n_iter_no_change, "seed": c.seed}
 
-    def _to_device(self, X):
-        return X if self.xp is np else self._sparse.csr_matrix(X)
+    def _use_device(self):
+        """Move the parameters when ``device`` now names another array module."""
+        xp, sparse = get_array_module(self.device)
+        if getattr(self, "xp", None) is xp:
+            return
+        if self._is_fitted():
+            to = (lambda a: xp.asarray(a)) if xp is not np else self._host
+            self.params_ = {k: to(v) for k, v in self.params_.items()}
+            self.moments_ = {k: to(v) for k, v in self.moments_.items()}
+        self.xp, self._sparse = xp, sparse
 
-    def _forward(self, Xd):
-        return forward(self.xp, Xd, self.params_, self._blocks)
+    def _host(self, a):
+        return a if isinstance(a, np.ndarray) else a.get()
 
-    def loss_and_grads(self, X, Y):
-        """Mean softmax cross-entropy over every label and its gradients (see :func:`softmax_grads`)."""
-        return softmax_grads(self.xp, self._to_device(X), uniform_targets(self.xp, Y), self.params_,
-                             self._blocks)
-
-    def _adam(self, grads):
-        self.step_ += 1
-        c1 = 1.0 / (1.0 - self.beta1 ** self.step_)
-        c2 = 1.0 / (1.0 - self.beta2 ** self.step_)
-        for k, w in self.params_.items():
-            g, m, v = grads[k], self.moments_[k + ".m"], self.moments_[k + ".v"]
-            m *= self.beta1
-            m += (1 - self.beta1) * g
-            v *= self.beta2
-            v += (1 - self.beta2) * g * g
-            w -= self.lr * (m * c1) / (self.xp.sqrt(v * c2) + self.eps)
-
-    def train_batch(self, X, Y) -> float:
-        loss, grads = self.loss_and_grads(X, Y)
-        self._adam(grads)
-        return loss
-
-    # -- estimator API ---------------------------------------------------------------------------
-    def _check(self, X, Y=None, where="input"):
-        if not self._fitted:
+    # -- the step API --------------------------------------------------------------------------
+    def check_data(self, X, Y=None, where="input", fitted=True):
+        if not (fitted and self._is_fitted()):
             return check_xy(X, Y, where=where)
         return check_xy(X, Y, n_features=self.n_features_in_,
                         n_labels=self.n_labels_ if Y is not None else None, where=where)
 
-    def fit(self, X, Y, epochs=None, validation=None, progress=False, on_epoch=None, eval_k=5):
-        X, Y = self._check(X, Y, where="fit")
-        if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
-        if epochs is None:
-            epochs = default_epochs(X.shape[0], self.batch_size_)
-        for _ in range(int(epochs)):
-            order = np.random.default_rng([self.seed, 2, self.epoch_]).permutation(X.shape[0])
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
-                bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True, desc=f"dense epoch {self.epoch_ + 1}")
-            t0 = time.perf_counter()
-            total = 0.0
-            for lo in range(0, X.shape[0], self.batch_size_):
-                idx = np.sort(order[lo:lo + self.batch_size_])
-                loss = self.train_batch(X[idx], Y[idx])
-                total += loss * idx.size
-                if bar is not None:
-                    bar.update(idx.size)
-                    bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            self._sync()
-            seconds = time.perf_counter() - t0
-            if bar is not None:
-                bar.close()
-            self.epoch_ += 1
-            rec = {"epoch": self.epoch_, "train_seconds": seconds,
-                   "samples_per_second": X.shape[0] / seconds, "loss": total / X.shape[0]}
-            if validation is not None:
-                rec.update(self.evaluate(*validation, k=eval_k))
-            self.history_.append(rec)
-            if on_epoch is not None:
-                on_epoch(self, rec)
-        return self
+    def initialize(self, X, Y) -> None:
+        self.config_ = self._config()
+        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
+        self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
+        self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_)
+        self.xp = None
+        params = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
+                                 self.config_.seed, self.preprocessor_.seen_features())
+        self._set_arrays(params, None)
+        self.learning_rate_ = self.resolved_["lr"]
+        self.step_, self.epoch_ = 0, 0
+        self.history_ = []
+        self.early_stopping_, self.best_params_, self.stopping_ = None, None, None
+
+    def _set_arrays(self, params, moments):
+        self.params_ = dict(params)
+        self.moments_ = dict(moments) if moments else \
+            {f"{k}.{s}": np.zeros_like(v) for k, v in params.items() for s in "mv"}
+        self.batch_size_ = self.resolved_["batch_size"]
+        self._blocks = hidden_blocks(self.resolved_["hidden"])
+        self.xp = None
+        self._use_device()
+
+    def train_step(self, Xb, Yb) -> float:
+        """One Adam step on a preprocessed batch; the input layer's gradient and update cover
+        only the rows of the batch's features (as the engine's)."""
+        self._use_device()
+        xp, p, m = self.xp, self.params_, self.moments_
+        in_rows = np.unique(Xb.indices)
+        Xl = local_columns(Xb, in_rows)
+        rows = self.xp.asarray(in_rows)
+        local = {**p, "W0": p["W0"][rows]}
+        Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
+        loss, g = softmax_grads(xp, Xd, uniform_targets(xp, Yb), local, self._blocks)
+        self.step_ += 1
+        c, lr, wd = self.config_, self.learning_rate_, self.resolved_["weight_decay"]
+        hp = (lr, c.beta1, c.beta2, c.eps, self.step_)
+        w0, m0, v0 = local["W0"], m["W0.m"][rows], m["W0.v"][rows]
+        adam_step(xp, w0, m0, v0, g["W0"], *hp, wd)
+        p["W0"][rows], m["W0.m"][rows], m["W0.v"][rows] = w0, m0, v0
+        for k in ("b0", "Wh", "bh", "W", "b"):
+            adam_step(xp, p[k], m[k + ".m"], m[k + ".v"], g[k], *hp,
+                      wd if k in ("Wh", "W") else 0.0)
+        return loss
+
+    def _params_changed(self):
+        pass
+
+    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
+        """As :meth:`slide.SlideClassifier.fit`."""
+        warm = self.warm_start and self._is_fitted()
+        if warm:
+            self.config_ = self._config()
+            self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_)
+        return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                        continue_training=warm)
 
     def partial_fit(self, X, Y):
-        X, Y = self._check(X, Y, where="partial_fit")
-        if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
-        for lo in range(0, X.shape[0], self.batch_size_):
-            self.train_batch(X[lo:lo + self.batch_size_], Y[lo:lo + self.batch_size_])
+        if self._is_fitted():
+            X, Y = self.check_data(X, Y, where="partial_fit")
+        else:
+            X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
+            self.initialize(X, Y)
+        self.train_epoch(self.transform(X), Y, np.arange(X.shape[0]))
         return self
 
-    def _sync(self):
+    def synchronize(self):
+        """Wait for the device to finish queued work (for timing)."""
         if self.xp is not np:
             self.xp.cuda.Stream.null.synchronize()
 
-    def _host(self, a):
-        return a if self.xp is np else self.xp.asnumpy(a)
-
+    # -- inference -----------------------------------------------------------------------------
     def predict_topk(self, X, k=5, block=None):
-        X = self._check(X, where="predict")
+        if not self._is_fitted():
+            raise NotFittedError("this DenseClassifier is not fitted yet; call fit first")
+        self._use_device()
+        X = self.transform(self.check_data(X, where="predict"))
+        xp = self.xp
         block = block or max(1, min(4096, (1 << 26) // self.n_labels_))
         ids = np.empty((X.shape[0], k), np.int64)
         scores = np.empty((X.shape[0], k), np.float32)
         for lo in range(0, X.shape[0], block):
             hi = min(lo + block, X.shape[0])
-            s = self._forward(self._to_device(X[lo:hi]))[-1] @ self.params_["W"].T + self.params_["b"]
-            if self.xp is np:
+            Xd = X[lo:hi] if xp is np else self._sparse.csr_matrix(X[lo:hi])
+            s = forward(xp, Xd, self.params_, self._blocks)[-1] @ self.params_["W"].T + self.params_["b"]
+            if xp is np:
                 ids[lo:hi], scores[lo:hi] = topk(s, k)
             else:
-                part = self.xp.argpartition(-s, k - 1, axis=1)[:, :k]
-                vals = self.xp.take_along_axis(s, part, 1)
-                order = self.xp.argsort(-vals, axis=1)
-                ids[lo:hi] = self._host(self.xp.take_along_axis(part, order, 1))
-                scores[lo:hi] = self._host(self.xp.take_along_axis(vals, order, 1))
+                part = xp.argpartition(-s, k - 1, axis=1)[:, :k]
+                vals = xp.take_along_axis(s, part, 1)
+                order = xp.argsort(-vals, axis=1)
+                ids[lo:hi] = self._host(xp.take_along_axis(part, order, 1))
+                scores[lo:hi] = self._host(xp.take_along_axis(vals, order, 1))
         return ids, scores
 
     def predict(self, X):
         return self.predict_topk(X, 1)[0][:, 0]
 
-    def evaluate(self, X, Y, k=5):
-        X, Y = self._check(X, Y, where="evaluate")
-        return evaluate(self.predict_topk(X, k)[0], Y, k)
-
-    def score(self, X, Y):
-        return self.evaluate(X, Y, k=1)["P@1"]
-
     def host_params(self) -> dict:
         return {k: self._host(v) for k, v in self.params_.items()}
 
+    # -- persistence ---------------------------------------------------------------------------
     def save(self, path):
-        meta = {"engine": "dense", "config": {"hidden": list(self.hidden), "lr": self.lr,
-                                              "beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
-                                              "batch_size": self.batch_size_, "seed": self.seed},
-                "n_features": self.n_features_in_, "n_labels": self.n_labels_,
-                "step": self.step_, "epoch": self.epoch_, "history": self.history_}
-        moments = {k: self._host(v) for k, v in self.moments_.items()}
-        write_checkpoint(path, join_arrays(self.host_params(), moments), meta, self.step_)
+        pre_arrays, pre_meta = self.preprocessor_.get_state()
+        arrays = {**self.host_params(), **{f"adam.{k}": self._host(v) for k, v in self.moments_.items()},
+                  **{f"pre.{k}": v for k, v in pre_arrays.items()}}
+        if self.best_params_ is not None:
+            arrays.update({f"best.{k}": self._host(v) for k, v in self.best_params_.items()})
+        meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
+                "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
+                "step": self.step_, "epoch": self.epoch_, "learning_rate": self.learning_rate_,
+                "history": self.history_, "stopping": self.stopping_,
+                "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None}
+        write_checkpoint(path, arrays, meta, self.step_)
 
     @classmethod
     def load(cls, path, device="auto"):
-        arrays, meta = read_checkpoint(path)
-        c = meta["config"]
-        model = cls(hidden=c["hidden"], lr=c.get("lr", 3e-3), beta1=c.get("beta1", 0.9),
-                    beta2=c.get("beta2", 0.999), eps=c.get("eps", 1e-8),
-                    batch_size=c.get("batch_size"), seed=c.get("seed", 0), device=device)
-        params, moments = split_arrays(arrays)
-        model._set_arrays(params, moments, meta["n_features"], meta["n_labels"])
-        model.batch_size_ = model.batch_size or default_batch_size(meta.get("n_train", 0))
-        model.step_, model.epoch_ = int(meta["step"]), int(meta["epoch"])
-        model.history_ = meta.get("history", [])
+        ck = read_checkpoint(path)
+        model = cls(**ck.config_params(cls), device=device)
+        model.config_ = model._config()
+        model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
+        model.resolved_ = resolve(model.config_, ck.n_features, ck.n_labels, ck.n_train)
+        shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)
+        model._set_arrays(ck.arrays_like(shapes),
+                          ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))
+        best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
+        model.best_params_ = {k: model.xp.asarray(v) for k, v in best.items()} or None
+        model.preprocessor_ = ck.preprocessor(ck.n_features)
+        model.learning_rate_ = ck.float("learning_rate", model.resolved_["lr"])
+        model.step_, model.epoch_ = ck.step, ck.epoch
+        model.history_ = ck.meta.get("history") or []
+        es = ck.meta.get("early_stopping")
+        model.early_stopping_ = EarlyStopping.from_json(es) if es else None
+        model.stopping_ = ck.meta.get("stopping")
         return model

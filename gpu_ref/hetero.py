@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
 
-from gpu_ref.dense import get_array_module, softmax_grads, uniform_targets
+from gpu_ref.dense import get_array_module, local_columns, softmax_grads, uniform_targets
 from lsh import engine_threads
-from slide.network import hidden_blocks
+from slide.config import hidden_blocks
+from slide.train import fit_loop
 
 __all__ = ["HeteroConfig", "HeteroTrainer", "HeteroError", "BatchPolicy"]
 
@@ -113,38 +113,71 @@ class _Stream:
             return chunk
 
 
+def _delegated(name):
+    """An attribute of the trainer that is the wrapped model's (the training loop sets them)."""
+    return property(lambda self: getattr(self.model, name),
+                    lambda self, value: setattr(self.model, name, value))
+
+
 class HeteroTrainer:
     """Trains a :class:`slide.SlideClassifier` with a CPU worker and a GPU worker together.
 
-    ``HeteroTrainer(model, HeteroConfig(policy="adaptive"))``, then ``fit(X, Y, epochs,
-    validation)`` as for the model. ``history_`` gets, per epoch, each worker's updates,
-    samples, busy seconds and utilisation (busy / wall), its final batch size, and P@k.
+    ``HeteroTrainer(model, HeteroConfig(policy="adaptive"))``, then ``fit(X, Y, validation)``
+    as for the model: the same training loop (:func:`slide.train.fit_loop`: preprocessing,
+    validation slice, early stopping, checkpoints), whose epochs this trainer runs with both
+    workers. Each epoch's record adds, per worker, its updates, samples, busy seconds and
+    utilisation (busy / wall), its final batch size and its mean loss.
     ``epoch_indices_`` keeps the sample ids each worker processed in the last epoch.
     """
+
+    epoch_ = _delegated("epoch_")
+    history_ = _delegated("history_")
+    learning_rate_ = _delegated("learning_rate_")
+    early_stopping_ = _delegated("early_stopping_")
+    best_params_ = _delegated("best_params_")
+    stopping_ = _delegated("stopping_")
 
     def __init__(self, model, config: HeteroConfig = HeteroConfig()):
         self.model, self.config = model, config
         self.xp, self._sparse = get_array_module(config.device)
-        self.history_ = []
 
-    # the training run (slide.train) treats the trainer like a model
+    # the step API of slide.train, delegated to the model where the model does the work
     def get_params(self, deep=True):
         from dataclasses import asdict
         return {**self.model.get_params(), **{f"hetero_{k}": v for k, v in asdict(self.config).items()}}
 
-    @property
-    def epoch_(self):
-        return self.model.epoch_
+    def fit_settings(self):
+        return self.model.fit_settings()
 
-    def save(self, path):
-        self.model.save(path)
+    def check_data(self, X, Y=None, where="input", fitted=True):
+        return self.model.check_data(X, Y, where=where, fitted=fitted)
+
+    def initialize(self, X, Y):
+        self.model.initialize(X, Y)
+        self._start()
+
+    def transform(self, X):
+        return self.model.transform(X)
+
+    def snapshot(self):
+        return self.model.snapshot()
+
+    def restore(self, state):
+        self.model.restore(state)
 
     def evaluate(self, X, Y, k=5):
         return self.model.evaluate(X, Y, k=k)
 
+    def save(self, path):
+        self.model.save(path)
+
+    @property
+    def resolved_(self):
+        return self.model.resolved_
+
     # -- workers ---------------------------------------------------------------------------------
     def _cpu_step(self, X, Y, idx):
-        self.model._train_batch(X[idx], Y[idx])
+        return self.model.train_step(X[idx], Y[idx])
 
     def _gpu_step(self, X, Y, idx):
         """Pull the rows batch ``idx`` needs, compute their gradients on the device, push them."""
@@ -154,18 +187,16 @@ class HeteroTrainer:
         in_rows = np.unique(Xb.indices).astype(np.int32)
         pool = self._rng.choice(m.n_labels_, size=min(self.config.gpu_pool, m.n_labels_), replace=False)
         out_rows = np.union1d(Yb.indices, pool).astype(np.int32)
-        Xl = sp.csr_matrix((Xb.data, np.searchsorted(in_rows, Xb.indices), Xb.indptr),
-                           shape=(Xb.shape[0], in_rows.size))
-        Yl = sp.csr_matrix((Yb.data, np.searchsorted(out_rows, Yb.indices), Yb.indptr),
-                           shape=(Yb.shape[0], out_rows.size))
+        Xl, Yl = local_columns(Xb, in_rows), local_columns(Yb, out_rows)
         rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"],
                 "W": p["W"][out_rows], "b": p["b"][out_rows]}
         device_rows = {k: xp.asarray(v) for k, v in rows.items()}
         Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
-        _, grads = softmax_grads(xp, Xd, uniform_targets(xp, Yl), device_rows, self._blocks)
+        loss, grads = softmax_grads(xp, Xd, uniform_targets(xp, Yl), device_rows, self._blocks)
         host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
                 for k, v in grads.items()}
         m.apply_gradients(out_rows, in_rows, host)
+        return loss
 
     def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads):
         try:
@@ -177,15 +208,16 @@ class HeteroTrainer:
                         break
                     idx = np.sort(idx)
                     t0 = time.perf_counter()
-                    step(X, Y, idx)
+                    loss = step(X, Y, idx)
                     dt = time.perf_counter() - t0
                     self._policy.observe(name, idx.size, dt)
                     stats["updates"] += 1
                     stats["samples"] += int(idx.size)
                     stats["busy_seconds"] += dt
+                    stats["loss_sum"] += loss * idx.size
                     self.epoch_indices_[name].append(idx)
                 stats["wall_seconds"] = time.perf_counter() - t_start
-        except BaseException as e:  # reported by fit, after the other worker stopped
+        except BaseException as e:  # reported by the caller, after the other worker stopped
             errors.append((name, e))
             stop.set()
 
@@ -195,10 +227,10 @@ class HeteroTrainer:
         stream = _Stream(order)
         stop = threading.Event()
         errors = []
-        stats = {w: {"updates": 0, "samples": 0, "busy_seconds": 0.0, "wall_seconds": 0.0}
-                 for w in ("cpu", "gpu")}
+        stats = {w: {"updates": 0, "samples": 0, "busy_seconds": 0.0, "wall_seconds": 0.0,
+                     "loss_sum": 0.0} for w in ("cpu", "gpu")}
         self.epoch_indices_ = {"cpu": [], "gpu": []}
-        cpu_threads = self.config.cpu_threads or m.config.threads
+        cpu_threads = self.config.cpu_threads or m.config_.threads
         if cpu_threads is None:
             cores = os.cpu_count() or 1
             cpu_threads = max(1, cores - 1) if self.xp is np else cores
@@ -216,54 +248,48 @@ class HeteroTrainer:
             raise HeteroError(f"{name} worker failed at epoch {m.epoch_ + 1}: "
                               f"{type(e).__name__}: {e}") from e
         for w in stats:
-            stats[w]["utilisation"] = stats[w]["busy_seconds"] / wall if wall > 0 else 0.0
-            stats[w]["final_batch"] = self._policy.batch[w]
+            s = stats[w]
+            s["utilisation"] = s["busy_seconds"] / wall if wall > 0 else 0.0
+            s["final_batch"] = self._policy.batch[w]
+            s["loss"] = s.pop("loss_sum") / max(s["samples"], 1)
         return wall, stats
 
-    def _prepare(self, X, Y, where):
+    def _start(self):
+        """Batch policy, layer layout and the GPU worker's RNG for a (newly) fitted model."""
+        self._blocks = hidden_blocks(self.model.resolved_["hidden"])
+        self._policy = BatchPolicy(self.config)
+        self._rng = np.random.default_rng([self.model.config_.seed, 3, self.model.step_])
+
+    def train_epoch(self, Xp, Y, order, progress=None) -> dict:
+        """One epoch of preprocessed rows in ``order``, shared out to both workers."""
         m = self.model
-        X, Y = m._check(X, Y, where=where)
-        if not m._fitted:
-            m._init_params(X.shape[1], Y.shape[1], X.shape[0])
         if not hasattr(self, "_policy"):
-            self._blocks = hidden_blocks(m.config.hidden)
-            self._policy = BatchPolicy(self.config)
-            self._rng = np.random.default_rng([m.config.seed, 3, m.step_])
-        return X, Y
+            self._start()
+        self._rng = np.random.default_rng([m.config_.seed, 3, m.epoch_])
+        m.begin_epoch()
+        wall, stats = self._run(Xp, Y, order)
+        if progress is not None:
+            progress.update(order.size)
+        record = {"loss": sum(s["loss"] * s["samples"] for s in stats.values()) / max(order.size, 1),
+                  "policy": self.config.policy, "device": "gpu" if self.xp is not np else "cpu",
+                  **{f"{w}_{k}": v for w, s in stats.items() for k, v in s.items()}}
+        record["update_ratio"] = stats["cpu"]["updates"] / max(stats["gpu"]["updates"], 1)
+        return record
 
     def partial_fit(self, X, Y):
         """One pass over (X, Y) in row order with both workers; returns the per-worker stats."""
-        X, Y = self._prepare(X, Y, "partial_fit")
-        return self._run(X, Y, np.arange(X.shape[0]))[1]
-
-    def fit(self, X, Y, epochs: int | None = None, validation=None, progress: bool = False,
-            on_epoch=None, eval_k: int = 5):
-        """Train ``epochs`` more epochs (default as for the model) with both workers."""
         m = self.model
-        X, Y = self._prepare(X, Y, "fit")
-        if validation is not None:
-            validation = m._check(*validation, where="validation")
-        if epochs is None:
-            from slide.network import default_epochs
-            epochs = default_epochs(X.shape[0], self.config.cpu_batch)
-        for _ in range(int(epochs)):
-            self._rng = np.random.default_rng([m.config.seed, 3, m.epoch_])
-            m._refresh_tables()
-            order = np.random.default_rng([m.config.seed, 2, m.epoch_]).permutation(X.shape[0])
-            wall, stats = self._run(X, Y, order)
-            m.epoch_ += 1
-            record = {"epoch": m.epoch_, "train_seconds": wall, "samples_per_second": X.shape[0] / wall,
-                      "policy": self.config.policy, "device": "gpu" if self.xp is not np else "cpu",
-                      **{f"{w}_{k}": v for w, s in stats.items() for k, v in s.items()}}
-            record["update_ratio"] = stats["cpu"]["updates"] / max(stats["gpu"]["updates"], 1)
-            if validation is not None:
-                record.update(m.evaluate(*validation, k=eval_k))
-            if progress:
-                print(f"epoch {m.epoch_}: cpu {stats['cpu']['updates']} updates / {stats['cpu']['samples']} "
-                      f"samples ({stats['cpu']['utilisation']:.0%} busy), gpu {stats['gpu']['updates']} / "
-                      f"{stats['gpu']['samples']} ({stats['gpu']['utilisation']:.0%} busy)", flush=True)
-            m.history_.append(record)
-            self.history_.append(record)
-            if on_epoch is not None:
-                on_epoch(self, record)
-        return self
+        if m.__sklearn_is_fitted__():
+            X, Y = m.check_data(X, Y, where="partial_fit")
+        else:
+            X, Y = m.check_data(X, Y, where="partial_fit", fitted=False)
+            self.initialize(X, Y)
+        if not hasattr(self, "_policy"):
+            self._start()
+        return self._run(m.transform(X), Y, np.arange(X.shape[0]))[1]
+
+    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
+        """Train as :meth:`slide.SlideClassifier.fit` does, with both workers."""
+        warm = self.model.warm_start and self.model.__sklearn_is_fitted__()
+        return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                        continue_training=warm)

@@ -2,66 +2,199 @@
 
 No pickle anywhere. Each file is written under a temporary name and renamed into place; the
 JSON, which names the npz it belongs to, is replaced last, so a crash at any point leaves the
-previous checkpoint loadable. The sparse engine and the dense reference share this format.
+previous checkpoint loadable, and a failed write removes its temporary file. The sparse engine
+and the dense reference share this format.
+
+Reading checks everything before a model is built from it: the JSON's keys and types, that the
+arrays file lies inside the model directory, that the npz opens, and (through
+:meth:`Checkpoint.arrays_like`) each array's shape and dtype against the configuration, so a
+damaged or mismatched checkpoint gives a :class:`CheckpointError` naming the file and problem,
+never a crash inside a kernel.
 """
 from __future__ import annotations
 
 import json
+import numbers
 import os
+import zipfile
 
 import numpy as np
 
-FORMAT_VERSION = 1
+__all__ = ["CheckpointError", "Checkpoint", "write_checkpoint", "read_checkpoint", "FORMAT_VERSION"]
+
+# 2: preprocessing and early-stopping state; version 1 files load with identity preprocessing
+FORMAT_VERSION = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or written; the message names the file and the problem."""
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Temporary files left by saves that were killed (they are never referenced)."""
+    for f in os.listdir(path):
+        if f.startswith(".") and f.endswith(".tmp"):
+            try:
+                os.remove(os.path.join(path, f))
+            except OSError:
+                pass
 
 
 def write_checkpoint(path, arrays: dict, meta: dict, step: int) -> None:
-    """Write ``arrays`` (name → ndarray) and JSON-serialisable ``meta`` into directory ``path``."""
+    """Write ``arrays`` (name → ndarray) and JSON-serialisable ``meta`` into directory ``path``.
+
+    On failure (a full disk, a file where the directory should be) the previous checkpoint is
+    kept, the partial file removed, and :class:`CheckpointError` raised.
+    """
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path}: exists and is not a directory")
     name = f"model-{int(step)}.npz"
-    tmp = os.path.join(path, f".{name}.tmp")
-    with open(tmp, "wb") as fh:
-        np.savez(fh, **arrays)
-    os.replace(tmp, os.path.join(path, name))
-    meta = {"format": "slide", "format_version": FORMAT_VERSION, "arrays": name, **meta}
-    tmp = os.path.join(path, ".config.json.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(meta, fh, indent=1)
-    os.replace(tmp, os.path.join(path, "config.json"))
+    tmp_npz = os.path.join(path, f".{name}.tmp")
+    tmp_json = os.path.join(path, ".config.json.tmp")
+    try:
+        os.makedirs(path, exist_ok=True)
+        _remove_stale_temporaries(path)
+        with open(tmp_npz, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(tmp_npz, os.path.join(path, name))
+        doc = {"format": "slide", "format_version": FORMAT_VERSION, "arrays": name, **meta}
+        with open(tmp_json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        os.replace(tmp_json, os.path.join(path, "config.json"))
+    except OSError as e:
+        for tmp in (tmp_npz, tmp_json):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise CheckpointError(f"{path}: could not save the model ({e.strerror or e}); "
+                              f"the previous checkpoint, if any, is unchanged") from None
     for f in os.listdir(path):  # older arrays are no longer referenced
         if f.startswith("model-") and f.endswith(".npz") and f != name:
             os.remove(os.path.join(path, f))
 
 
-def read_checkpoint(path) -> tuple[dict, dict]:
-    """Return ``(arrays, meta)`` of the checkpoint in directory ``path``."""
-    path = os.fspath(path)
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
-    with open(cfg_path) as fh:
+class Checkpoint:
+    """A checkpoint read from disk: ``meta`` (the JSON) and ``arrays`` (name → ndarray), with
+    checked accessors for what a model needs."""
+
+    def __init__(self, path: str, meta: dict, arrays: dict):
+        self.path, self.meta, self.arrays = path, meta, arrays
+        self._where = os.path.join(path, "config.json")
+        self.n_features = self.int("n_features", minimum=1)
+        self.n_labels = self.int("n_labels", minimum=1)
+        self.n_train = self.int("n_train", 1, minimum=1)
+        self.step = self.int("step", minimum=0)
+        self.epoch = self.int("epoch", minimum=0)
+        if not isinstance(meta.get("config"), dict):
+            raise CheckpointError(f"{self._where}: 'config' must be an object")
+
+    def _fail(self, problem):
+        raise CheckpointError(f"{self._where}: {problem}")
+
+    def int(self, key, default=None, minimum=None) -> int:
+        v = self.meta.get(key, default)
+        if v is None and default is not None:
+            v = default
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            else:
+                self._fail(f"'{key}' must be an integer, got {v!r}" if key in self.meta
+                           else f"missing '{key}'")
+        if minimum is not None and v < minimum:
+            self._fail(f"'{key}' must be at least {minimum}, got {v}")
+        return int(v)
+
+    def float(self, key, default=None) -> float:
+        v = self.meta.get(key, default)
+        if v is None:
+            v = default
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v):
+            self._fail(f"'{key}' must be a finite number, got {v!r}")
+        return float(v)
+
+    def config_params(self, estimator_cls) -> dict:
+        """The saved settings that ``estimator_cls`` takes (engines share the format)."""
+        names = estimator_cls._get_param_names()
+        return {k: (tuple(v) if isinstance(v, list) else v)
+                for k, v in self.meta["config"].items() if k in names}
+
+    def arrays_like(self, shapes: dict, prefix: str = "", suffixes=("",), zeros: bool = False,
+                    missing_ok: bool = False) -> dict:
+        """float32 arrays ``prefix + name + suffix`` for every ``name`` in ``shapes``, checked
+        against those shapes. Missing ones: zeros with ``zeros`` (Adam moments of a file
+        written without them), skipped with ``missing_ok``, an error otherwise."""
+        out = {}
+        for name, shape in shapes.items():
+            for suffix in suffixes:
+                key = f"{prefix}{name}{suffix}"
+                a = self.arrays.get(key)
+                if a is None:
+                    if zeros:
+                        out[f"{name}{suffix}"] = np.zeros(shape, np.float32)
+                        continue
+                    if missing_ok:
+                        continue
+                    raise CheckpointError(f"{self.npz_path}: array '{key}' is missing")
+                if a.shape != tuple(shape) or a.dtype != np.float32:
+                    raise CheckpointError(
+                        f"{self.npz_path}: array '{key}' is {a.dtype} {a.shape}, the configuration "
+                        f"({self._where}) needs float32 {tuple(shape)}")
+                out[f"{name}{suffix}"] = np.ascontiguousarray(a)
+        return out
+
+    @property
+    def npz_path(self) -> str:
+        return os.path.join(self.path, self.meta["arrays"])
+
+    def preprocessor(self, n_features: int):
+        from slide.preprocess import Preprocessor
+        meta = self.meta.get("preprocessing")
+        arrays = {k[4:]: v for k, v in self.arrays.items() if k.startswith("pre.")}
+        if meta is None:  # written before preprocessing was part of the model: rows as given
+            meta = {"norm": None, "tfidf": False, "n_documents": 1}
+            arrays = {"document_frequency": np.ones(n_features, np.int64)}
+        if not isinstance(meta, dict):
+            self._fail("'preprocessing' must be an object")
         try:
+            return Preprocessor.from_state(arrays, meta, n_features)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{self.npz_path}: preprocessing state is invalid ({e})") from None
+
+
+def read_checkpoint(path) -> Checkpoint:
+    """Read and check the checkpoint in directory ``path``."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such model directory")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path}: not a model directory (no config.json)")
+    try:
+        with open(cfg_path, encoding="utf-8") as fh:
             meta = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: corrupt JSON ({e})") from None
-    if meta.get("format") != "slide":
-        raise ValueError(f"{cfg_path}: not a slide model")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{cfg_path}: format version {meta['format_version']} is newer than this "
-                         f"library's ({FORMAT_VERSION})")
-    with np.load(os.path.join(path, meta["arrays"]), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    return arrays, meta
-
-
-def split_arrays(arrays: dict) -> tuple[dict, dict]:
-    """Parameters and Adam moments (``adam.<param>.m|v``; zeros when the file has none)."""
-    params = {k: v for k, v in arrays.items() if not k.startswith("adam.")}
-    moments = {k[5:]: v for k, v in arrays.items() if k.startswith("adam.")}
-    if not moments:
-        moments = {f"{k}.{s}": np.zeros_like(v) for k, v in params.items() for s in "mv"}
-    return params, moments
-
-
-def join_arrays(params: dict, moments: dict) -> dict:
-    return {**params, **{f"adam.{k}": v for k, v in moments.items()}}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path}: corrupt JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "slide":
+        raise CheckpointError(f"{cfg_path}: not a slide model")
+    version = meta.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise CheckpointError(f"{cfg_path}: format_version must be an integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: format version {version} is newer than this "
+                              f"library's ({FORMAT_VERSION})")
+    name = meta.get("arrays")
+    if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".npz") \
+            or name.startswith("."):
+        raise CheckpointError(f"{cfg_path}: 'arrays' must name an .npz file inside the model "
+                              f"directory, got {name!r}")
+    npz = os.path.join(path, name)
+    _remove_stale_temporaries(path)
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise CheckpointError(f"{npz}: missing (named by {cfg_path})") from None
+    except (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError) as e:
+        raise CheckpointError(f"{npz}: unreadable ({type(e).__name__}: {e})") from None
+    return Checkpoint(path, meta, arrays)

@@ -38,7 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (the built-in dataset when no file is given)")
     t.add_argument("train", nargs="?", help="training file (XMC repository or libsvm format)")
-    t.add_argument("--test", help="test file, evaluated after every epoch")
+    t.add_argument("--test", help="test file, scored after every epoch for the record (never used "
+                                  "for stopping or model selection)")
     t.add_argument("--engine", choices=["slide", "dense"], default="slide",
                    help="the sparse engine, or the dense reference (gpu_ref)")
     t.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
@@ -48,18 +49,28 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--policy", choices=["hogbatch", "adaptive"], default="adaptive",
                    help="hetero batch-size policy")
     t.add_argument("--epochs", type=_positive, default=None,
-                   help="default: enough for about 3,000 steps, 5 to 30 epochs")
-    t.add_argument("--hidden", type=_hidden, default=(128,), help="hidden sizes, e.g. 128 or 256,128")
+                   help="total epochs (the most, with early stopping; with --resume counting the "
+                        "checkpoint's); default: from the data's size")
+    t.add_argument("--hidden", type=_hidden, default=None,
+                   help="hidden sizes, e.g. 512 or 256,128 (default: from the data's shape)")
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta")
-    t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 3e-3)")
+    t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: 1e-3)")
+    t.add_argument("--weight-decay", type=float, default=None,
+                   help="decoupled weight decay, a multiple of the learning rate (default: 1)")
+    t.add_argument("--tfidf", action="store_true", help="weight features by idf (fitted on TRAIN)")
+    t.add_argument("--no-norm", action="store_true", help="keep rows as given (default: L2-normalised)")
+    t.add_argument("--no-early-stopping", action="store_true",
+                   help="train every epoch on all rows (default: hold out a validation slice, "
+                        "stop when it stops improving, keep the best epoch)")
+    t.add_argument("--validation-fraction", type=float, default=0.1,
+                   help="share of the training rows held out for early stopping (at most 5,000)")
     t.add_argument("--batch-size", type=_positive, default=None,
                    help="default: 32 to 128 by training-set size")
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--eval-samples", type=_positive, default=None, help="evaluate on a shuffled subset")
     t.add_argument("--metrics-json", help="write per-epoch metrics here")
     t.add_argument("--save", help="checkpoint directory (saved after every epoch)")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --save")
@@ -113,9 +124,10 @@ def _cmd_train(a):
             model = DenseClassifier.load(a.save, a.device)
         print(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
-        common = dict(hidden=a.hidden, batch_size=a.batch_size, seed=a.seed)
-        if a.lr is not None:
-            common["lr"] = a.lr
+        common = dict(hidden=a.hidden, batch_size=a.batch_size, seed=a.seed, lr=a.lr,
+                      weight_decay=a.weight_decay, tfidf=a.tfidf, norm=None if a.no_norm else "l2",
+                      early_stopping=not a.no_early_stopping,
+                      validation_fraction=a.validation_fraction, epochs=a.epochs)
         if a.engine == "slide":
             from slide.network import SlideClassifier
             model = SlideClassifier(sparsity=a.sparsity, hidden_sparsity=a.hidden_sparsity,
@@ -129,12 +141,13 @@ def _cmd_train(a):
     print(f"train: {Xtr.shape[0]} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
           f"engine={a.engine}, mode={a.mode}")
     doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs, metrics_json=a.metrics_json,
-                       checkpoint_dir=a.save, eval_samples=a.eval_samples,
-                       progress=not a.no_progress, resume=a.resume)
-    if doc["epochs"] and "P@1" in doc["epochs"][-1]:
-        last = doc["epochs"][-1]
-        print(f"final: P@1={last['P@1']:.4f}  P@3={last['P@3']:.4f}  P@5={last['P@5']:.4f}  "
-              f"nDCG@5={last['nDCG@5']:.4f}  ({doc['wall_seconds']:.1f}s, peak RSS {doc.get('peak_rss_mb', 0):.0f} MiB)")
+                       checkpoint_dir=a.save, progress=not a.no_progress, resume=a.resume)
+    stop = doc["stopping"]
+    print(f"kept epoch {stop['kept_epoch']}: {stop['reason']}")
+    if "test" in doc:
+        t = doc["test"]
+        print(f"final: P@1={t['P@1']:.4f}  P@3={t['P@3']:.4f}  P@5={t['P@5']:.4f}  "
+              f"nDCG@5={t['nDCG@5']:.4f}  ({doc['wall_seconds']:.1f}s, peak RSS {doc.get('peak_rss_mb', 0):.0f} MiB)")
     return 0
 
 
@@ -163,7 +176,8 @@ def _cmd_predict(a):
 
 
 def _cmd_data(a):
-    from slide.data import PRESETS, make_dataset, read_dataset, write_xmc
+    from slide.data import read_dataset, write_xmc
+    from slide.synthetic import PRESETS, make_dataset
     if a.data_command == "synth":
         if a.preset not in PRESETS:
             raise ValueError(f"unknown preset {a.preset!r}; choose from {', '.join(PRESETS)}")
@@ -186,10 +200,11 @@ def _cmd_data(a):
 
 def main(argv=None) -> int:
     args = _build_parser().parse_args(argv)
+    from slide.checkpoint import CheckpointError
     from slide.data import DataFormatError
     try:
         return {"train": _cmd_train, "eval": _cmd_eval, "predict": _cmd_predict, "data": _cmd_data}[args.command](args)
-    except (DataFormatError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (DataFormatError, CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"slide: error: {e}", file=sys.stderr)
         return 2
 

@@ -14,15 +14,13 @@ matrix ``Y`` [N, L]. Parsing is one numba pass over the file's bytes; problems a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
 from numba import njit
 
 __all__ = ["DataFormatError", "read_xmc", "write_xmc", "read_libsvm", "write_libsvm",
-           "read_dataset", "make_dataset", "PRESETS", "DatasetShape", "check_xy",
-           "load_default", "shuffle_rows"]
+           "read_dataset", "check_xy", "labels_to_csr", "shuffle_rows"]
 
 
 class DataFormatError(ValueError):
@@ -411,134 +409,3 @@ def shuffle_rows(X, Y, seed: int = 0, n: int | None = None):
     """A seeded random subset (or permutation) of rows: test files may be sorted by label."""
     order = np.random.default_rng(seed).permutation(X.shape[0])[:n]
     return X[order], Y[order]
-
-
-# --------------------------------------------------------------------------------------------
-# Synthetic data
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DatasetShape:
-    """The shape of an extreme-classification dataset, after the public ones."""
-    name: str
-    n_features: int
-    n_labels: int
-    n_train: int
-    n_test: int
-    features_per_sample: float
-    labels_per_sample: float
-
-
-PRESETS = {s.name: s for s in [
-    DatasetShape("amazon-670k", 135_909, 670_091, 490_449, 153_025, 75.0, 5.4),
-    DatasetShape("delicious-200k", 782_585, 205_443, 196_606, 100_095, 300.0, 75.0),
-    DatasetShape("wikilshtc-325k", 1_617_899, 325_056, 1_778_351, 587_084, 42.0, 3.2),
-    DatasetShape("eurlex-4k", 5_000, 3_993, 15_539, 3_809, 236.0, 5.3),
-    # Amazon-like in its label/feature ratios, small enough to train in about a minute on 2 cores
-    DatasetShape("demo", 20_000, 10_000, 20_000, 4_000, 40.0, 3.0),
-]}
-# Each label's signature: the features its samples draw from, most characteristic first.
-_SIGNATURE = 16
-_NOISE_FRACTION = 0.3
-
-
-@njit(cache=True, nogil=True)
-def _generate(seed, n, label_cdf, label_perm, signatures, feature_cdf, feature_perm,
-              feats_per_sample, labels_per_sample, noise_fraction):
-    """Draw ``n`` samples; returns CSR parts (x_indptr, x_ids, x_counts, y_indptr, y_ids)."""
-    np.random.seed(seed)
-    sig = signatures.shape[1]
-    max_feats = n * int(3 * feats_per_sample + 8)
-    max_labels = n * int(4 * labels_per_sample + 4)
-    x_ids = np.empty(max_feats, np.int64)
-    y_ids = np.empty(max_labels, np.int64)
-    x_indptr = np.zeros(n + 1, np.int64)
-    y_indptr = np.zeros(n + 1, np.int64)
-    nx = 0
-    ny = 0
-    n_labels = label_cdf.size
-    for r in range(n):
-        k = min(1 + np.random.poisson(labels_per_sample - 1.0), int(4 * labels_per_sample + 4),
-                n_labels)
-        start = ny
-        while ny - start < k:
-            lab = label_perm[np.searchsorted(label_cdf, np.random.random(), side="right")]
-            dup = False
-            for t in range(start, ny):
-                if y_ids[t] == lab:
-                    dup = True
-            if not dup:
-                y_ids[ny] = lab
-                ny += 1
-        m = max(1, min(int(3 * feats_per_sample + 8), np.random.poisson(feats_per_sample)))
-        for _ in range(m):
-            if np.random.random() < noise_fraction:
-                f = feature_perm[np.searchsorted(feature_cdf, np.random.random(), side="right")]
-            else:
-                lab = y_ids[start + np.random.randint(0, k)]
-                # geometric rank inside the signature: a label's first features are its strongest
-                j = min(sig - 1, int(np.random.exponential(sig / 4.0)))
-                f = signatures[lab, j]
-            x_ids[nx] = f
-            nx += 1
-        x_indptr[r + 1] = nx
-        y_indptr[r + 1] = ny
-    return x_indptr, x_ids[:nx], y_indptr, y_ids[:ny]
-
-
-def make_dataset(shape="demo", n_train: int | None = None, n_test: int | None = None,
-                 seed: int = 0):
-    """Generate a synthetic extreme-classification dataset shaped like a public one.
-
-    Label frequencies follow a power law (a long tail of rare labels); each label owns a sparse
-    signature of features that its samples draw from; a share of every sample's features is
-    Zipf-distributed noise over the whole vocabulary. Rows are L2-normalised term counts.
-
-    Parameters
-    ----------
-    shape : str or DatasetShape
-        A preset name from :data:`PRESETS` or a custom shape.
-    n_train, n_test : int, optional
-        Sample counts; default to the shape's.
-    seed : int
-        Same seed, same data.
-
-    Returns
-    -------
-    (X_train, Y_train, X_test, Y_test): float32 CSR matrices.
-    """
-    if isinstance(shape, str):
-        if shape not in PRESETS:
-            raise ValueError(f"unknown preset {shape!r}; choose from {', '.join(PRESETS)}")
-        shape = PRESETS[shape]
-    n_train = shape.n_train if n_train is None else int(n_train)
-    n_test = shape.n_test if n_test is None else int(n_test)
-    if n_train <= 0 or n_test < 0:
-        raise ValueError("n_train must be positive and n_test non-negative")
-    rng = np.random.default_rng(seed)
-    L, D = shape.n_labels, shape.n_features
-    # power-law label frequencies over a random order of label ids
-    label_w = (np.arange(1, L + 1, dtype=np.float64)) ** -0.9
-    label_cdf = np.cumsum(label_w / label_w.sum())
-    label_perm = rng.permutation(L).astype(np.int64)
-    # noise features: Zipf over a random order of the vocabulary
-    feat_w = (np.arange(1, D + 1, dtype=np.float64)) ** -1.05
-    feature_cdf = np.cumsum(feat_w / feat_w.sum())
-    feature_perm = rng.permutation(D).astype(np.int64)
-    signatures = rng.integers(0, D, size=(L, _SIGNATURE), dtype=np.int64)
-    n = n_train + n_test
-    x_indptr, x_ids, y_indptr, y_ids = _generate(
-        int(rng.integers(2**31 - 1)), n, label_cdf, label_perm, signatures, feature_cdf, feature_perm,
-        float(shape.features_per_sample), float(shape.labels_per_sample), _NOISE_FRACTION)
-    X = sp.csr_matrix((np.ones(x_ids.size, np.float32), x_ids.astype(np.int32), x_indptr), shape=(n, D))
-    X.sum_duplicates()
-    X.data = np.log1p(X.data).astype(np.float32)
-    norms = np.sqrt(np.asarray(X.multiply(X).sum(axis=1)).ravel()).astype(np.float32)
-    X = sp.csr_matrix(sp.diags(1.0 / np.maximum(norms, 1e-12)) @ X, dtype=np.float32)
-    Y = sp.csr_matrix((np.ones(y_ids.size, np.float32), y_ids.astype(np.int32), y_indptr), shape=(n, L))
-    Y.sort_indices()
-    return X[:n_train], Y[:n_train], X[n_train:], Y[n_train:]
-
-
-def load_default(seed: int = 0):
-    """The built-in default dataset (the ``demo`` preset), generated on the fly."""
-    return make_dataset("demo", seed=seed)

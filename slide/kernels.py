@@ -256,8 +256,8 @@ def _adam_step(m, v, j, gj, b1, b2, lr, eps, c1, c2):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _adam(w, m, v, g, j, b1, b2, lr, eps, c1, c2):
-    w[j] -= _adam_step(m, v, j, g[j], b1, b2, lr, eps, c1, c2)
+def _adam(w, m, v, g, j, b1, b2, lr, eps, c1, c2, decay):
+    w[j] -= _adam_step(m, v, j, g[j], b1, b2, lr, eps, c1, c2) + decay * w[j]
     g[j] = 0.0
 
 
@@ -270,20 +270,21 @@ def _adam_constants(lr, beta1, beta2, eps, step):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adam_rows(rows, grad_rows, W, M, V, G, lr, beta1, beta2, eps, step):
+def adam_rows(rows, grad_rows, W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on rows ``rows[t]`` of W [n, d] (moments M, V) with gradient ``G[grad_rows[t]]``,
     zeroed after use: ``grad_rows = rows`` for full-size accumulators, ``arange`` for a compact
     block of gradient rows."""
     b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
+    decay = np.float32(lr * weight_decay)
     for t in prange(rows.size):
         i = rows[t]
         w, m, v, g = W[i], M[i], V[i], G[grad_rows[t]]
         for j in range(w.size):
-            _adam(w, m, v, g, j, b1, b2, lr32, eps32, c1, c2)
+            _adam(w, m, v, g, j, b1, b2, lr32, eps32, c1, c2, decay)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adam_entries(idx, grad_idx, W, M, V, G, lr, beta1, beta2, eps, step):
+def adam_entries(idx, grad_idx, W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on entries ``idx[t]`` of flat arrays with gradient ``G[grad_idx[t]]`` (biases)."""
     b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
     for t in prange(idx.size):
@@ -294,11 +295,12 @@ def adam_entries(idx, grad_idx, W, M, V, G, lr, beta1, beta2, eps, step):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step):
+def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on every entry of flat arrays (biases and the small hidden stack)."""
     b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
+    decay = np.float32(lr * weight_decay)
     for j in prange(W.size):
-        _adam(W, M, V, G, j, b1, b2, lr32, eps32, c1, c2)
+        _adam(W, M, V, G, j, b1, b2, lr32, eps32, c1, c2, decay)
 
 
 # --------------------------------------------------------------------------------------------

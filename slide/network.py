@@ -1,236 +1,171 @@
 """The SLIDE model: sparse input → dense hidden layers → LSH-sampled output layer.
 
-:class:`SlideConfig` holds every hyperparameter; :class:`SlideClassifier` holds the arrays and
-follows scikit-learn's conventions (``fit``, ``partial_fit``, ``predict``, ``predict_topk``,
-``score``, ``get_params``/``set_params``), so it drops into a Pipeline after a vectorizer.
-The Python layer validates at the boundary and orchestrates one batch at a time; all per-sample
-work happens in :mod:`slide.kernels`.
+:class:`SlideClassifier` holds the arrays and follows scikit-learn's conventions (``fit``,
+``partial_fit``, ``predict``, ``predict_topk``, ``score``, ``get_params``/``set_params``), so it
+drops into a Pipeline after a vectorizer. Its settings are validated into a
+:class:`slide.config.SlideConfig` when it is fitted. The Python layer validates at the boundary
+and orchestrates one batch at a time; all per-sample work happens in :mod:`slide.kernels`.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
-from dataclasses import dataclass
 
 import numba
 import numpy as np
 import scipy.sparse as sp
+from sklearn.base import BaseEstimator
+from sklearn.exceptions import NotFittedError
 
-from lsh import HashTables, TableConfig, autotune, engine_threads, set_num_threads, thread_chunks
+from lsh import HashTables, TableConfig, engine_threads, set_num_threads, thread_chunks
 from lsh.tables import QueryScratch
 from slide import kernels
-from slide.checkpoint import join_arrays, read_checkpoint, split_arrays, write_checkpoint
+from slide.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, hidden_block, hidden_blocks,
+                          init_parameters, parameter_shapes, resolve)
 from slide.data import check_xy
-from slide.metrics import evaluate, topk
+from slide.metrics import topk
+from slide.preprocess import Preprocessor
+from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
-__all__ = ["SlideConfig", "SlideClassifier", "init_parameters", "hidden_blocks", "hidden_block",
-           "default_batch_size", "default_epochs"]
-
-@dataclass(frozen=True)
-class SlideConfig:
-    """Hyperparameters of a :class:`SlideClassifier`.
-
-    ``None`` means "derive from the data" (see :meth:`SlideClassifier.resolved_config`).
-
-    Attributes
-    ----------
-    hidden : ReLU hidden layer sizes, input side first.
-    hidden_sparsity : per hidden layer, the fraction of its neurons computed per sample (1.0:
-        dense; ``None``: all dense). A sampled layer computes only the neurons its LSH tables
-        return for the previous layer's activation, ranked by hit count; the first hidden
-        layer reads the sparse input and is always dense.
-    sparsity : fraction of output neurons active per sample (labels + LSH candidates + random
-        negatives shared by the batch). 1.0 computes every neuron (exact softmax). ``None``:
-        ``max(1024, 0.005 · n_labels)`` active neurons, all of them when there are fewer labels.
-    hash_family, K, L, range_pow, bucket_size, bucket_policy : the output layer's LSH tables
-        (``None``: :func:`lsh.autotune` from the sparsity).
-    rehash_every : samples between rehashes (same functions, current weights); it is multiplied
-        by ``rehash_growth`` after each one. ``rebuild_every``: samples between draws of new
-        hash functions. ``None``: 64 batches, and 16 times that.
-    lr, beta1, beta2, eps : Adam. batch_size : samples per step (``None``: from the training
-        set's size, :func:`default_batch_size`). threads : numba threads (``None``: all cores).
-    seed : fixes initialisation, data order and sampling.
-    """
-    hidden: tuple = (128,)
-    hidden_sparsity: tuple | None = None
-    sparsity: float | None = None
-    hash_family: str = "dwta"
-    K: int | None = None
-    L: int | None = None
-    range_pow: int | None = None
-    bucket_size: int | None = None
-    bucket_policy: str = "reservoir"
-    rehash_every: int | None = None
-    rehash_growth: float = 1.25
-    rebuild_every: int | None = None
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    batch_size: int | None = None
-    threads: int | None = None
-    seed: int = 0
-
-    def __post_init__(self):
-        if not (isinstance(self.hidden, tuple) and all(type(h) is int for h in self.hidden)):
-            object.__setattr__(self, "hidden", tuple(int(h) for h in np.atleast_1d(self.hidden)))
-        if not self.hidden or min(self.hidden) < 1:
-            raise ValueError(f"hidden must list positive layer sizes, got {self.hidden}")
-        if self.hidden_sparsity is not None:
-            if not isinstance(self.hidden_sparsity, tuple):
-                object.__setattr__(self, "hidden_sparsity", tuple(float(v) for v in self.hidden_sparsity))
-            hs = self.hidden_sparsity
-            if len(hs) != len(self.hidden) or not all(0 < v <= 1 for v in hs):
-                raise ValueError(f"hidden_sparsity needs one value in (0, 1] per hidden layer, got {hs}")
-            if hs[0] != 1:
-                raise ValueError("the first hidden layer reads the sparse input and must be dense "
-                                 "(hidden_sparsity[0] = 1.0)")
-        if self.sparsity is not None and not 0 < self.sparsity <= 1:
-            raise ValueError(f"sparsity must be in (0, 1], got {self.sparsity}")
-        if (self.batch_size is not None and self.batch_size < 1) or self.lr <= 0:
-            raise ValueError("batch_size and lr must be positive")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError("beta1 and beta2 must be in [0, 1)")
+__all__ = ["SlideClassifier"]
 
 
-_CONFIG_FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
-
-
-def _to_json(obj):
-    return list(obj) if isinstance(obj, tuple) else obj
-
-
-def default_batch_size(n_train: int) -> int:
-    """Small data needs more, smaller steps: 32 below ~14K samples, 128 above ~56K."""
-    return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
-
-
-def default_epochs(n_train: int, batch_size: int) -> int:
-    """Enough epochs for about 3,000 optimizer steps, between 5 and 30."""
-    steps = math.ceil(n_train / batch_size)
-    return int(np.clip(math.ceil(3000 / steps), 5, 30))
-
-
-def hidden_blocks(hidden) -> list:
-    """(weight offset, bias offset, n_out, n_in) of each layer of the flat hidden stack
-    ``Wh``/``bh``, which holds hidden layers 1..len(hidden)-1 as [n_out, n_in] blocks."""
-    blocks, off, boff = [], 0, 0
-    for n_in, n_out in zip(hidden[:-1], hidden[1:]):
-        blocks.append((off, boff, int(n_out), int(n_in)))
-        off += int(n_out * n_in)
-        boff += int(n_out)
-    return blocks
-
-
-def hidden_block(p, blk):
-    """Weights [n_out, n_in] and bias [n_out] of one hidden block: views into p["Wh"], p["bh"]."""
-    off, boff, n_out, n_in = blk
-    return p["Wh"][off:off + n_out * n_in].reshape(n_out, n_in), p["bh"][boff:boff + n_out]
-
-
-def init_parameters(hidden, n_features: int, n_labels: int, seed: int) -> dict:
-    """Initial float32 parameters (``W0, b0, Wh, bh, W, b``) for a seed; shared with gpu_ref."""
-    rng = np.random.default_rng(seed)
-    sizes = [int(h) for h in hidden]
-    p = {}
-    # input rows are L2-normalised sparse vectors: unit-scale pre-activations need weights of
-    # order one, not 1/sqrt(n_features)
-    p["W0"] = rng.standard_normal((n_features, sizes[0]), np.float32) * np.float32(0.5)
-    p["b0"] = np.zeros(sizes[0], np.float32)
-    blocks = [rng.standard_normal((sizes[l], sizes[l - 1]), np.float32) * np.float32(math.sqrt(2.0 / sizes[l - 1]))
-              for l in range(1, len(sizes))]
-    p["Wh"] = np.concatenate([b.ravel() for b in blocks]) if blocks else np.zeros(0, np.float32)
-    p["bh"] = np.zeros(sum(sizes[1:]), np.float32)
-    p["W"] = rng.standard_normal((n_labels, sizes[-1]), np.float32) * np.float32(1.0 / math.sqrt(sizes[-1]))
-    p["b"] = np.zeros(n_labels, np.float32)
-    return p
-
-
-try:  # scikit-learn is optional; with it, the estimator carries its tags into Pipelines
-    from sklearn.base import BaseEstimator as _EstimatorBase
-except ImportError:  # pragma: no cover
-    _EstimatorBase = object
-
-
-class SlideClassifier(_EstimatorBase):
+class SlideClassifier(TrainableMixin, BaseEstimator):
     """Extreme multi-label classifier trained sparsely on CPU threads.
 
-    Parameters are those of :class:`SlideConfig`, e.g.
-    ``SlideClassifier(hidden=(128,), sparsity=0.005, lr=1e-3)``.
+    Parameters are those of :class:`slide.config.SlideConfig` (``None``: derived from the
+    training data by :func:`slide.config.resolve`).
 
-    Fitted attributes: ``n_features_in_``, ``n_labels_``, ``params_`` (dict of float32 arrays),
-    ``step_`` (optimizer steps), ``epoch_`` (completed epochs), ``history_`` (per-epoch dicts),
+    Fitted attributes: ``config_`` (the validated settings), ``resolved_`` (the concrete
+    ones), ``n_features_in_``, ``n_labels_``, ``preprocessor_``, ``params_`` (dict of float32
+    arrays), ``learning_rate_`` (lowered on plateaus), ``step_``, ``epoch_``, ``history_``
+    (per-epoch records), ``stopping_`` (the epoch kept and why training stopped),
     ``timings_`` (seconds per phase).
     """
 
-    def __init__(self, **config):
-        unknown = set(config) - set(_CONFIG_FIELDS)
-        if unknown:
-            raise TypeError(f"unknown parameter(s): {', '.join(sorted(unknown))}")
-        self.config = SlideConfig(**config)
-        self._fitted = False
+    def __init__(self, hidden=None, hidden_sparsity=None, sparsity=None, hash_family="dwta", K=None,
+                 L=None, range_pow=None, bucket_size=None, bucket_policy="reservoir",
+                 rehash_every=None, rehash_growth=1.25, rebuild_every=None, norm="l2", tfidf=False,
+                 lr=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=None, batch_size=None,
+                 epochs=None, early_stopping=True, validation_fraction=0.1, n_iter_no_change=5,
+                 threads=None, seed=0, warm_start=False):
+        self.hidden = hidden
+        self.hidden_sparsity = hidden_sparsity
+        self.sparsity = sparsity
+        self.hash_family = hash_family
+        self.K = K
+        self.L = L
+        self.range_pow = range_pow
+        self.bucket_size = bucket_size
+        self.bucket_policy = bucket_policy
+        self.rehash_every = rehash_every
+        self.rehash_growth = rehash_growth
+        self.rebuild_every = rebuild_every
+        self.norm = norm
+        self.tfidf = tfidf
+        self.lr = lr
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
+        self.n_iter_no_change = n_iter_no_change
+        self.threads = threads
+        self.seed = seed
+        self.warm_start = warm_start
 
-    # -- scikit-learn protocol -----------------------------------------------------------------
-    def get_params(self, deep: bool = True) -> dict:
-        return {k: getattr(self.config, k) for k in _CONFIG_FIELDS}
+    # -- settings --------------------------------------------------------------------------------
+    def _is_fitted(self) -> bool:
+        return hasattr(self, "params_")
 
-    def set_params(self, **params):
-        self.config = dataclasses.replace(self.config, **params)
+    def __sklearn_is_fitted__(self) -> bool:
+        return self._is_fitted()
+
+    def _current_config(self) -> SlideConfig:
+        """The constructor's settings, validated; a fitted model checks that none of the
+        settings that fix its shapes has changed since it was fitted."""
+        config = SlideConfig(**self.get_params())
+        if self._is_fitted():
+            changed = [k for k in ARCHITECTURE_FIELDS
+                       if getattr(config, k) != getattr(self.config_, k)]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} changed since the model was fitted "
+                    f"({', '.join(f'{k}={getattr(self.config_, k)!r}' for k in changed)}); "
+                    f"these fix the model's shapes: fit a new model (warm_start=False)")
+        return config
+
+    def fit_settings(self) -> dict:
+        """Early stopping and seed for :func:`slide.train.fit_loop` (current settings)."""
+        c = SlideConfig(**self.get_params())
+        return {"early_stopping": c.early_stopping,
+                "validation_fraction": c.validation_fraction,
+                "n_iter_no_change": c.n_iter_no_change, "seed": c.seed}
+
+    def _refresh_config(self):
+        """Settings that may change between calls on a fitted model (lr, threads, epochs...)."""
+        config = self._current_config()
+        if config.lr != self.config_.lr:
+            self.learning_rate_ = self._resolve(config)["lr"]
+        self.config_ = config
+        self.resolved_ = self._resolve(config)
+        self.batch_size_ = self.resolved_["batch_size"]
+
+    def _resolve(self, config):
+        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_)
+
+    # -- fitting ---------------------------------------------------------------------------------
+    def check_data(self, X, Y=None, where="input", fitted=True):
+        """Validated float32 CSR ``X`` (and CSR indicator ``Y``), against the fitted shapes
+        when ``fitted`` and the model is fitted."""
+        if not (fitted and self._is_fitted()):
+            return check_xy(X, Y, where=where)
+        return check_xy(X, Y, n_features=self.n_features_in_,
+                        n_labels=self.n_labels_ if Y is not None else None, where=where)
+
+    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
+        """Train from scratch (or, with ``warm_start``, continue) on ``X`` [n, n_features]
+        (CSR-convertible) and ``Y`` (CSR indicator [n, n_labels] or label-id lists).
+
+        With ``early_stopping`` a slice of the training rows is held out unless ``validation``
+        ``(X_val, Y_val)`` is given; see :func:`slide.train.fit_loop`. ``progress`` shows a
+        tqdm bar per epoch; ``on_epoch(model, record)`` runs after each epoch.
+        """
+        warm = self.warm_start and self._is_fitted()
+        if warm:
+            self._refresh_config()
+        return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                        continue_training=warm)
+
+    def partial_fit(self, X, Y):
+        """One pass over (X, Y) in the given row order (for streams); initialises an unfitted
+        model from this first batch's shapes (no validation slice is held out)."""
+        if self._is_fitted():
+            self._refresh_config()
+            X, Y = self.check_data(X, Y, where="partial_fit")
+        else:
+            X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
+            self.initialize(X, Y)
+        self.train_epoch(self.transform(X), Y, np.arange(X.shape[0]))
         return self
 
-    def __repr__(self):
-        default = dataclasses.asdict(SlideConfig())
-        changed = {k: v for k, v in self.get_params().items() if v != default[k]}
-        return f"SlideClassifier({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
-
-    # -- set-up ----------------------------------------------------------------------------------
-    def resolved_config(self, n_labels: int, n_train: int) -> dict:
-        """Batch size, active-set target and table settings for ``n_labels`` outputs and
-        ``n_train`` training samples."""
-        c = self.config
-        batch_size = c.batch_size or default_batch_size(n_train)
-        if c.sparsity is None:
-            target = min(n_labels, max(1024, math.ceil(0.005 * n_labels)))
-        else:
-            target = min(n_labels, max(1, math.ceil(c.sparsity * n_labels)))
-        sampled = target < n_labels
-        # a quarter of the active set is each sample's own LSH candidates (hard negatives), the
-        # rest a random pool shared by the batch (dense matrix products, few distinct rows to
-        # update); without sampling the pool is every neuron
-        lsh_cap = target // 4 if sampled else 0
-        out = {"batch_size": batch_size, "active_target": target, "sampled": sampled,
-               "lsh_cap": lsh_cap, "pool": target - lsh_cap}
-        if out["sampled"]:
-            over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
-            # the tables only supply lsh_cap candidates per sample, so fewer and smaller than
-            # BOLT's rule: at Amazon-670K shape 24 tables of 64 matched 82 of 164 in P@1 at
-            # 0.77 of the memory and a third of the rehash time (bench/README.md)
-            tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy,
-                          max_tables=24, max_bucket_size=64, **over)
-            out["tables"] = dataclasses.asdict(tc)
-        hs = c.hidden_sparsity or (1.0,) * len(c.hidden)
-        out["hidden_layers"] = [None] * len(c.hidden)
-        for l in range(1, len(c.hidden)):
-            if hs[l] < 1:
-                tc = autotune(c.hidden[l], hs[l], family=c.hash_family, policy=c.bucket_policy,
-                              max_tables=24, max_bucket_size=64)
-                out["hidden_layers"][l] = {"target": max(1, math.ceil(hs[l] * c.hidden[l])),
-                                           "tables": dataclasses.asdict(tc)}
-        per_batch = 64 * batch_size
-        out["rehash_every"] = c.rehash_every or per_batch
-        out["rebuild_every"] = c.rebuild_every or 16 * per_batch
-        return out
-
-    def _init_params(self, n_features: int, n_labels: int, n_train: int):
-        self.params_ = init_parameters(self.config.hidden, n_features, n_labels, self.config.seed)
-        p = self.params_
-        self.moments_ = {f"{k}.{s}": np.zeros_like(v) for k, v in p.items() for s in "mv"}
-        self.n_features_in_, self.n_labels_, self.n_train_ = n_features, n_labels, n_train
+    def initialize(self, X, Y) -> None:
+        """Fresh preprocessing (fitted on X), parameters, moments, tables and counters."""
+        self.config_ = SlideConfig(**self.get_params())
+        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
+        self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
+        self.resolved_ = self._resolve(self.config_)
+        self.params_ = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
+                                       self.config_.seed, self.preprocessor_.seen_features())
+        self.moments_ = {f"{k}.{s}": np.zeros_like(v) for k, v in self.params_.items() for s in "mv"}
+        self.learning_rate_ = self.resolved_["lr"]
         self.step_, self.epoch_, self.samples_seen_ = 0, 0, 0
         self.history_, self.timings_ = [], {}
-        self.hash_seed_ = self.config.seed
-        self._fitted = True
+        self.early_stopping_, self.best_params_, self.stopping_ = None, None, None
+        self.hash_seed_ = self.config_.seed
         self._setup()
         self._next_rehash = self.resolved_["rehash_every"]
         self._rehash_interval = float(self.resolved_["rehash_every"])
@@ -239,28 +174,28 @@ class SlideClassifier(_EstimatorBase):
 
     def _setup(self):
         """Derived state: offsets, gradients, tables, scratch (never saved)."""
-        c = self.config
-        self.resolved_ = self.resolved_config(self.n_labels_, self.n_train_)
-        self.batch_size_ = self.resolved_["batch_size"]
-        sizes = np.array(c.hidden, np.int64)
+        r = self.resolved_
+        self.batch_size_ = r["batch_size"]
+        sizes = np.array(r["hidden"], np.int64)
         self._sizes = sizes
-        self._blocks = hidden_blocks(c.hidden)
+        self._blocks = hidden_blocks(r["hidden"])
         # the kernels take the offsets as arrays (at least one entry, even with no stack)
         self._h_off = np.array([b[0] for b in self._blocks] or [0], np.int64)
         self._b_off = np.array([b[1] for b in self._blocks] or [0], np.int64)
         self.grads_ = {k: np.zeros_like(v) for k, v in self.params_.items()}
         self.tables_ = None
-        if self.resolved_["sampled"]:
-            tc = TableConfig(**self.resolved_["tables"])
-            self.tables_ = HashTables(int(sizes[-1]), self.n_labels_, tc, seed=self.hash_seed_)
+        if r["sampled"]:
+            self.tables_ = HashTables(int(sizes[-1]), self.n_labels_, TableConfig(**r["tables"]),
+                                      seed=self.hash_seed_)
         self.hidden_tables_ = [None] * sizes.size
-        for l, layer in enumerate(self.resolved_["hidden_layers"]):
+        for l, layer in enumerate(r["hidden_layers"]):
             if layer is not None:
                 self.hidden_tables_[l] = HashTables(int(sizes[l - 1]), int(sizes[l]),
                                                     TableConfig(**layer["tables"]),
                                                     seed=self._layer_seed(l))
         self._mark_out = np.zeros(self.n_labels_, np.uint8)
         self._scratch_key = None
+        self._tables_stale = False
 
     def _scratch(self, n_rows: int, max_labels: int):
         """Per-thread and per-batch buffers, grown when a batch needs more."""
@@ -290,7 +225,7 @@ class SlideClassifier(_EstimatorBase):
         return hidden_block(self.params_, self._blocks[l - 1])
 
     def _forward(self, X: sp.csr_matrix) -> np.ndarray:
-        """Activations of every hidden layer, float32 [n, Σ hidden], layer by layer over the batch."""
+        """Activations of every hidden layer, float32 [n, Σ hidden], for preprocessed rows."""
         p, sizes = self.params_, self._sizes
         acts = np.empty((X.shape[0], int(sizes.sum())), np.float32)
         kernels.forward_input(X.indptr.astype(np.int64), X.indices, X.data, p["W0"], p["b0"], acts)
@@ -316,16 +251,30 @@ class SlideClassifier(_EstimatorBase):
         self.timings_[name] = self.timings_.get(name, 0.0) + time.perf_counter() - t0
         return time.perf_counter()
 
-    def _train_batch(self, Xb: sp.csr_matrix, Yb: sp.csr_matrix) -> float:
-        c, p, g = self.config, self.params_, self.grads_
+    def begin_epoch(self) -> None:
+        """Rehash the tables with the current weights. Every epoch starts with it, so a run
+        resumed from a checkpoint (whose tables are rebuilt on load) continues exactly."""
+        self._refresh_tables()
+
+    def train_epoch(self, Xp, Y, order, progress=None) -> dict:
+        """One pass in ``order`` over preprocessed rows, in batches of ``batch_size_``."""
+        self.begin_epoch()
+        with engine_threads(self.config_.threads):
+            return super().train_epoch(Xp, Y, order, progress)
+
+    def train_step(self, Xb: sp.csr_matrix, Yb: sp.csr_matrix) -> float:
+        """One optimizer step on a batch of preprocessed rows ``Xb`` (float32 CSR, sorted
+        indices) with labels ``Yb`` (CSR indicator); returns the batch's mean loss. Call it
+        inside :func:`lsh.engine_threads` for the model's thread count."""
+        p, g = self.params_, self.grads_
         n = Xb.shape[0]
-        self._scratch(n, int(np.diff(Yb.indptr).max()))
+        self._scratch(n, int(np.diff(Yb.indptr).max(initial=0)))
         bounds = thread_chunks(n)
         t0 = time.perf_counter()
         acts = self._forward(Xb)
         h = self._last(acts)
         t0 = self._tick("forward_hidden", t0)
-        rng = np.random.default_rng([c.seed, 1, self.step_])
+        rng = np.random.default_rng([self.config_.seed, 1, self.step_])
         if self.tables_ is not None:
             codes = self.tables_.family.hash_dense(h)
             buckets, seen = self.tables_.buckets, self.tables_.seen
@@ -356,43 +305,41 @@ class SlideClassifier(_EstimatorBase):
                                 p["W0"], p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"],
                                 g["Wh"], g["bh"], self._b_off, bounds, self._dbuf)
         t0 = self._tick("backward_hidden", t0)
-        self.step_ += 1
-        hp = (c.lr, c.beta1, c.beta2, c.eps, self.step_)
         n_out = kernels.unique_rows(pool, self._active[:n], self._n_active[:n], self._mark_out, self._touched)
         in_rows = np.unique(Xb.indices).astype(np.int32)
-        self._adam_update(self._touched[:n_out], in_rows, g, g["W"], g["W0"], hp)
+        self._adam_update(self._touched[:n_out], in_rows, g, g["W"], g["W0"])
         t0 = self._tick("adam", t0)
         self.samples_seen_ += n
-        self._tables_stale = True
         self._maybe_rehash()
         self._tick("rehash", t0)
         return float(losses.mean())
 
-    def _adam_update(self, out_rows, in_rows, dense_grads, gW, gW0, hp, compact=False):
-        """Adam on the touched output rows (and their biases), the touched input rows, and the
-        small dense parameters. ``gW``/``gW0`` are full-size accumulators indexed by row, or
-        with ``compact`` blocks whose row t belongs to ``out_rows[t]`` / ``in_rows[t]``."""
-        p, m = self.params_, self.moments_
+    def _adam_update(self, out_rows, in_rows, dense_grads, gW, gW0, compact=False):
+        """One Adam step on the touched output rows (and their biases), the touched input rows,
+        and the small dense parameters. ``gW``/``gW0`` are full-size accumulators indexed by
+        row, or with ``compact`` blocks whose row t belongs to ``out_rows[t]`` / ``in_rows[t]``.
+        Weight decay applies to weights, not biases."""
+        c, p, m = self.config_, self.params_, self.moments_
+        self.step_ += 1
+        hp = (self.learning_rate_, c.beta1, c.beta2, c.eps, self.step_)
+        wd = self.resolved_["weight_decay"]
         g_out = np.arange(out_rows.size, dtype=np.int32) if compact else out_rows
         g_in = np.arange(in_rows.size, dtype=np.int32) if compact else in_rows
-        kernels.adam_rows(out_rows, g_out, p["W"], m["W.m"], m["W.v"], gW, *hp)
-        kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], dense_grads["b"], *hp)
-        kernels.adam_rows(in_rows, g_in, p["W0"], m["W0.m"], m["W0.v"], gW0, *hp)
-        for k in ("b0", "Wh", "bh"):
+        kernels.adam_rows(out_rows, g_out, p["W"], m["W.m"], m["W.v"], gW, *hp, wd)
+        kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], dense_grads["b"], *hp, 0.0)
+        kernels.adam_rows(in_rows, g_in, p["W0"], m["W0.m"], m["W0.v"], gW0, *hp, wd)
+        for k, decay in (("b0", 0.0), ("Wh", wd), ("bh", 0.0)):
             if p[k].size:
-                kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], dense_grads[k], *hp)
+                kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], dense_grads[k], *hp, decay)
+        self._tables_stale = True
 
     def apply_gradients(self, out_rows, in_rows, grads) -> None:
         """One Adam step from gradients computed elsewhere (the heterogeneous trainer's GPU
         worker): ``grads["W"]`` [len(out_rows), H] and ``grads["b"]`` [len(out_rows)] for output
         rows ``out_rows``, ``grads["W0"]`` [len(in_rows), H0] for input rows ``in_rows``, and full
         ``b0``, ``Wh``, ``bh``. All float32 host arrays; they are zeroed on return."""
-        c = self.config
-        self.step_ += 1
         self._adam_update(np.asarray(out_rows, np.int32), np.asarray(in_rows, np.int32), grads,
-                          grads["W"], grads["W0"], (c.lr, c.beta1, c.beta2, c.eps, self.step_),
-                          compact=True)
-        self._tables_stale = True
+                          grads["W"], grads["W0"], compact=True)
 
     def _tables(self):
         """(tables, weights, seed) of every sampled layer: hidden ones, then the output."""
@@ -414,110 +361,32 @@ class SlideClassifier(_EstimatorBase):
             for tables, W, _ in self._tables():
                 tables.rehash(W)
             self._tables_stale = False
-            self._rehash_interval *= self.config.rehash_growth
+            self._rehash_interval *= self.config_.rehash_growth
             self._next_rehash = self.samples_seen_ + int(self._rehash_interval)
 
-    def _check(self, X, Y=None, where="input"):
-        if not self._fitted:
-            return check_xy(X, Y, where=where)
-        return check_xy(X, Y, n_features=self.n_features_in_,
-                        n_labels=self.n_labels_ if Y is not None else None, where=where)
-
-    def _epoch(self, X, Y, progress=None) -> float:
-        """One pass over (X, Y) in a seeded order; returns the mean loss."""
-        bs = self.batch_size_
-        order = np.random.default_rng([self.config.seed, 2, self.epoch_]).permutation(X.shape[0])
-        self._refresh_tables()
-        total, count = 0.0, 0
-        for lo in range(0, X.shape[0], bs):
-            idx = np.sort(order[lo:lo + bs])
-            loss = self._train_batch(X[idx], Y[idx])
-            total += loss * idx.size
-            count += idx.size
-            if progress is not None:
-                progress.update(idx.size)
-                progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        return total / max(count, 1)
-
-    def fit(self, X, Y, epochs: int | None = None, validation=None, progress: bool = False,
-            on_epoch=None, eval_k: int = 5, eval_samples: int | None = None):
-        """Train for ``epochs`` more epochs (a fresh model if not yet fitted).
-
-        Parameters
-        ----------
-        X : CSR-convertible [n, n_features]; Y : CSR indicator [n, n_labels] or label lists.
-        epochs : ``None`` for :func:`default_epochs` (about 3,000 steps, 5 to 30 epochs).
-        validation : optional ``(X_val, Y_val)``, evaluated after each epoch (P@1/3/5, nDCG).
-        progress : show a tqdm bar (samples/s, loss).
-        on_epoch : called as ``on_epoch(model, record)`` after each epoch (checkpoints, logs).
-        eval_samples : evaluate on this many validation rows (a seeded random subset).
-        """
-        X, Y = self._check(X, Y, where="fit")
-        if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
-        if validation is not None:
-            Xv, Yv = self._check(*validation, where="validation")
-            if eval_samples is not None and eval_samples < Xv.shape[0]:
-                sel = np.sort(np.random.default_rng(self.config.seed).choice(Xv.shape[0], eval_samples, replace=False))
-                Xv, Yv = Xv[sel], Yv[sel]
-        threads = set_num_threads(self.config.threads)
-        if epochs is None:
-            epochs = default_epochs(X.shape[0], self.batch_size_)
-        start_epoch = self.epoch_
-        for _ in range(int(epochs)):
-            bar = None
-            if progress:
-                from tqdm.auto import tqdm
-                bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True,
-                           desc=f"epoch {self.epoch_ + 1}/{start_epoch + epochs}", leave=True)
-            t0 = time.perf_counter()
-            with engine_threads(self.config.threads):
-                loss = self._epoch(X, Y, bar)
-            seconds = time.perf_counter() - t0
-            if bar is not None:
-                bar.close()
-            self.epoch_ += 1
-            record = {"epoch": self.epoch_, "train_seconds": seconds,
-                      "samples_per_second": X.shape[0] / seconds, "loss": loss, "threads": threads}
-            if validation is not None:
-                record.update(self.evaluate(Xv, Yv, k=eval_k))
-            self.history_.append(record)
-            if on_epoch is not None:
-                on_epoch(self, record)
-        return self
-
     def _refresh_tables(self):
-        """Rehash with the current weights. Epochs start with it (so a run resumed from a
-        checkpoint, whose tables are rebuilt on load, continues exactly), and LSH serving does
-        it first when training has moved the weights since the last rehash."""
+        """Rehash with the current weights (epochs start with it; LSH serving does it first
+        when training has moved the weights since the last rehash)."""
         for tables, W, _ in self._tables():
             tables.rehash(W)
         self._tables_stale = False
 
-    def partial_fit(self, X, Y):
-        """One pass over (X, Y) in the given row order's batches (for streams)."""
-        X, Y = self._check(X, Y, where="partial_fit")
-        if not self._fitted:
-            self._init_params(X.shape[1], Y.shape[1], X.shape[0])
-        bs = self.batch_size_
-        with engine_threads(self.config.threads):
-            for lo in range(0, X.shape[0], bs):
-                self._train_batch(X[lo:lo + bs], Y[lo:lo + bs])
-        return self
+    def _params_changed(self):
+        self._tables_stale = True
 
     # -- inference -------------------------------------------------------------------------------
     def _require_fitted(self):
         """Serving starts here: the model must exist, and its tables reflect its weights."""
-        if not self._fitted:
-            raise RuntimeError("this SlideClassifier is not fitted yet; call fit first")
+        if not self._is_fitted():
+            raise NotFittedError("this SlideClassifier is not fitted yet; call fit first")
         if self._tables_stale:
             self._refresh_tables()
 
     def embed(self, X) -> np.ndarray:
         """Last hidden layer activations, float32 [n, hidden[-1]]."""
         self._require_fitted()
-        X = self._check(X, where="embed")
-        set_num_threads(self.config.threads)
+        X = self.transform(self.check_data(X, where="embed"))
+        set_num_threads(self.config_.threads)
         return np.ascontiguousarray(self._last(self._forward(X)))
 
     def predict_topk(self, X, k: int = 5, mode: str = "exact", block: int | None = None):
@@ -528,8 +397,8 @@ class SlideClassifier(_EstimatorBase):
         rows with fewer than k candidates are padded with id -1).
         """
         self._require_fitted()
-        X = self._check(X, where="predict")
-        set_num_threads(self.config.threads)
+        X = self.transform(self.check_data(X, where="predict"))
+        set_num_threads(self.config_.threads)
         k = int(k)
         if mode not in ("exact", "lsh"):
             raise ValueError(f"mode must be 'exact' or 'lsh', got {mode!r}")
@@ -560,53 +429,60 @@ class SlideClassifier(_EstimatorBase):
     def decision_function(self, X) -> np.ndarray:
         """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers)."""
         self._require_fitted()
-        X = self._check(X, where="decision_function")
+        X = self.transform(self.check_data(X, where="decision_function"))
         return self._last(self._forward(X)) @ self.params_["W"].T + self.params_["b"]
-
-    def evaluate(self, X, Y, k: int = 5, mode: str = "exact") -> dict:
-        """P@1/3/5 and nDCG@1/3/5 of the exact (or LSH) top-k."""
-        X, Y = self._check(X, Y, where="evaluate")
-        top, _ = self.predict_topk(X, k, mode=mode)
-        return evaluate(top, Y, k)
-
-    def score(self, X, Y) -> float:
-        """P@1."""
-        return self.evaluate(X, Y, k=1)["P@1"]
 
     # -- persistence -----------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write the model to directory ``path`` (npz + JSON, atomic; see :mod:`slide.checkpoint`)."""
         self._require_fitted()
+        pre_arrays, pre_meta = self.preprocessor_.get_state()
+        arrays = {**self.params_, **{f"adam.{k}": v for k, v in self.moments_.items()},
+                  **{f"pre.{k}": v for k, v in pre_arrays.items()}}
+        if self.best_params_ is not None:
+            arrays.update({f"best.{k}": v for k, v in self.best_params_.items()})
         meta = {
-            "engine": "slide",
-            "config": {k: _to_json(v) for k, v in self.get_params().items()},
+            "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
             "step": self.step_, "epoch": self.epoch_, "samples_seen": self.samples_seen_,
-            "hash_seed": self.hash_seed_, "next_rehash": self._next_rehash,
-            "rehash_interval": self._rehash_interval, "next_rebuild": self._next_rebuild,
-            "history": self.history_,
+            "learning_rate": self.learning_rate_, "hash_seed": self.hash_seed_,
+            "next_rehash": self._next_rehash, "rehash_interval": self._rehash_interval,
+            "next_rebuild": self._next_rebuild, "history": self.history_,
+            "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None,
+            "stopping": self.stopping_,
         }
-        write_checkpoint(path, join_arrays(self.params_, self.moments_), meta, self.step_)
+        write_checkpoint(path, arrays, meta, self.step_)
 
     @classmethod
     def load(cls, path) -> "SlideClassifier":
         """Load a model saved by :meth:`save`, or by the dense reference (same format)."""
-        arrays, meta = read_checkpoint(path)
-        fields = set(_CONFIG_FIELDS)
-        model = cls(**{k: v for k, v in meta["config"].items() if k in fields})
-        model.params_, model.moments_ = split_arrays(arrays)
-        model.n_features_in_, model.n_labels_ = int(meta["n_features"]), int(meta["n_labels"])
-        model.n_train_ = int(meta.get("n_train", 0))
-        model.step_, model.epoch_ = int(meta["step"]), int(meta["epoch"])
-        model.samples_seen_ = int(meta.get("samples_seen", 0))
-        model.hash_seed_ = int(meta.get("hash_seed", model.config.seed))
-        model.history_ = meta.get("history", [])
-        model.timings_ = {}
-        model._fitted = True
-        model._setup()
-        r = model.resolved_
-        model._next_rehash = int(meta.get("next_rehash", r["rehash_every"]))
-        model._rehash_interval = float(meta.get("rehash_interval", r["rehash_every"]))
-        model._next_rebuild = int(meta.get("next_rebuild", r["rebuild_every"]))
-        model._refresh_tables()
+        ck = read_checkpoint(path)
+        model = cls(**ck.config_params(cls))
+        model._restore_state(ck)
         return model
+
+    def _restore_state(self, ck) -> None:
+        """Fitted state from a :class:`slide.checkpoint.Checkpoint` (validated shapes)."""
+        self.config_ = SlideConfig(**self.get_params())
+        self.n_features_in_, self.n_labels_, self.n_train_ = ck.n_features, ck.n_labels, ck.n_train
+        self.resolved_ = self._resolve(self.config_)
+        shapes = parameter_shapes(self.resolved_["hidden"], self.n_features_in_, self.n_labels_)
+        self.params_ = ck.arrays_like(shapes)
+        self.moments_ = ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True)
+        best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
+        self.best_params_ = best or None
+        self.preprocessor_ = ck.preprocessor(self.n_features_in_)
+        self.step_, self.epoch_, self.samples_seen_ = ck.step, ck.epoch, ck.int("samples_seen", 0)
+        self.learning_rate_ = ck.float("learning_rate", self.resolved_["lr"])
+        self.hash_seed_ = ck.int("hash_seed", self.config_.seed)
+        self.history_ = ck.meta.get("history") or []
+        es = ck.meta.get("early_stopping")
+        self.early_stopping_ = EarlyStopping.from_json(es) if es else None
+        self.stopping_ = ck.meta.get("stopping")
+        self.timings_ = {}
+        self._setup()
+        r = self.resolved_
+        self._next_rehash = ck.int("next_rehash", r["rehash_every"])
+        self._rehash_interval = ck.float("rehash_interval", r["rehash_every"])
+        self._next_rebuild = ck.int("next_rebuild", r["rebuild_every"])
+        self._refresh_tables()

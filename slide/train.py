@@ -1,17 +1,49 @@
-"""The training run behind ``slide train``: data, epochs, evaluation, metrics JSON, checkpoints."""
+"""The one training loop, shared by the sparse engine, the dense reference and the heterogeneous
+trainer, and the ``slide train`` run built on it.
+
+A model takes part by implementing a small *step API* (:class:`TrainableMixin` supplies all
+that is not engine-specific):
+
+* ``fit_settings()``: early stopping, validation fraction, patience and seed (the current
+  settings, valid before the model is fitted); after ``initialize``, ``resolved_["epochs"]``;
+* ``check_data(X, Y, where, fitted)``: validated float32 CSR ``X`` and CSR indicator ``Y``;
+* ``initialize(X, Y)``: fit the preprocessing on the training rows, draw fresh parameters;
+* ``transform(X)``: the fitted preprocessing (CSR in, float32 CSR out);
+* ``train_epoch(Xp, Y, order, progress)``: one pass over preprocessed rows in ``order``
+  (the mixin runs ``train_step`` over consecutive batches of ``batch_size_``); returns a dict
+  with the epoch's mean ``loss`` and anything else worth recording;
+* ``train_step(Xp_batch, Y_batch) -> float``: one optimizer step on a preprocessed batch;
+* ``snapshot()`` / ``restore(state)``: copy the parameters out and put them back;
+* ``evaluate(X, Y, k)``; attributes ``learning_rate_``, ``epoch_``, ``history_``.
+
+:func:`fit_loop` holds the rest: the validation slice, the per-epoch record, early stopping
+with the best weights kept, the learning rate lowered on a plateau, progress bars, callbacks.
+"""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 
+import numpy as np
 
-from slide.data import load_default, read_dataset, shuffle_rows
-from slide.network import default_batch_size, default_epochs
+from slide.data import DataFormatError, read_dataset, shuffle_rows
+from slide.synthetic import load_default
 
-__all__ = ["run_training", "peak_rss_mb"]
+__all__ = ["fit_loop", "EarlyStopping", "TrainableMixin", "run_training", "peak_rss_mb",
+           "validation_split", "load_train_test", "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS"]
+
+# After half the patience without improvement the learning rate is multiplied by this
+# (ReduceLROnPlateau): the plateau is usually Adam's noise floor, which a lower rate gets under.
+PLATEAU_FACTOR = 0.3
+# Validation rows scored per evaluation, at most. Scoring is exact (every label), so on wide
+# output layers a larger slice would cost more than the epoch it judges; 5,000 rows give P@1
+# to about ±0.007.
+MAX_VALIDATION_ROWS = 5000
 
 
 def peak_rss_mb() -> float:
@@ -20,6 +52,216 @@ def peak_rss_mb() -> float:
     return r / 1024 if sys.platform != "darwin" else r / 2**20
 
 
+# --------------------------------------------------------------------------------------------
+# Early stopping
+# --------------------------------------------------------------------------------------------
+@dataclass
+class EarlyStopping:
+    """Validation bookkeeping: best score and epoch, evaluations without improvement.
+
+    The score is the mean of P@1, P@3 and P@5 (steadier than P@1 alone on small validation
+    slices). ``patience`` evaluations without an improvement larger than ``tol`` stop the run;
+    after every ``max(1, patience // 2)`` of them the learning rate is lowered.
+    """
+    patience: int = 5
+    tol: float = 1e-4
+    best_score: float = -math.inf
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    stopped: str = ""
+    scores: list = field(default_factory=list)
+
+    @staticmethod
+    def score(metrics: dict) -> float:
+        return float(np.mean([metrics[f"P@{k}"] for k in (1, 3, 5) if f"P@{k}" in metrics]))
+
+    def update(self, epoch: int, metrics: dict) -> tuple[bool, bool]:
+        """Record epoch ``epoch``'s metrics; returns ``(improved, lower_learning_rate)``."""
+        s = self.score(metrics)
+        self.scores.append(s)
+        if s > self.best_score + self.tol:
+            self.best_score, self.best_epoch, self.bad_epochs = s, epoch, 0
+            return True, False
+        self.bad_epochs += 1
+        if self.bad_epochs >= self.patience:
+            self.stopped = (f"no improvement of the validation score for {self.patience} epochs "
+                            f"(best {self.best_score:.4f} at epoch {self.best_epoch})")
+        return False, not self.stopped and self.bad_epochs % max(1, self.patience // 2) == 0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["best_score"] = None if d["best_score"] == -math.inf else d["best_score"]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EarlyStopping":
+        d = dict(d)
+        d["best_score"] = -math.inf if d.get("best_score") is None else float(d["best_score"])
+        return cls(**d)
+
+
+def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, validation) row ids: a seeded random ``fraction`` of the n rows held out
+    (at least one, at most :data:`MAX_VALIDATION_ROWS`, and never all of them)."""
+    n_val = int(min(max(1, round(fraction * n)), MAX_VALIDATION_ROWS, n - 1))
+    order = np.random.default_rng([seed, 4]).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=None,
+             continue_training: bool = False, until_epoch: int | None = None, eval_k: int = 5):
+    """Train ``model`` (see the module docstring for the step API it provides).
+
+    Parameters
+    ----------
+    X, Y : training rows (CSR-convertible [n, n_features]) and labels (CSR indicator or lists).
+    validation : ``(X_val, Y_val)`` scored after every epoch, or None. With the model's
+        ``early_stopping`` on and no ``validation`` given, a ``validation_fraction`` slice of
+        the training rows is held out for it (seeded, so a resumed run holds out the same rows).
+        Never pass the test set here if it is to measure anything afterwards.
+    continue_training : keep the fitted parameters (``warm_start``, ``--resume``); otherwise
+        the model is initialised afresh from the training rows.
+    until_epoch : train until ``model.epoch_`` reaches it (``slide train --epochs`` counts the
+        total); default: the model's planned epochs more (``resolved_["epochs"]``). With early
+        stopping this is the most.
+    on_epoch : ``on_epoch(model, record)`` after each epoch (metrics files, checkpoints).
+
+    On return the model holds the best weights seen on the validation slice (when early
+    stopping), and ``model.stopping_`` says which epoch it kept and why training stopped.
+    """
+    s = model.fit_settings()
+    X, Y = model.check_data(X, Y, where="fit", fitted=continue_training)
+    held_out = False
+    if s["early_stopping"] and validation is None and X.shape[0] > 1:
+        tr, va = validation_split(X.shape[0], s["validation_fraction"], s["seed"])
+        validation, X, Y = (X[va], Y[va]), X[tr], Y[tr]
+        held_out = True
+    if not continue_training:
+        model.initialize(X, Y)
+    if validation is not None:
+        Xv, Yv = model.check_data(*validation, where="validation", fitted=True)
+        if Xv.shape[0] > MAX_VALIDATION_ROWS:
+            Xv, Yv = shuffle_rows(Xv, Yv, seed=s["seed"], n=MAX_VALIDATION_ROWS)
+        validation = (Xv, Yv)
+    stopper = None
+    if s["early_stopping"] and validation is not None:
+        previous = model.early_stopping_ if continue_training else None
+        stopper = previous if previous is not None and not previous.stopped else \
+            EarlyStopping(patience=s["n_iter_no_change"])
+        if stopper is not previous:
+            model.best_params_ = None
+    model.early_stopping_ = stopper
+    Xp = model.transform(X)
+    first = model.epoch_
+    epochs = max(0, (first + model.resolved_["epochs"] if until_epoch is None else int(until_epoch)) - first)
+    for _ in range(epochs):
+        if stopper is not None and stopper.stopped:
+            break
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True, leave=True,
+                       desc=f"epoch {model.epoch_ + 1}/{first + epochs}")
+        order = np.random.default_rng([s["seed"], 2, model.epoch_]).permutation(X.shape[0])
+        t0 = time.perf_counter()
+        record = model.train_epoch(Xp, Y, order, bar)
+        seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        model.epoch_ += 1
+        record = {"epoch": model.epoch_, "train_seconds": seconds,
+                  "samples_per_second": X.shape[0] / seconds, **record,
+                  "learning_rate": float(model.learning_rate_)}
+        if validation is not None:
+            t0 = time.perf_counter()
+            record.update(model.evaluate(*validation, k=eval_k))
+            record["eval_seconds"] = time.perf_counter() - t0
+        if stopper is not None:
+            improved, lower = stopper.update(model.epoch_, record)
+            if improved:
+                # copied now because training moves on; restored at the end if nothing beats it
+                model.best_params_ = model.snapshot()
+            elif lower:
+                model.learning_rate_ *= PLATEAU_FACTOR
+            record["best_epoch"] = stopper.best_epoch
+        model.history_.append(record)
+        if on_epoch is not None:
+            on_epoch(model, record)
+    model.stopping_ = _outcome(model, stopper, held_out, first + epochs)
+    return model
+
+
+def _outcome(model, stopper, held_out, planned) -> dict:
+    """Put the best weights back if training went past them; say what was kept and why."""
+    if stopper is None or not stopper.scores:
+        return {"kept_epoch": model.epoch_, "reason": f"ran the planned {planned} epochs",
+                "validation": None}
+    if stopper.best_epoch != model.epoch_ and model.best_params_ is not None:
+        model.restore(model.best_params_)
+    model.best_params_ = None
+    return {"kept_epoch": stopper.best_epoch,
+            "reason": stopper.stopped or f"reached the planned {planned} epochs",
+            "best_score": stopper.best_score,
+            "validation": "held out from the training rows" if held_out else "given"}
+
+
+# --------------------------------------------------------------------------------------------
+# What every trainable model shares
+# --------------------------------------------------------------------------------------------
+class TrainableMixin:
+    """The engine-independent half of the step API and of the estimator interface.
+
+    A subclass provides ``fit_settings``, ``check_data``, ``initialize``, ``train_step``,
+    ``predict_topk`` and ``_params_changed`` (called after :meth:`restore`), and keeps its
+    parameters in the dict ``params_`` (numpy or cupy arrays) and its preprocessing in
+    ``preprocessor_``.
+    """
+
+    def transform(self, X):
+        """The model's fitted preprocessing of CSR ``X`` (float32 CSR, same shape)."""
+        return self.preprocessor_.transform(X)
+
+    def train_epoch(self, Xp, Y, order, progress=None) -> dict:
+        """One pass over preprocessed rows ``Xp``/``Y`` in ``order``, in consecutive batches."""
+        bs = self.batch_size_
+        total = 0.0
+        for lo in range(0, order.size, bs):
+            idx = np.sort(order[lo:lo + bs])
+            loss = self.train_step(Xp[idx], Y[idx])
+            total += loss * idx.size
+            if progress is not None:
+                progress.update(idx.size)
+                progress.set_postfix(batch_loss=f"{loss:.3f}", refresh=False)
+        return {"loss": total / max(order.size, 1)}
+
+    def snapshot(self) -> dict:
+        """A copy of the parameters (device arrays stay on their device)."""
+        return {k: v.copy() for k, v in self.params_.items()}
+
+    def restore(self, state: dict) -> None:
+        """Put parameters from :meth:`snapshot` back in place."""
+        for k, v in state.items():
+            self.params_[k][...] = v
+        self._params_changed()
+
+    def evaluate(self, X, Y, k: int = 5, **predict_kw) -> dict:
+        """P@1..k and nDCG@1..k (reported at 1, 3, 5 and k) of the top-k predictions."""
+        from slide.metrics import evaluate as evaluate_topk
+        X, Y = self.check_data(X, Y, where="evaluate", fitted=True)
+        top, _ = self.predict_topk(X, k, **predict_kw)
+        return evaluate_topk(top, Y, k)
+
+    def score(self, X, Y) -> float:
+        """P@1 (for scikit-learn's model selection)."""
+        return self.evaluate(X, Y, k=1)["P@1"]
+
+
+# --------------------------------------------------------------------------------------------
+# The ``slide train`` run
+# --------------------------------------------------------------------------------------------
 def _write_json(path, obj):
     tmp = f"{path}.tmp"
     with open(tmp, "w") as fh:
@@ -30,66 +272,66 @@ def _write_json(path, obj):
 def load_train_test(train=None, test=None, seed=0, log=print):
     """Read the files (or generate the built-in dataset) and return train and test splits."""
     if train is None:
-        log("no training file given: generating the built-in 'demo' dataset "
-            "(synthetic, Amazon-670K-shaped, 20,000 train / 4,000 test samples)")
-        Xtr, Ytr, Xte, Yte = load_default(seed)
-        return Xtr, Ytr, Xte, Yte
+        log("no training file given: generating the built-in 'demo' dataset (synthetic, "
+            "Amazon-670K-like, 20,000 train / 4,000 test samples)")
+        return load_default(seed)
     Xtr, Ytr = read_dataset(train)
     Xte = Yte = None
     if test is not None:
         Xte, Yte = read_dataset(test, n_features=Xtr.shape[1], n_labels=Ytr.shape[1])
         if Xte.shape[1] != Xtr.shape[1] or Yte.shape[1] != Ytr.shape[1]:
-            from slide.data import DataFormatError
             raise DataFormatError(f"{test}: {Xte.shape[1]} features / {Yte.shape[1]} labels, but "
                                   f"{train} has {Xtr.shape[1]} / {Ytr.shape[1]}")
     return Xtr, Ytr, Xte, Yte
 
 
 def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=None,
-                 checkpoint_dir=None, eval_samples=None, progress=True, log=print, resume=False):
-    """Train ``model`` (engine or dense reference) for ``epochs`` with per-epoch evaluation.
+                 checkpoint_dir=None, progress=True, log=print, resume=False):
+    """Train ``model`` (engine, dense reference or heterogeneous trainer) the way ``slide
+    train`` does: validation held out from the training rows, the test set (if any) scored
+    after every epoch for the record only, ``metrics_json`` rewritten after every epoch and a
+    checkpoint saved to ``checkpoint_dir`` after every epoch and at the end.
 
-    Writes ``metrics_json`` after every epoch (epoch, train_seconds, samples_per_second, loss,
-    P@1/3/5, nDCG@5, the config and peak RSS) and saves a checkpoint to ``checkpoint_dir``.
-    With ``resume``, ``model`` was loaded from a checkpoint and ``epochs`` is the total.
-    ``epochs=None`` uses :func:`slide.network.default_epochs`.
+    ``epochs`` is the total (with ``resume``, counting the checkpoint's epochs).
     """
-    validation = None
+    test = None
     if Xte is not None:
-        # test files may be sorted by label: evaluate on a shuffled (sub)sample
-        n = Xte.shape[0] if eval_samples is None else min(eval_samples, Xte.shape[0])
-        validation = shuffle_rows(Xte, Yte, seed=0, n=n)
+        # test files may be sorted by label: score a seeded shuffled subsample
+        test = shuffle_rows(Xte, Yte, seed=0, n=min(Xte.shape[0], MAX_VALIDATION_ROWS))
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in model.get_params().items()}
-    log_doc = {"config": config, "n_train": int(Xtr.shape[0]), "n_features": int(Xtr.shape[1]),
-               "n_labels": int(Ytr.shape[1]), "epochs": []}
-    if hasattr(model, "resolved_config"):
-        log_doc["resolved"] = model.resolved_config(Ytr.shape[1], Xtr.shape[0])
+    doc = {"config": config, "n_train": int(Xtr.shape[0]), "n_features": int(Xtr.shape[1]),
+           "n_labels": int(Ytr.shape[1]), "epochs": []}
 
     def on_epoch(m, record):
         record = dict(record)
+        if test is not None:
+            t0 = time.perf_counter()
+            record.update({f"test_{k}": v for k, v in m.evaluate(*test).items()})
+            record["test_eval_seconds"] = time.perf_counter() - t0
         record["peak_rss_mb"] = peak_rss_mb()
-        log_doc["epochs"].append(record)
-        log_doc["peak_rss_mb"] = record["peak_rss_mb"]
+        doc["epochs"].append(record)
+        doc["peak_rss_mb"] = record["peak_rss_mb"]
+        doc["resolved"] = getattr(m, "resolved_", None)
         if getattr(m, "timings_", None):
-            log_doc["timings"] = dict(m.timings_)
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
-                 if k in ("epoch", "loss", "P@1", "P@3", "P@5", "nDCG@5", "samples_per_second")}
-        log("  ".join(f"{k}={v}" for k, v in shown.items()))
+            doc["timings"] = dict(m.timings_)
+        shown = ["epoch", "loss", "P@1", "P@5", "test_P@1", "test_P@5", "samples_per_second"]
+        log("  ".join(f"{k}={round(record[k], 4) if isinstance(record[k], float) else record[k]}"
+                      for k in shown if k in record))
         if metrics_json:
-            _write_json(metrics_json, log_doc)
+            _write_json(metrics_json, doc)
         if checkpoint_dir:
             m.save(checkpoint_dir)
 
-    if epochs is None:
-        bs = getattr(model, "batch_size_", None) or model.get_params()["batch_size"] \
-            or default_batch_size(Xtr.shape[0])
-        epochs = default_epochs(Xtr.shape[0], bs)
-    log_doc["epochs_planned"] = epochs
-    remaining = epochs - model.epoch_ if resume else epochs
     t0 = time.perf_counter()
-    model.fit(Xtr, Ytr, epochs=max(0, remaining), validation=validation, progress=progress,
-              on_epoch=on_epoch)
-    log_doc["wall_seconds"] = time.perf_counter() - t0
+    fit_loop(model, Xtr, Ytr, until_epoch=epochs if epochs is not None else
+             (model.resolved_["epochs"] if resume else None),
+             progress=progress, on_epoch=on_epoch, continue_training=resume)
+    doc["wall_seconds"] = time.perf_counter() - t0
+    doc["stopping"] = model.stopping_
+    if test is not None:
+        doc["test"] = model.evaluate(*test)
     if metrics_json:
-        _write_json(metrics_json, log_doc)
-    return log_doc
+        _write_json(metrics_json, doc)
+    if checkpoint_dir:
+        model.save(checkpoint_dir)
+    return doc

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from slide.data import DatasetShape, make_dataset
+from slide.synthetic import DatasetShape, make_dataset
 
 TINY = DatasetShape("tiny", n_features=2000, n_labels=400, n_train=3000, n_test=600,
                     features_per_sample=30.0, labels_per_sample=2.0)

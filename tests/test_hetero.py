@@ -9,7 +9,8 @@ from slide.network import SlideClassifier
 
 
 def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
-    model = SlideClassifier(hidden=(32,), sparsity=0.25, seed=0)
+    model = SlideClassifier(hidden=(32,), sparsity=0.25, seed=0, early_stopping=False, lr=3e-3,
+                            epochs=kw.pop("epochs", 3))
     cfg = dict(policy=policy, cpu_batch=32, gpu_batch=128, gpu_pool=64, device="cpu")
     cfg.update(kw)
     return cls(model, HeteroConfig(**cfg))
@@ -18,7 +19,7 @@ def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
 @pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
 def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     Xtr, Ytr, Xte, Yte = tiny_data
-    h = _trainer(policy).fit(Xtr, Ytr, epochs=4, validation=(Xte, Yte))
+    h = _trainer(policy, epochs=4).fit(Xtr, Ytr, validation=(Xte, Yte))
     seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
     np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
     rec = h.history_[-1]
@@ -36,7 +37,7 @@ class _SlowGPU(HeteroTrainer):
 
     def _gpu_step(self, X, Y, idx):
         time.sleep(2e-4 * idx.size)
-        super()._gpu_step(X, Y, idx)
+        return super()._gpu_step(X, Y, idx)
 
 
 def test_adaptive_balances_update_ratio_when_one_worker_is_slow(tiny_data):
@@ -44,7 +45,7 @@ def test_adaptive_balances_update_ratio_when_one_worker_is_slow(tiny_data):
     ratios = {}
     for policy in ("hogbatch", "adaptive"):
         h = _trainer(policy, cls=_SlowGPU, cpu_batch=16, gpu_batch=256, target_ratio=2.0, threshold=16)
-        h.fit(Xtr, Ytr, epochs=3)
+        h.fit(Xtr, Ytr)
         ratios[policy] = h.history_[-1]["update_ratio"]
     # fixed batches: the slow GPU's few large updates leave the CPU doing far more than 2x;
     # adaptive moves the ratio to its target (within the noise of a short epoch)
@@ -71,7 +72,7 @@ class _FailingGPU(HeteroTrainer):
     def _gpu_step(self, X, Y, idx):
         if self.model.epoch_ >= 1:
             raise MemoryError("device out of memory (injected)")
-        super()._gpu_step(X, Y, idx)
+        return super()._gpu_step(X, Y, idx)
 
 
 def test_worker_error_stops_run_and_keeps_last_checkpoint(tmp_path, tiny_data):
@@ -84,7 +85,7 @@ def test_worker_error_stops_run_and_keeps_last_checkpoint(tmp_path, tiny_data):
         saved_steps.append(trainer.model.step_)
 
     with pytest.raises(HeteroError, match="gpu worker failed at epoch 2: MemoryError: device out of memory"):
-        h.fit(Xtr, Ytr, epochs=3, on_epoch=checkpoint)
+        h.fit(Xtr, Ytr, on_epoch=checkpoint)
     assert h.model.epoch_ == 1 and saved_steps and len(saved_steps) == 1
     loaded = SlideClassifier.load(tmp_path / "ck")
     assert loaded.epoch_ == 1 and loaded.step_ == saved_steps[0]

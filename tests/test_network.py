@@ -3,8 +3,11 @@ import threading
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from sklearn.exceptions import NotFittedError
 
 from gpu_ref import DenseClassifier
+from gpu_ref.dense import softmax_grads, uniform_targets
+from slide.config import hidden_blocks
 from slide.data import DataFormatError
 from slide.metrics import precision_at_k
 from slide.network import SlideClassifier
@@ -21,6 +24,7 @@ def test_one_step_with_every_neuron_active_equals_dense_reference(tiny_data, hid
     X, Y = _small(tiny_data)
     eng = SlideClassifier(hidden=hidden, sparsity=1.0, threads=1, batch_size=64, seed=3)
     ref = DenseClassifier(hidden=hidden, batch_size=64, seed=3, device="cpu")
+    # weight decay on: both decay exactly the rows a step touches
     eng.partial_fit(X, Y)
     ref.partial_fit(X, Y)
     for k, v in ref.params_.items():
@@ -36,9 +40,9 @@ def test_one_step_with_every_neuron_active_equals_dense_reference(tiny_data, hid
 def test_engine_gradient_matches_numerical_gradient(tiny_data):
     """Finite differences of the dense loss (float64) against the engine's accumulated gradient."""
     X, Y = _small(tiny_data, n=8, labels=40)
-    eng = SlideClassifier(hidden=(6, 5), sparsity=1.0, threads=1, batch_size=8, seed=1)
+    eng = SlideClassifier(hidden=(12, 5), sparsity=1.0, threads=1, batch_size=8, seed=1)
     grads = {}
-    orig = SlideClassifier._train_batch
+    orig = SlideClassifier.train_step
 
     def capture(self, Xb, Yb):
         g = self.grads_
@@ -55,34 +59,45 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data):
             assert np.array_equal(before[k], self.params_[k])
         return loss
 
-    SlideClassifier._train_batch = capture
+    SlideClassifier.train_step = capture
     try:
         eng.partial_fit(X, Y)
     finally:
-        SlideClassifier._train_batch = orig
-    ref = DenseClassifier(hidden=(6, 5), seed=1, device="cpu")
-    ref._init_params(X.shape[1], Y.shape[1], X.shape[0])
-    ref.params_ = {k: v.astype(np.float64) for k, v in eng.params_.items()}
+        SlideClassifier.train_step = orig
+    params = {k: v.astype(np.float64) for k, v in eng.params_.items()}
+    Xp, T = eng.transform(X), uniform_targets(np, Y)
+    blocks = hidden_blocks(eng.resolved_["hidden"])
+
+    def loss():
+        return softmax_grads(np, Xp, T, params, blocks)[0]
+
     rng = np.random.default_rng(0)
     for name in ("W", "b", "Wh", "bh", "W0", "b0"):
-        flat = ref.params_[name].reshape(-1)
+        flat = params[name].reshape(-1)
         cand = np.flatnonzero(grads[name].reshape(-1) != 0)
         picks = rng.choice(cand if cand.size else np.arange(flat.size), size=min(6, max(cand.size, 1)), replace=False)
+        checked = 0
         for i in picks:
             old = flat[i]
+            l0 = loss()
             flat[i] = old + 1e-5
-            lp, _ = ref.loss_and_grads(X, Y)
+            lp = loss()
             flat[i] = old - 1e-5
-            lm, _ = ref.loss_and_grads(X, Y)
+            lm = loss()
             flat[i] = old
+            left, right = (l0 - lm) / 1e-5, (lp - l0) / 1e-5
+            if abs(left - right) > 1e-3 + 1e-2 * abs(left):
+                continue  # a ReLU kink (a unit exactly at zero): no derivative to compare
             num = (lp - lm) / 2e-5
             assert abs(num - grads[name].reshape(-1)[i]) < 1e-4 + 1e-3 * abs(num), (name, i, num)
+            checked += 1
+        assert checked >= 1, name
 
 
 def test_learns_and_beats_most_frequent_baseline(tiny_data):
     Xtr, Ytr, Xte, Yte = tiny_data
-    model = SlideClassifier(hidden=(64,), sparsity=0.25, seed=0)
-    model.fit(Xtr, Ytr, epochs=6, validation=(Xte, Yte))
+    model = SlideClassifier(hidden=(64,), sparsity=0.25, seed=0, epochs=6, early_stopping=False)
+    model.fit(Xtr, Ytr, validation=(Xte, Yte))
     losses = [h["loss"] for h in model.history_]
     assert losses[-1] < losses[0] * 0.8
     popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
@@ -96,8 +111,8 @@ def test_one_thread_is_bit_for_bit_reproducible(tiny_data):
     X, Y = tiny_data[0][:600], tiny_data[1][:600]
     runs = []
     for _ in range(2):
-        m = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, seed=4, rehash_every=256)
-        m.fit(X, Y, epochs=2)
+        m = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, seed=4, rehash_every=256, epochs=2)
+        m.fit(X, Y)
         runs.append(m.params_)
     for k in runs[0]:
         assert np.array_equal(runs[0][k], runs[1][k]), k
@@ -106,9 +121,9 @@ def test_one_thread_is_bit_for_bit_reproducible(tiny_data):
 def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
     X, Y, Xte, _ = tiny_data
     X, Y = X[:800], Y[:800]
-    kw = dict(hidden=(16,), sparsity=0.2, threads=1, seed=2, rehash_every=300)
-    straight = SlideClassifier(**kw).fit(X, Y, epochs=2)
-    first = SlideClassifier(**kw).fit(X, Y, epochs=1)
+    kw = dict(hidden=(16,), sparsity=0.2, threads=1, seed=2, rehash_every=300, early_stopping=False)
+    straight = SlideClassifier(**kw, epochs=2).fit(X, Y)
+    first = SlideClassifier(**kw, epochs=1).fit(X, Y)
     first.save(tmp_path / "ck")
     loaded = SlideClassifier.load(tmp_path / "ck")
     for mode in ("exact", "lsh"):
@@ -116,7 +131,7 @@ def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
         b, sb = loaded.predict_topk(Xte[:50], 5, mode=mode)
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(sa, sb)
-    loaded.fit(X, Y, epochs=1)
+    loaded.set_params(warm_start=True).fit(X, Y)
     assert loaded.epoch_ == 2 and loaded.step_ == straight.step_
     for k in straight.params_:
         assert np.array_equal(straight.params_[k], loaded.params_[k]), k
@@ -126,7 +141,7 @@ def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
 
 def test_dense_and_engine_checkpoints_are_interchangeable(tmp_path, tiny_data):
     X, Y = _small(tiny_data, n=200)
-    ref = DenseClassifier(hidden=(16,), seed=0, device="cpu").fit(X, Y, epochs=1)
+    ref = DenseClassifier(hidden=(16,), seed=0, device="cpu", epochs=1).fit(X, Y)
     ref.save(tmp_path / "d")
     eng = SlideClassifier.load(tmp_path / "d")
     np.testing.assert_array_equal(eng.predict_topk(X[:20], 3)[0], ref.predict_topk(X[:20], 3)[0])
@@ -148,18 +163,19 @@ def test_bad_inputs_give_clear_errors(tiny_data):
         m.partial_fit(X[:2], [[0], [Y.shape[1] + 5]])
     with pytest.raises(DataFormatError, match="rows"):
         m.partial_fit(X[:3], Y[:2])
-    with pytest.raises(RuntimeError, match="not fitted"):
+    with pytest.raises(NotFittedError, match="not fitted"):
         SlideClassifier().predict(X)
-    with pytest.raises(TypeError, match="unknown parameter"):
+    with pytest.raises(TypeError, match="hiden"):
         SlideClassifier(hiden=3)
     with pytest.raises(ValueError, match="sparsity"):
-        SlideClassifier(sparsity=2.0)
+        SlideClassifier(sparsity=2.0).fit(X, Y)
 
 
 def test_sampled_hidden_layer_computes_only_its_active_neurons(tmp_path, tiny_data):
     Xtr, Ytr, Xte, Yte = tiny_data
-    m = SlideClassifier(hidden=(64, 1024), hidden_sparsity=(1.0, 0.05), sparsity=0.25, seed=0)
-    m.fit(Xtr, Ytr, epochs=5, validation=(Xte, Yte))
+    m = SlideClassifier(hidden=(64, 1024), hidden_sparsity=(1.0, 0.05), sparsity=0.25, seed=0,
+                        epochs=5, early_stopping=False)
+    m.fit(Xtr, Ytr, validation=(Xte, Yte))
     target = m.resolved_["hidden_layers"][1]["target"]
     assert target == 52
     h = m.embed(Xte)
@@ -174,9 +190,9 @@ def test_sampled_hidden_layer_computes_only_its_active_neurons(tmp_path, tiny_da
     loaded = SlideClassifier.load(tmp_path / "s")
     np.testing.assert_array_equal(loaded.embed(Xte[:50]), m.embed(Xte[:50]))
     with pytest.raises(ValueError, match="first hidden layer"):
-        SlideClassifier(hidden=(64, 32), hidden_sparsity=(0.5, 1.0))
+        SlideClassifier(hidden=(64, 32), hidden_sparsity=(0.5, 1.0)).fit(Xtr, Ytr)
     with pytest.raises(ValueError, match="one value"):
-        SlideClassifier(hidden=(64, 32), hidden_sparsity=(1.0,))
+        SlideClassifier(hidden=(64, 32), hidden_sparsity=(1.0,)).fit(Xtr, Ytr)
 
 
 def test_label_lists_and_hidden_stack(tiny_data):
@@ -202,7 +218,7 @@ def test_sklearn_pipeline_after_tfidf():
         docs.append(" ".join(rng.choice(words, size=8)))
         labels.append(sorted(ts.tolist()))
     pipe = make_pipeline(TfidfVectorizer(), SlideClassifier(hidden=(16,), sparsity=1.0, seed=0, lr=0.01))
-    pipe.fit(docs[:300], labels[:300], slideclassifier__epochs=5)
+    pipe.set_params(slideclassifier__epochs=5).fit(docs[:300], labels[:300])
     pred = pipe.predict(docs[300:])
     assert np.mean([p in l for p, l in zip(pred, labels[300:])]) > 0.9
     from sklearn.base import clone
@@ -214,12 +230,12 @@ def test_concurrent_parallel_kernels_from_two_threads(tiny_data):
     the threading layer must be thread-safe (numba's workqueue would abort the process)."""
     import numba
     X, Y = tiny_data[0][:500], tiny_data[1][:500]
-    models = [SlideClassifier(hidden=(16,), sparsity=0.2, seed=s) for s in (0, 1)]
+    models = [SlideClassifier(hidden=(16,), sparsity=0.2, seed=s, epochs=2) for s in (0, 1)]
     errors = []
 
     def work(m):
         try:
-            m.fit(X, Y, epochs=2)
+            m.fit(X, Y)
         except Exception as e:  # reported below
             errors.append(e)
 

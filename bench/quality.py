@@ -1,0 +1,203 @@
+"""Accuracy with default settings, side by side: the engine, the dense reference and XR-Linear.
+
+    python -m bench.quality                      # every set in ../shared/data, then the presets
+    python -m bench.quality --sets Enron,Medical --engines slide,xr-linear
+    python -m bench.quality --data-dir DIR --presets demo,amazon-670k:100000
+
+Every engine trains with its defaults on the training file and is scored once on the test file
+(P@1/3/5, PSP@5 with Jain et al.'s propensities from the training labels), with its training
+seconds and peak RSS, each in its own process. Real sets are the folders of ``--data-dir``
+holding ``train.txt`` and ``test.txt``; presets are synthetic (``NAME`` or ``NAME:N_TRAIN``).
+
+XR-Linear (PECOS) runs in its own environment because libpecos pins older numpy and scipy:
+``python -m venv .peers && .peers/bin/pip install ".[peers]"``, then pass
+``--peers-python .peers/bin/python`` (the default when that file exists; also
+``$SLIDE_PEERS_PYTHON``). Without it the XR-Linear column is skipped, and the table says so.
+Writes ``OUT.json`` and ``OUT.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import scipy.sparse as sp
+
+from bench.common import machine, run_isolated, write_json
+
+ENGINES = ("slide", "dense", "xr-linear")
+PROPENSITY_AB = {"amazon": (0.6, 2.6), "wikilshtc": (0.5, 0.4)}
+
+
+def _load(spec, data_dir, seed):
+    """(name, X_train, Y_train, X_test, Y_test) of a real folder or a preset spec."""
+    from slide.data import read_dataset
+    from slide.synthetic import PRESETS, make_dataset
+    name, _, n = spec.partition(":")
+    if name in PRESETS and not os.path.isdir(os.path.join(data_dir, name)):
+        shape = PRESETS[name]
+        n_train = int(n) if n else shape.n_train
+        n_test = min(shape.n_test, max(2000, n_train // 10))
+        return (spec, *make_dataset(name, n_train=n_train, n_test=n_test, seed=seed))
+    folder = os.path.join(data_dir, name)
+    Xtr, Ytr = read_dataset(os.path.join(folder, "train.txt"))
+    Xte, Yte = read_dataset(os.path.join(folder, "test.txt"), n_features=Xtr.shape[1],
+                            n_labels=Ytr.shape[1])
+    return name, Xtr, Ytr, Xte, Yte
+
+
+def _scores(top, Ytr, Yte, name) -> dict:
+    from slide.metrics import evaluate, propensities
+    a, b = next((v for k, v in PROPENSITY_AB.items() if k in name.lower()), (0.55, 1.5))
+    res = evaluate(top, Yte, 5, propensity=propensities(Ytr, a, b))
+    return {k: res[k] for k in ("P@1", "P@3", "P@5", "PSP@5")}
+
+
+def _run_network(engine, spec, args, queue):
+    """Train one of our engines with defaults in this (fresh) process and score it."""
+    from slide.train import peak_rss_mb
+    name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
+    if engine == "slide":
+        from slide import SlideClassifier
+        model = SlideClassifier(threads=args.threads, seed=args.seed)
+    else:
+        from gpu_ref import DenseClassifier
+        model = DenseClassifier(seed=args.seed, device="cpu")
+    t0 = time.perf_counter()
+    model.fit(Xtr, Ytr)
+    seconds = time.perf_counter() - t0
+    top, _ = model.predict_topk(Xte, 5)
+    queue.put({"dataset": name, "engine": engine, **_scores(top, Ytr, Yte, name),
+               "train_seconds": seconds, "peak_rss_mb": peak_rss_mb(),
+               "epochs": model.epoch_, "kept_epoch": model.stopping_["kept_epoch"],
+               "settings": {k: model.resolved_[k] for k in ("hidden", "lr", "weight_decay", "batch_size")}})
+
+
+def _save_csr(path, **mats):
+    arrays = {}
+    for key, M in mats.items():
+        M = sp.csr_matrix(M, dtype=np.float32)
+        arrays.update({f"{key}_data": M.data, f"{key}_indices": M.indices,
+                       f"{key}_indptr": M.indptr, f"{key}_shape": np.array(M.shape)})
+    np.savez(path, **arrays)
+
+
+def _run_xr_linear(spec, args):
+    """XR-Linear through bench/xr_linear_worker.py in the peers environment."""
+    name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xr_linear_worker.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, out = os.path.join(tmp, "in.npz"), os.path.join(tmp, "out.npz")
+        _save_csr(inp, X_train=Xtr, Y_train=Ytr, X_test=Xte)
+        proc = subprocess.Popen([args.peers_python, worker, inp, out, "--threads", str(args.threads)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, rusage = os.wait4(proc.pid, 0)[1:]
+        err = proc.stderr.read()
+        if not os.path.exists(out):
+            raise RuntimeError(f"XR-Linear failed on {name}: {err[-2000:]}")
+        z = np.load(out)
+        top = z["ids"]
+        seconds = float(z["train_seconds"])
+    return {"dataset": name, "engine": "xr-linear", **_scores(top, Ytr, Yte, name),
+            "train_seconds": seconds, "peak_rss_mb": rusage.ru_maxrss / 1024}
+
+
+def _default_peers_python():
+    env = os.environ.get("SLIDE_PEERS_PYTHON")
+    if env:
+        return env
+    local = os.path.join(".peers", "bin", "python")
+    return local if os.path.exists(local) else None
+
+
+def table(rows, engines) -> str:
+    """A markdown table: one row per dataset, P@1 of each engine, then the details."""
+    sets = list(dict.fromkeys(r["dataset"] for r in rows))
+    by = {(r["dataset"], r["engine"]): r for r in rows}
+    head = "| dataset | " + " | ".join(f"{e} P@1" for e in engines)
+    if "slide" in engines and "xr-linear" in engines:
+        head += " | slide − XR-Linear"
+    lines = [head + " |", "|" + "---|" * (head.count("|"))]
+    for s in sets:
+        cells = [f"{by[(s, e)]['P@1']:.3f}" if (s, e) in by else "–" for e in engines]
+        line = f"| {s} | " + " | ".join(cells)
+        if "slide" in engines and "xr-linear" in engines:
+            d = by[(s, "slide")]["P@1"] - by[(s, "xr-linear")]["P@1"] \
+                if (s, "slide") in by and (s, "xr-linear") in by else None
+            line += f" | {d:+.3f}" if d is not None else " | –"
+        lines.append(line + " |")
+    lines += ["", "| dataset | engine | P@1 | P@3 | P@5 | PSP@5 | train s | peak RSS MiB | settings |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        settings = r.get("settings")
+        extra = "" if not settings else ", ".join(f"{k} {v}" for k, v in settings.items()) + \
+            f"; epoch {r['kept_epoch']} of {r['epochs']}"
+        lines.append(f"| {r['dataset']} | {r['engine']} | {r['P@1']:.3f} | {r['P@3']:.3f} | "
+                     f"{r['P@5']:.3f} | {r['PSP@5']:.3f} | {r['train_seconds']:.1f} | "
+                     f"{r['peak_rss_mb']:.0f} | {extra} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> dict:
+    specs = []
+    if args.sets != "":
+        found = sorted(d for d in os.listdir(args.data_dir)
+                       if os.path.exists(os.path.join(args.data_dir, d, "train.txt"))) \
+            if os.path.isdir(args.data_dir) else []
+        specs += found if args.sets is None else args.sets.split(",")
+    specs += [p for p in args.presets.split(",") if p]
+    engines = [e for e in args.engines.split(",") if e]
+    for e in engines:
+        if e not in ENGINES:
+            raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
+    notes = []
+    if "xr-linear" in engines and not args.peers_python:
+        engines.remove("xr-linear")
+        notes.append("XR-Linear skipped: no peers environment (see python -m bench.quality --help)")
+    doc = {"machine": machine(), "args": vars(args), "notes": notes, "rows": []}
+    for spec in specs:
+        for engine in engines:
+            if engine == "xr-linear":
+                row = _run_xr_linear(spec, args)
+            elif args.in_process:
+                import queue
+                q = queue.SimpleQueue()
+                _run_network(engine, spec, args, q)
+                row = q.get()
+            else:
+                row = run_isolated(_run_network, engine, spec, args)
+            print(f"{row['dataset']:>22} {engine:>9}: P@1 {row['P@1']:.3f}  P@5 {row['P@5']:.3f}  "
+                  f"PSP@5 {row['PSP@5']:.3f}  {row['train_seconds']:.1f}s  {row['peak_rss_mb']:.0f} MiB",
+                  flush=True)
+            doc["rows"].append(row)
+            write_json(args.out + ".json", doc)
+    doc["table"] = table(doc["rows"], engines)
+    write_json(args.out + ".json", doc)
+    with open(args.out + ".md", "w") as fh:
+        fh.write("\n".join(notes + [""]) + doc["table"] if notes else doc["table"])
+    return doc
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default=os.path.join("..", "shared", "data"))
+    p.add_argument("--sets", default=None, help="comma-separated folders of --data-dir (default: all; '' none)")
+    p.add_argument("--presets", default="demo", help="synthetic presets, NAME or NAME:N_TRAIN")
+    p.add_argument("--engines", default="slide,dense,xr-linear")
+    p.add_argument("--peers-python", default=_default_peers_python())
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-process", action="store_true", help="no child process per run (tests)")
+    p.add_argument("--out", default="bench/results/quality")
+    args = p.parse_args(argv)
+    doc = run(args)
+    print(doc["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""Hyperparameters, the rule that derives the unset ones from the data's shape, and the
+parameter layout shared by the sparse engine and the dense reference.
+
+:class:`SlideConfig` is the one validated record of a model's settings; ``None`` in a field
+means "derive it from the data" and :func:`resolve` applies the documented rule (see its
+docstring and the README) to the training set's rows, features and labels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from lsh import autotune
+
+__all__ = ["SlideConfig", "resolve", "init_parameters", "hidden_blocks", "hidden_block",
+           "ARCHITECTURE_FIELDS", "HASH_FAMILIES", "BUCKET_POLICIES"]
+
+HASH_FAMILIES = ("dwta", "wta", "simhash")
+BUCKET_POLICIES = ("reservoir", "fifo")
+# settings that fix the shapes of the parameters and tables: a fitted model cannot change them
+# and continue training (refit instead)
+ARCHITECTURE_FIELDS = ("hidden", "hidden_sparsity", "sparsity", "hash_family", "K", "L",
+                       "range_pow", "bucket_size", "bucket_policy", "norm", "tfidf")
+
+
+def _number(name, value, *, lo=None, hi=None, integer=False, none=True, lo_open=False):
+    """Validate one numeric setting: a finite real (or int) within [lo, hi] (or (lo, hi])."""
+    if value is None:
+        if none:
+            return None
+        raise ValueError(f"{name} must be set")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if integer and not (isinstance(value, numbers.Integral) or float(value).is_integer()):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+@dataclass(frozen=True)
+class SlideConfig:
+    """Hyperparameters of a model; ``None`` means "derive from the data" (:func:`resolve`).
+
+    Network
+        hidden : ReLU hidden layer sizes, input side first.
+        hidden_sparsity : per hidden layer, the fraction of its neurons computed per sample
+            (1.0 dense; None all dense). The first layer reads the sparse input: always dense.
+        sparsity : fraction of output neurons active per sample while training (labels, LSH
+            hard negatives and random negatives shared by the batch); 1.0 is the exact softmax.
+    LSH tables of the sampled layers
+        hash_family, K, L, range_pow, bucket_size, bucket_policy; rehash_every (samples
+        between rehashes, growing by ``rehash_growth`` after each), rebuild_every (samples
+        between new hash functions).
+    Features
+        norm : "l2" scales every row to unit norm (None: as given). tfidf : idf weighting
+        fitted on the training rows, before the norm.
+    Optimisation
+        lr, beta1, beta2, eps : Adam. weight_decay : decoupled (AdamW) decay, as a multiple of
+        the learning rate, applied to the weight rows a step touches. batch_size. epochs : the
+        number of epochs (the most, with early stopping).
+    Early stopping (as scikit-learn's)
+        early_stopping : hold out ``validation_fraction`` of the training rows (at most 5,000),
+        score them after every epoch, lower the learning rate when the score stalls, stop after
+        ``n_iter_no_change`` epochs without improvement and keep the best weights.
+    Run
+        threads : numba threads (None: all cores). seed : fixes initialisation, data order and
+        sampling. warm_start : ``fit`` continues from the fitted parameters instead of starting
+        over.
+    """
+    hidden: tuple | None = None
+    hidden_sparsity: tuple | None = None
+    sparsity: float | None = None
+    hash_family: str = "dwta"
+    K: int | None = None
+    L: int | None = None
+    range_pow: int | None = None
+    bucket_size: int | None = None
+    bucket_policy: str = "reservoir"
+    rehash_every: int | None = None
+    rehash_growth: float = 1.25
+    rebuild_every: int | None = None
+    norm: str | None = "l2"
+    tfidf: bool = False
+    lr: float | None = None
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float | None = None
+    batch_size: int | None = None
+    epochs: int | None = None
+    early_stopping: bool = True
+    validation_fraction: float = 0.1
+    n_iter_no_change: int = 5
+    threads: int | None = None
+    seed: int = 0
+    warm_start: bool = False
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if self.hidden is not None:
+            hidden = (self.hidden,) if isinstance(self.hidden, numbers.Number) else tuple(self.hidden)
+            if not hidden:
+                raise ValueError("hidden must list at least one layer size")
+            set_("hidden", tuple(_number("hidden", h, lo=1, integer=True, none=False) for h in hidden))
+        if self.hidden_sparsity is not None:
+            hs = tuple(_number("hidden_sparsity", v, lo=0, hi=1, lo_open=True, none=False)
+                       for v in self.hidden_sparsity)
+            if self.hidden is None or len(hs) != len(self.hidden):
+                raise ValueError(f"hidden_sparsity needs one value in (0, 1] per hidden layer "
+                                 f"(and hidden set), got {hs}")
+            if hs[0] != 1:
+                raise ValueError("the first hidden layer reads the sparse input and must be dense "
+                                 "(hidden_sparsity[0] = 1.0)")
+            set_("hidden_sparsity", hs)
+        if self.hash_family not in HASH_FAMILIES:
+            raise ValueError(f"hash_family must be one of {', '.join(HASH_FAMILIES)}, got {self.hash_family!r}")
+        if self.bucket_policy not in BUCKET_POLICIES:
+            raise ValueError(f"bucket_policy must be one of {', '.join(BUCKET_POLICIES)}, "
+                             f"got {self.bucket_policy!r}")
+        if self.norm not in ("l2", None):
+            raise ValueError(f"norm must be 'l2' or None, got {self.norm!r}")
+        for name in ("tfidf", "early_stopping", "warm_start"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            set_(name, bool(getattr(self, name)))
+        checks = {
+            "sparsity": dict(lo=0, hi=1, lo_open=True),
+            "K": dict(lo=1, hi=32, integer=True), "L": dict(lo=1, hi=4096, integer=True),
+            "range_pow": dict(lo=1, hi=30, integer=True), "bucket_size": dict(lo=1, hi=1 << 16, integer=True),
+            "rehash_every": dict(lo=1, integer=True), "rebuild_every": dict(lo=1, integer=True),
+            "rehash_growth": dict(lo=1, hi=100, none=False),
+            "lr": dict(lo=0, hi=10, lo_open=True), "beta1": dict(lo=0, hi=0.999999, none=False),
+            "beta2": dict(lo=0, hi=0.999999, none=False), "eps": dict(lo=0, hi=1, lo_open=True, none=False),
+            "weight_decay": dict(lo=0, hi=1e4), "batch_size": dict(lo=1, hi=1 << 20, integer=True),
+            "epochs": dict(lo=1, hi=100_000, integer=True),
+            "validation_fraction": dict(lo=0, hi=0.5, lo_open=True, none=False),
+            "n_iter_no_change": dict(lo=1, hi=10_000, integer=True, none=False),
+            "threads": dict(lo=1, hi=4096, integer=True),
+            "seed": dict(lo=0, hi=2**32 - 1, integer=True, none=False),
+        }
+        for name, kw in checks.items():
+            set_(name, _number(name, getattr(self, name), **kw))
+
+    def replace(self, **changes) -> "SlideConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
+
+
+# --------------------------------------------------------------------------------------------
+# The defaults rule
+# --------------------------------------------------------------------------------------------
+def default_batch_size(n_train: int) -> int:
+    """Small data needs more, smaller steps: 32 below ~14K samples, 128 above ~56K."""
+    return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
+
+
+def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -> dict:
+    """Concrete settings for a training set of ``n_train`` rows, ``n_features`` features and
+    ``n_labels`` labels: every ``None`` in ``config`` replaced by the rule below.
+
+    * batch_size: :func:`default_batch_size` (32 to 128 by rows).
+    * epochs: enough for about 3,000 optimizer steps, between 5 and 30; with early stopping,
+      which ends the run when the validation score stops improving, up to 100 instead.
+    * output active set: ``max(1024, 0.005 · labels)`` neurons (all of them for fewer labels);
+      a quarter of it the sample's LSH hard negatives, the rest random negatives shared by the
+      batch.
+    * hidden, lr, weight_decay: see the README's "Defaults" section.
+    """
+    c = config
+    out = {}
+    batch_size = c.batch_size or default_batch_size(n_train)
+    steps = math.ceil(n_train / batch_size)
+    epochs = c.epochs or int(np.clip(math.ceil(3000 / steps), 5, 100 if c.early_stopping else 30))
+    out.update(batch_size=batch_size, epochs=epochs)
+    if c.sparsity is None:
+        target = min(n_labels, max(1024, math.ceil(0.005 * n_labels)))
+    else:
+        target = min(n_labels, max(1, math.ceil(c.sparsity * n_labels)))
+    sampled = target < n_labels
+    hidden = c.hidden or ((128,) if sampled else (512,))
+    out.update(hidden=list(hidden), lr=c.lr or 1e-3,
+               weight_decay=1.0 if c.weight_decay is None else c.weight_decay)
+    # a quarter of the active set is each sample's own LSH candidates (hard negatives), the
+    # rest a random pool shared by the batch (dense matrix products, few distinct rows to
+    # update); without sampling the pool is every neuron
+    lsh_cap = target // 4 if sampled else 0
+    out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap)
+    if sampled:
+        over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
+        # the tables only supply lsh_cap candidates per sample, so fewer and smaller than
+        # BOLT's rule: at Amazon-670K shape 24 tables of 64 matched 82 of 164 in P@1 at 0.77 of
+        # the memory and a third of the rehash time (bench/README.md)
+        tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy,
+                      max_tables=24, max_bucket_size=64, **over)
+        out["tables"] = dataclasses.asdict(tc)
+    hs = c.hidden_sparsity or (1.0,) * len(hidden)
+    out["hidden_layers"] = [None] * len(hidden)
+    for l in range(1, len(hidden)):
+        if hs[l] < 1:
+            tc = autotune(hidden[l], hs[l], family=c.hash_family, policy=c.bucket_policy,
+                          max_tables=24, max_bucket_size=64)
+            out["hidden_layers"][l] = {"target": max(1, math.ceil(hs[l] * hidden[l])),
+                                       "tables": dataclasses.asdict(tc)}
+    per_batch = 64 * batch_size
+    out["rehash_every"] = c.rehash_every or per_batch
+    out["rebuild_every"] = c.rebuild_every or 16 * per_batch
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter layout
+# --------------------------------------------------------------------------------------------
+def hidden_blocks(hidden) -> list:
+    """(weight offset, bias offset, n_out, n_in) of each layer of the flat hidden stack
+    ``Wh``/``bh``, which holds hidden layers 1..len(hidden)-1 as [n_out, n_in] blocks."""
+    blocks, off, boff = [], 0, 0
+    for n_in, n_out in zip(hidden[:-1], hidden[1:]):
+        blocks.append((off, boff, int(n_out), int(n_in)))
+        off += int(n_out * n_in)
+        boff += int(n_out)
+    return blocks
+
+
+def hidden_block(p, blk):
+    """Weights [n_out, n_in] and bias [n_out] of one hidden block: views into p["Wh"], p["bh"]."""
+    off, boff, n_out, n_in = blk
+    return p["Wh"][off:off + n_out * n_in].reshape(n_out, n_in), p["bh"][boff:boff + n_out]
+
+
+def parameter_shapes(hidden, n_features: int, n_labels: int) -> dict:
+    """Shape of every parameter array (checkpoints are checked against it)."""
+    sizes = [int(h) for h in hidden]
+    n_stack = sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))
+    return {"W0": (n_features, sizes[0]), "b0": (sizes[0],), "Wh": (n_stack,),
+            "bh": (sum(sizes[1:]),), "W": (n_labels, sizes[-1]), "b": (n_labels,)}
+
+
+def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_features=None) -> dict:
+    """Initial float32 parameters (``W0, b0, Wh, bh, W, b``) for a seed; shared with gpu_ref.
+
+    ``seen_features`` (bool [n_features]) marks the features the training rows contain: the
+    others' input rows start at zero. They would never be trained, and random rows would add
+    noise to every test row holding such a feature (a tenth of the non-zeros on small sets).
+    """
+    rng = np.random.default_rng(seed)
+    sizes = [int(h) for h in hidden]
+    p = {}
+    # input rows are L2-normalised sparse vectors: unit-scale pre-activations need weights of
+    # order one, not 1/sqrt(n_features)
+    p["W0"] = rng.standard_normal((n_features, sizes[0]), np.float32) * np.float32(0.5)
+    if seen_features is not None:
+        p["W0"][~np.asarray(seen_features, bool)] = 0.0
+    p["b0"] = np.zeros(sizes[0], np.float32)
+    blocks = [rng.standard_normal((sizes[l], sizes[l - 1]), np.float32) * np.float32(math.sqrt(2.0 / sizes[l - 1]))
+              for l in range(1, len(sizes))]
+    p["Wh"] = np.concatenate([b.ravel() for b in blocks]) if blocks else np.zeros(0, np.float32)
+    p["bh"] = np.zeros(sum(sizes[1:]), np.float32)
+    p["W"] = rng.standard_normal((n_labels, sizes[-1]), np.float32) * np.float32(1.0 / math.sqrt(sizes[-1]))
+    p["b"] = np.zeros(n_labels, np.float32)
+    return p

@@ -1,0 +1,91 @@
+"""Feature preprocessing fitted on the training rows and applied by every engine.
+
+Bag-of-words rows arrive as raw counts or weights whose scale varies with the document's length.
+The network's first layer sums one weight row per non-zero, so an unnormalised long row drives
+the hidden layer far harder than a short one. :class:`Preprocessor` gives every row unit L2
+norm (optionally after tf-idf weighting with an idf fitted on the training rows) and remembers
+which features the training rows contain, so that features never seen in training contribute
+nothing (their first-layer rows start at zero and are never updated). It is part of the model:
+fit, predict, evaluate and embed see the same features, and checkpoints carry it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+__all__ = ["Preprocessor"]
+
+NORMS = ("l2", None)
+
+
+class Preprocessor:
+    """Row scaling: optional tf-idf weighting, then L2 normalisation.
+
+    Parameters
+    ----------
+    norm : "l2" or None
+        Scale each row to unit Euclidean norm (rows without non-zeros stay empty).
+    tfidf : bool
+        Multiply each feature by its smoothed inverse document frequency
+        ``idf_j = ln((1 + n) / (1 + df_j)) + 1`` (scikit-learn's ``smooth_idf``) before the norm.
+
+    Fitted attributes: ``document_frequency_`` int64 [n_features] (training rows holding each
+    feature), ``n_documents_`` and, with ``tfidf``, ``idf_`` float32 [n_features].
+    """
+
+    def __init__(self, norm: str | None = "l2", tfidf: bool = False):
+        if norm not in NORMS:
+            raise ValueError(f"norm must be 'l2' or None, got {norm!r}")
+        self.norm, self.tfidf = norm, bool(tfidf)
+
+    def fit(self, X: sp.csr_matrix) -> "Preprocessor":
+        """Document frequencies (and idf) of CSR ``X`` [n, n_features]."""
+        self.n_documents_ = int(X.shape[0])
+        self.document_frequency_ = np.bincount(X.indices, minlength=X.shape[1]).astype(np.int64)
+        self._set_idf()
+        return self
+
+    def _set_idf(self):
+        self.idf_ = None
+        if self.tfidf:
+            n, df = self.n_documents_, self.document_frequency_
+            self.idf_ = (np.log((1.0 + n) / (1.0 + df)) + 1.0).astype(np.float32)
+
+    def seen_features(self) -> np.ndarray:
+        """bool [n_features]: features present in at least one training row."""
+        return self.document_frequency_ > 0
+
+    def transform(self, X: sp.csr_matrix) -> sp.csr_matrix:
+        """A new float32 CSR matrix with the fitted weighting and row norm applied."""
+        X = sp.csr_matrix(X, dtype=np.float32, copy=True)
+        if self.idf_ is not None:
+            X.data *= self.idf_[X.indices]
+        if self.norm == "l2" and X.nnz:
+            rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
+            norms = np.sqrt(np.bincount(rows, weights=np.square(X.data, dtype=np.float64),
+                                        minlength=X.shape[0]))
+            norms[norms == 0] = 1.0
+            X.data /= norms[rows].astype(np.float32)
+        return X
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def get_state(self) -> tuple[dict, dict]:
+        """``(arrays, meta)``: what a checkpoint stores (npz arrays + JSON values)."""
+        return ({"document_frequency": self.document_frequency_},
+                {"norm": self.norm, "tfidf": self.tfidf, "n_documents": self.n_documents_})
+
+    @classmethod
+    def from_state(cls, arrays: dict, meta: dict, n_features: int) -> "Preprocessor":
+        """Inverse of :meth:`get_state`; checks the array against the model's feature count."""
+        pre = cls(meta.get("norm", "l2"), bool(meta.get("tfidf", False)))
+        df = np.asarray(arrays["document_frequency"])
+        if df.shape != (n_features,) or df.dtype.kind not in "iu" or (df.size and df.min() < 0):
+            raise ValueError(f"document_frequency must be {n_features} non-negative integers, "
+                             f"got {df.dtype} {df.shape}")
+        pre.document_frequency_ = df.astype(np.int64)
+        pre.n_documents_ = int(meta["n_documents"])
+        pre._set_idf()
+        return pre
+
+    def __repr__(self):
+        return f"Preprocessor(norm={self.norm!r}, tfidf={self.tfidf})"

@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from slide import SlideClassifier
+from slide.preprocess import Preprocessor
+
+
+def _counts():
+    return sp.csr_matrix(np.array([[3, 0, 4, 0], [0, 0, 2, 0], [1, 1, 0, 0]], np.float32))
+
+
+def test_l2_rows_by_hand():
+    Xt = Preprocessor().fit(_counts()).transform(_counts())
+    np.testing.assert_allclose(Xt.toarray(), [[0.6, 0, 0.8, 0], [0, 0, 1, 0],
+                                              [2 ** -0.5, 2 ** -0.5, 0, 0]], rtol=1e-6)
+    assert Xt.dtype == np.float32
+
+
+def test_tfidf_by_hand_and_unseen_features():
+    pre = Preprocessor(tfidf=True).fit(_counts())
+    np.testing.assert_array_equal(pre.document_frequency_, [2, 1, 2, 0])
+    idf = np.log(4 / np.array([3, 2, 3, 1])) + 1  # smoothed, as scikit-learn's TfidfTransformer
+    np.testing.assert_allclose(pre.idf_, idf, rtol=1e-6)
+    row = np.array([3 * idf[0], 0, 4 * idf[2], 0])
+    np.testing.assert_allclose(pre.transform(_counts()).toarray()[0], row / np.linalg.norm(row), rtol=1e-6)
+    np.testing.assert_array_equal(pre.seen_features(), [True, True, True, False])
+    from sklearn.feature_extraction.text import TfidfTransformer
+    ref = TfidfTransformer().fit(_counts()).transform(_counts())
+    np.testing.assert_allclose(pre.transform(_counts()).toarray(), ref.toarray(), rtol=1e-5)
+
+
+def test_empty_rows_stay_empty_and_input_is_not_modified():
+    X = sp.csr_matrix(np.array([[0, 0], [2, 0]], np.float32))
+    before = X.copy()
+    Xt = Preprocessor().fit(X).transform(X)
+    np.testing.assert_array_equal(Xt.toarray(), [[0, 0], [1, 0]])
+    assert (X != before).nnz == 0
+
+
+def test_model_applies_and_saves_its_preprocessing(tmp_path, tiny_data):
+    """Rows scaled by a constant give the same model: every entry point normalises them."""
+    X, Y, Xte, _ = tiny_data
+    X, Y = X[:600], Y[:600]
+    kw = dict(hidden=(16,), sparsity=0.25, threads=1, seed=0, epochs=1, early_stopping=False)
+    a = SlideClassifier(**kw).fit(X, Y)
+    b = SlideClassifier(**kw).fit(X * 7.0, Y)
+    np.testing.assert_allclose(a.params_["W"], b.params_["W"], atol=1e-5)
+    np.testing.assert_allclose(a.embed(Xte[:20]), b.embed(Xte[:20] * 0.01), atol=1e-5)
+    np.testing.assert_array_equal(a.predict_topk(Xte[:20], 3)[0], b.predict_topk(Xte[:20] * 3, 3)[0])
+    t = SlideClassifier(**kw, tfidf=True).fit(X, Y)
+    t.save(tmp_path / "m")
+    loaded = SlideClassifier.load(tmp_path / "m")
+    assert loaded.preprocessor_.tfidf
+    np.testing.assert_array_equal(loaded.preprocessor_.idf_, t.preprocessor_.idf_)
+    np.testing.assert_array_equal(loaded.predict_topk(Xte[:30], 5)[0], t.predict_topk(Xte[:30], 5)[0])
+
+
+def test_features_absent_from_training_start_at_zero(tiny_data):
+    X, Y = tiny_data[0][:300], tiny_data[1][:300]
+    m = SlideClassifier(hidden=(8,), sparsity=0.5, epochs=1, early_stopping=False).fit(X, Y)
+    absent = np.bincount(X.indices, minlength=X.shape[1]) == 0
+    assert absent.any()
+    assert not m.params_["W0"][absent].any()
+    assert m.params_["W0"][~absent].any(axis=1).all()
+
+
+def test_bad_norm():
+    with pytest.raises(ValueError, match="norm"):
+        Preprocessor(norm="l1")

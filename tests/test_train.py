@@ -1,0 +1,151 @@
+"""The training loop shared by every engine: validation slice, early stopping, best weights,
+learning-rate plateaus, warm starts and resumption."""
+import numpy as np
+import pytest
+
+from gpu_ref import DenseClassifier
+from gpu_ref.hetero import HeteroConfig, HeteroTrainer
+from slide import SlideClassifier
+from slide.config import SlideConfig, resolve
+from slide.train import PLATEAU_FACTOR, EarlyStopping, fit_loop, validation_split
+
+
+def test_validation_split_is_seeded_disjoint_and_bounded():
+    tr, va = validation_split(1000, 0.1, seed=3)
+    assert va.size == 100 and tr.size == 900 and not np.intersect1d(tr, va).size
+    np.testing.assert_array_equal(va, validation_split(1000, 0.1, seed=3)[1])
+    assert not np.array_equal(va, validation_split(1000, 0.1, seed=4)[1])
+    assert validation_split(10**6, 0.1, 0)[1].size == 5000
+    assert validation_split(3, 0.1, 0)[1].size == 1
+
+
+def test_early_stopping_decisions():
+    es = EarlyStopping(patience=4)
+    scores = [0.1, 0.2, 0.2, 0.19, 0.2, 0.1]
+    decisions = [es.update(e + 1, {"P@1": s, "P@3": s, "P@5": s}) for e, s in enumerate(scores)]
+    assert [d[0] for d in decisions] == [True, True, False, False, False, False]
+    # the rate drops after every patience // 2 epochs without improvement, not when stopping
+    assert [d[1] for d in decisions] == [False, False, False, True, False, False]
+    assert es.best_epoch == 2 and es.stopped.startswith("no improvement")
+    assert EarlyStopping.from_json(es.to_json()) == es
+
+
+class _Scripted(SlideClassifier):
+    """An engine whose validation scores follow a script (the loop's decisions are what is
+    tested), recording the learning rate each epoch trained with."""
+
+    script = ()
+
+    def evaluate(self, X, Y, k=5, **kw):
+        s = self.script[min(self.epoch_, len(self.script)) - 1]
+        return {"P@1": s, "P@3": s, "P@5": s}
+
+
+def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
+    X, Y = tiny_data[0][:400], tiny_data[1][:400]
+    m = _Scripted(hidden=(8,), sparsity=0.5, epochs=20, n_iter_no_change=4, seed=0, lr=1e-3)
+    m.script = [0.1, 0.3, 0.2, 0.25, 0.2, 0.1, 0.1, 0.1]
+    weights = {}
+    m.fit(X, Y, on_epoch=lambda model, rec: weights.__setitem__(rec["epoch"], model.params_["W"].copy()))
+    assert m.epoch_ == 6 and m.stopping_["kept_epoch"] == 2
+    assert "no improvement" in m.stopping_["reason"] and m.stopping_["validation"].startswith("held out")
+    np.testing.assert_array_equal(m.params_["W"], weights[2])
+    rates = [h["learning_rate"] for h in m.history_]
+    assert rates[:4] == [1e-3] * 4 and rates[4] == pytest.approx(1e-3 * PLATEAU_FACTOR)
+    assert [h["best_epoch"] for h in m.history_] == [1, 2, 2, 2, 2, 2]
+
+
+def test_held_out_rows_are_not_trained_on(tiny_data):
+    X, Y = tiny_data[0][:500], tiny_data[1][:500]
+    seen = []
+
+    class Recording(SlideClassifier):
+        def train_step(self, Xb, Yb):
+            seen.append(Xb.shape[0])
+            return super().train_step(Xb, Yb)
+
+    m = Recording(hidden=(8,), sparsity=0.5, epochs=1, validation_fraction=0.2, seed=0).fit(X, Y)
+    assert sum(seen) == 400 and m.n_train_ == 400
+    assert "P@1" in m.history_[0]
+    seen.clear()
+    Recording(hidden=(8,), sparsity=0.5, epochs=1, early_stopping=False).fit(X, Y)
+    assert sum(seen) == 500
+
+
+def test_fit_restarts_and_warm_start_continues(tiny_data):
+    X, Y = tiny_data[0][:300], tiny_data[1][:300]
+    m = SlideClassifier(hidden=(8,), sparsity=0.5, epochs=2, early_stopping=False, seed=0, threads=1)
+    m.fit(X, Y)
+    first = m.params_["W"].copy()
+    m.fit(X, Y)
+    assert m.epoch_ == 2
+    np.testing.assert_array_equal(m.params_["W"], first)  # same seed, same fresh run
+    m.set_params(warm_start=True).fit(X, Y)
+    assert m.epoch_ == 4
+    m.set_params(hidden=(16,))
+    with pytest.raises(ValueError, match="hidden changed since the model was fitted"):
+        m.fit(X, Y)
+    with pytest.raises(ValueError, match="hidden changed"):
+        m.partial_fit(X, Y)
+    m.set_params(warm_start=False).fit(X, Y)  # a refit takes the new shape
+    assert m.params_["W"].shape[1] == 16
+
+
+def test_resume_during_early_stopping_equals_straight_run(tmp_path, tiny_data):
+    X, Y = tiny_data[0][:600], tiny_data[1][:600]
+    kw = dict(hidden=(16,), sparsity=0.25, threads=1, seed=5, rehash_every=300, epochs=12,
+              n_iter_no_change=3, lr=0.05)
+
+    def save_then_die(model, record):  # a checkpoint per epoch, then the process is killed
+        model.save(tmp_path / f"ck{record['epoch']}")
+        if record["epoch"] == 11:
+            raise KeyboardInterrupt
+
+    straight = SlideClassifier(**kw).fit(X, Y)
+    assert straight.stopping_["kept_epoch"] < straight.epoch_  # it went past its best
+    with pytest.raises(KeyboardInterrupt):
+        SlideClassifier(**kw).fit(X, Y, on_epoch=save_then_die)
+    resumed = SlideClassifier.load(tmp_path / "ck11")
+    assert resumed.best_params_ is not None  # the checkpoint holds the best epoch's weights too
+    fit_loop(resumed, X, Y, until_epoch=12, continue_training=True)
+    assert resumed.stopping_["kept_epoch"] == straight.stopping_["kept_epoch"]
+    assert [h["P@1"] for h in resumed.history_] == [h["P@1"] for h in straight.history_]
+    for k in straight.params_:
+        np.testing.assert_array_equal(resumed.params_[k], straight.params_[k], err_msg=k)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DenseClassifier(hidden=(16,), epochs=3, n_iter_no_change=2, device="cpu"),
+    lambda: HeteroTrainer(SlideClassifier(hidden=(16,), sparsity=0.25, epochs=3, n_iter_no_change=2),
+                          HeteroConfig(policy="hogbatch", cpu_batch=32, gpu_batch=64, gpu_pool=32,
+                                       device="cpu")),
+], ids=["dense", "hetero"])
+def test_every_engine_runs_the_same_loop(tiny_data, make):
+    X, Y = tiny_data[0][:500], tiny_data[1][:500]
+    m = make().fit(X, Y)
+    assert len(m.history_) == 3 and m.stopping_["validation"].startswith("held out")
+    for rec in m.history_:
+        for key in ("epoch", "loss", "P@1", "learning_rate", "best_epoch", "samples_per_second"):
+            assert key in rec, key
+
+
+def test_defaults_follow_the_data_shape():
+    small = resolve(SlideConfig(), n_features=1000, n_labels=300, n_train=5000)
+    wide = resolve(SlideConfig(), n_features=135_909, n_labels=670_091, n_train=100_000)
+    assert not small["sampled"] and wide["sampled"]
+    assert wide["active_target"] == 3351
+    assert small["batch_size"] == 32 and wide["batch_size"] == 128
+    assert resolve(SlideConfig(hidden=(64,), lr=0.01, epochs=3), 10, 5, 100)["hidden"] == [64]
+    for r in (small, wide):
+        assert r["epochs"] >= 5 and r["lr"] > 0
+
+
+def test_settings_are_validated_at_fit(tiny_data):
+    X, Y = tiny_data[0][:50], tiny_data[1][:50]
+    for bad, match in [(dict(lr=float("nan")), "lr must be finite"), (dict(threads=-1), "threads"),
+                       (dict(K=0), "K"), (dict(L=0), "L"), (dict(bucket_size=0), "bucket_size"),
+                       (dict(epochs=2.7), "epochs must be an integer"), (dict(lr=float("inf")), "lr"),
+                       (dict(validation_fraction=0.9), "validation_fraction"),
+                       (dict(norm="l1"), "norm"), (dict(early_stopping="yes"), "early_stopping")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            SlideClassifier(**bad).fit(X, Y)
