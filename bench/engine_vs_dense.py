@@ -20,7 +20,7 @@ from bench.common import dataset, machine, run_isolated, write_json
 
 
 def _run(kind, overrides, args, queue):
-    from slide.train import peak_rss_mb
+    from slide.resources import peak_rss_mb
     Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_test, args.seed)
     base_rss = peak_rss_mb()
     if kind == "slide":

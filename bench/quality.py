@@ -2,7 +2,11 @@
 
     python -m bench.quality                      # every set in ../shared/data, then the presets
     python -m bench.quality --sets Enron,Medical --engines slide,xr-linear
-    python -m bench.quality --data-dir DIR --presets demo,amazon-670k:100000
+    python -m bench.quality --data-dir DIR --presets demo,amazon-670k:100000 --engines slide,knn
+
+Engines: ``slide`` (the engine), ``dense`` (the dense reference on numpy), ``xr-linear``
+(PECOS), ``knn`` (a cosine 10-nearest-neighbour vote, the simple baseline the presets are
+calibrated against; its "training seconds" are its prediction time).
 
 Every engine trains with its defaults on the training file and is scored once on the test file
 (P@1/3/5, PSP@5 with Jain et al.'s propensities from the training labels), with its training
@@ -29,7 +33,7 @@ import scipy.sparse as sp
 
 from bench.common import machine, run_isolated, write_json
 
-ENGINES = ("slide", "dense", "xr-linear")
+ENGINES = ("slide", "dense", "xr-linear", "knn")
 PROPENSITY_AB = {"amazon": (0.6, 2.6), "wikilshtc": (0.5, 0.4)}
 
 
@@ -59,7 +63,7 @@ def _scores(top, Ytr, Yte, name) -> dict:
 
 def _run_network(engine, spec, args, queue):
     """Train one of our engines with defaults in this (fresh) process and score it."""
-    from slide.train import peak_rss_mb
+    from slide.resources import peak_rss_mb
     name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
     if engine == "slide":
         from slide import SlideClassifier
@@ -104,6 +108,34 @@ def _run_xr_linear(spec, args):
         seconds = float(z["train_seconds"])
     return {"dataset": name, "engine": "xr-linear", **_scores(top, Ytr, Yte, name),
             "train_seconds": seconds, "peak_rss_mb": rusage.ru_maxrss / 1024}
+
+
+def knn_topk(Xtr, Ytr, Xte, k=5, neighbours=10, block=512):
+    """Top-k labels of a cosine ``neighbours``-NN vote (rows L2-normalised; votes weighted by
+    similarity): the simple baseline the presets are calibrated against."""
+    from sklearn.preprocessing import normalize
+    A, B = normalize(Xtr).T.tocsc(), normalize(Xte).tocsr()
+    Ytr = sp.csr_matrix(Ytr)
+    top = np.full((Xte.shape[0], k), -1, np.int64)
+    for lo in range(0, Xte.shape[0], block):
+        S = (B[lo:lo + block] @ A).toarray()
+        idx = np.argpartition(-S, min(neighbours, S.shape[1] - 1), axis=1)[:, :neighbours]
+        sims = np.take_along_axis(S, idx, 1)
+        rows = np.repeat(np.arange(idx.shape[0]), neighbours)
+        votes = sp.csr_matrix((sims.ravel(), (rows, idx.ravel())), shape=(idx.shape[0], Xtr.shape[0])) @ Ytr
+        votes = votes.toarray()
+        best = np.argsort(-votes, axis=1, kind="stable")[:, :k]
+        top[lo:lo + block] = np.where(np.take_along_axis(votes, best, 1) > 0, best, -1)
+    return top
+
+
+def _run_knn(spec, args, queue):
+    from slide.resources import peak_rss_mb
+    name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
+    t0 = time.perf_counter()
+    top = knn_topk(Xtr, Ytr, Xte)
+    queue.put({"dataset": name, "engine": "knn", **_scores(top, Ytr, Yte, name),
+               "train_seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()})
 
 
 def _default_peers_python():
@@ -161,15 +193,16 @@ def run(args) -> dict:
     doc = {"machine": machine(), "args": vars(args), "notes": notes, "rows": []}
     for spec in specs:
         for engine in engines:
+            target, extra = (_run_knn, ()) if engine == "knn" else (_run_network, (engine,))
             if engine == "xr-linear":
                 row = _run_xr_linear(spec, args)
             elif args.in_process:
                 import queue
                 q = queue.SimpleQueue()
-                _run_network(engine, spec, args, q)
+                target(*extra, spec, args, q)
                 row = q.get()
             else:
-                row = run_isolated(_run_network, engine, spec, args)
+                row = run_isolated(target, *extra, spec, args)
             print(f"{row['dataset']:>22} {engine:>9}: P@1 {row['P@1']:.3f}  P@5 {row['P@5']:.3f}  "
                   f"PSP@5 {row['PSP@5']:.3f}  {row['train_seconds']:.1f}s  {row['peak_rss_mb']:.0f} MiB",
                   flush=True)

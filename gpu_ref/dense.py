@@ -21,6 +21,7 @@ from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_paramet
 from slide.data import check_xy
 from slide.metrics import topk
 from slide.preprocess import Preprocessor
+from slide.resources import check_fits, model_memory_bytes
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
@@ -178,7 +179,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     # -- the step API --------------------------------------------------------------------------
     def check_data(self, X, Y=None, where="input", fitted=True):
         if not (fitted and self._is_fitted()):
-            return check_xy(X, Y, where=where)
+            return check_xy(X, Y, where=where, require_labels=Y is not None)
         return check_xy(X, Y, n_features=self.n_features_in_,
                         n_labels=self.n_labels_ if Y is not None else None, where=where)
 
@@ -187,6 +188,9 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
         self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_)
+        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1),
+                   f"a dense model of {self.n_features_in_} features, hidden "
+                   f"{self.resolved_['hidden']} and {self.n_labels_} labels")
         self.xp = None
         params = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
                                  self.config_.seed, self.preprocessor_.seen_features())
@@ -254,27 +258,36 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             self.xp.cuda.Stream.null.synchronize()
 
     # -- inference -----------------------------------------------------------------------------
-    def predict_topk(self, X, k=5, block=None):
+    def score_blocks(self, X, block=None):
+        """Exact scores of every label, block by block, on the device: yields ``(lo, hi, S)``."""
         if not self._is_fitted():
             raise NotFittedError("this DenseClassifier is not fitted yet; call fit first")
         self._use_device()
-        X = self.transform(self.check_data(X, where="predict"))
+        Xp = self.transform(X)
         xp = self.xp
         block = block or max(1, min(4096, (1 << 26) // self.n_labels_))
+        for lo in range(0, Xp.shape[0], block):
+            hi = min(lo + block, Xp.shape[0])
+            Xd = Xp[lo:hi] if xp is np else self._sparse.csr_matrix(Xp[lo:hi])
+            yield lo, hi, forward(xp, Xd, self.params_, self._blocks)[-1] @ self.params_["W"].T + self.params_["b"]
+
+    def block_topk(self, S, k):
+        """Top-k ``(ids, scores)`` (host arrays) of device score rows ``S``."""
+        xp = self.xp
+        if xp is np:
+            return topk(S, k)
+        part = xp.argpartition(-S, k - 1, axis=1)[:, :k]
+        vals = xp.take_along_axis(S, part, 1)
+        order = xp.argsort(-vals, axis=1)
+        return (self._host(xp.take_along_axis(part, order, 1)).astype(np.int64),
+                self._host(xp.take_along_axis(vals, order, 1)))
+
+    def predict_topk(self, X, k=5, block=None):
+        X = self.check_data(X, where="predict")
         ids = np.empty((X.shape[0], k), np.int64)
         scores = np.empty((X.shape[0], k), np.float32)
-        for lo in range(0, X.shape[0], block):
-            hi = min(lo + block, X.shape[0])
-            Xd = X[lo:hi] if xp is np else self._sparse.csr_matrix(X[lo:hi])
-            s = forward(xp, Xd, self.params_, self._blocks)[-1] @ self.params_["W"].T + self.params_["b"]
-            if xp is np:
-                ids[lo:hi], scores[lo:hi] = topk(s, k)
-            else:
-                part = xp.argpartition(-s, k - 1, axis=1)[:, :k]
-                vals = xp.take_along_axis(s, part, 1)
-                order = xp.argsort(-vals, axis=1)
-                ids[lo:hi] = self._host(xp.take_along_axis(part, order, 1))
-                scores[lo:hi] = self._host(xp.take_along_axis(vals, order, 1))
+        for lo, hi, S in self.score_blocks(X, block):
+            ids[lo:hi], scores[lo:hi] = self.block_topk(S, k)
         return ids, scores
 
     def predict(self, X):

@@ -165,8 +165,8 @@ class HeteroTrainer:
     def restore(self, state):
         self.model.restore(state)
 
-    def evaluate(self, X, Y, k=5):
-        return self.model.evaluate(X, Y, k=k)
+    def evaluate(self, X, Y, k=5, loss=False):
+        return self.model.evaluate(X, Y, k=k, loss=loss)
 
     def save(self, path):
         self.model.save(path)

@@ -202,9 +202,11 @@ def main(argv=None) -> int:
     args = _build_parser().parse_args(argv)
     from slide.checkpoint import CheckpointError
     from slide.data import DataFormatError
+    from slide.resources import ModelTooLargeError
     try:
         return {"train": _cmd_train, "eval": _cmd_eval, "predict": _cmd_predict, "data": _cmd_data}[args.command](args)
-    except (DataFormatError, CheckpointError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (DataFormatError, CheckpointError, ModelTooLargeError, FileNotFoundError, ValueError,
+            RuntimeError) as e:
         print(f"slide: error: {e}", file=sys.stderr)
         return 2
 

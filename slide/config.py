@@ -174,7 +174,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
 
     * batch_size: :func:`default_batch_size` (32 to 128 by rows).
     * epochs: enough for about 3,000 optimizer steps, between 5 and 30; with early stopping,
-      which ends the run when the validation score stops improving, up to 100 instead.
+      which ends the run when the validation loss stops improving, the most for about 10,000
+      steps, between 5 and 100.
     * output active set: ``max(1024, 0.005 · labels)`` neurons (all of them for fewer labels);
       a quarter of it the sample's LSH hard negatives, the rest random negatives shared by the
       batch.
@@ -184,7 +185,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     out = {}
     batch_size = c.batch_size or default_batch_size(n_train)
     steps = math.ceil(n_train / batch_size)
-    epochs = c.epochs or int(np.clip(math.ceil(3000 / steps), 5, 100 if c.early_stopping else 30))
+    epochs = c.epochs or (int(np.clip(math.ceil(10_000 / steps), 5, 100)) if c.early_stopping
+                          else int(np.clip(math.ceil(3000 / steps), 5, 30)))
     out.update(batch_size=batch_size, epochs=epochs)
     if c.sparsity is None:
         target = min(n_labels, max(1024, math.ceil(0.005 * n_labels)))

@@ -30,7 +30,8 @@ class DataFormatError(ValueError):
 # --------------------------------------------------------------------------------------------
 # Parsing kernel
 # --------------------------------------------------------------------------------------------
-_OK, _BAD_TOKEN, _FEATURE_RANGE, _LABEL_RANGE, _NEGATIVE, _NONFINITE, _BAD_VALUE = range(7)
+_OK, _BAD_TOKEN, _FEATURE_RANGE, _LABEL_RANGE, _NEGATIVE, _NONFINITE, _BAD_VALUE, _TOO_LARGE, \
+    _OVERFLOW = range(9)
 _MESSAGES = {
     _BAD_TOKEN: "malformed token",
     _FEATURE_RANGE: "feature id out of range",
@@ -38,7 +39,11 @@ _MESSAGES = {
     _NEGATIVE: "negative id",
     _NONFINITE: "value is NaN or infinite",
     _BAD_VALUE: "malformed value",
+    _TOO_LARGE: "id too large (ids must be below 2147483647)",
+    _OVERFLOW: "value too large for float32 (|v| > 3.4e38)",
 }
+MAX_ID = 2**31 - 2  # ids are stored as int32, and id + 1 (a size) must fit too
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SPACE, _TAB, _NL, _CR = 32, 9, 10, 13
 _COMMA, _COLON, _MINUS, _PLUS, _DOT = 44, 58, 45, 43, 46
 
@@ -57,8 +62,8 @@ def _parse_int(buf, i, end):
     v = 0
     while i < end and 48 <= buf[i] <= 57:
         v = v * 10 + (buf[i] - 48)
-        if v > 2_000_000_000_000:
-            return -1, i, _BAD_TOKEN
+        if v > MAX_ID:
+            return -1, i, _TOO_LARGE
         i += 1
     if i == start:
         return -1, i, _BAD_TOKEN
@@ -117,6 +122,8 @@ def _parse_float(buf, i, end):
         v = v / 10.0 ** (-exp10) if exp10 >= -300 else 0.0
     if not np.isfinite(v):
         return 0.0, i, _NONFINITE
+    if v > _FLOAT32_MAX:
+        return 0.0, i, _OVERFLOW
     return -v if neg else v, i, _OK
 
 
@@ -143,13 +150,14 @@ def _parse_lines(buf, start, n_features, n_labels, feat_ids, feat_vals, label_id
         # skip leading blanks; a line starting with a blank has an empty label field
         while i < end and _is_blank(buf[i]):
             i += 1
-        if i < end and buf[i] == _NL:  # blank line: skipped only at the very end of the file
+        if i >= end or buf[i] == _NL:
+            # a blank line: trailing ones end the file, others are rows without labels or
+            # features (Extreme Classification Repository files have them)
             j = i
             while j < end and (buf[j] == _NL or _is_blank(buf[j])):
                 j += 1
             if j == end:
                 break
-            return _BAD_TOKEN, row, line_start, 0, max_f, max_l
         # the label field: a first token without ':'
         j = i
         while j < end and not _is_blank(buf[j]) and buf[j] != _NL and buf[j] != _COLON:
@@ -213,22 +221,43 @@ def _read_bytes(path) -> np.ndarray:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
-    buf = np.fromfile(path, dtype=np.uint8)
+    if os.path.isdir(path):
+        raise DataFormatError(f"{path}: is a directory, not a data file")
+    try:
+        buf = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise DataFormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    if buf[:3].tobytes() == b"\xef\xbb\xbf":  # a UTF-8 byte order mark, written by some editors
+        buf = buf[3:]
     if buf.size == 0 or not np.any((buf != _SPACE) & (buf != _NL) & (buf != _TAB) & (buf != _CR)):
         raise DataFormatError(f"{path}: empty file")
     return buf
 
 
 def _parse_header(path, buf):
-    """Return ((N, D, L), byte offset of line 2) if line 1 is an ``N D L`` header, else None."""
+    """Return ((N, D, L), byte offset of line 2) if line 1 is an ``N D L`` header, else None
+    (a headerless libsvm file, whose first line holds ``f:v`` tokens or a label list)."""
     nl = np.flatnonzero(buf[:4096] == _NL)
     first = bytes(buf[: nl[0]] if nl.size else buf[:4096]).decode("ascii", "replace").strip()
     parts = first.split()
-    if len(parts) == 3 and all(p.isdigit() for p in parts):
-        return tuple(int(p) for p in parts), (int(nl[0]) + 1 if nl.size else buf.size)
-    if len(parts) == 3 and ":" not in first and "," not in first:
-        raise DataFormatError(f"{path}:1: malformed header {first!r}, expected 'N D L'")
-    return None
+    if ":" in first or "," in first or not parts:
+        return None
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise DataFormatError(f"{path}:1: malformed header {first[:60]!r}: expected three "
+                              f"non-negative integers 'N D L' (samples, features, labels), "
+                              f"got {len(parts)} field{'s' if len(parts) != 1 else ''}")
+    n, d, n_labels = (int(p) for p in parts)
+    for name, v in (("samples", n), ("features", d), ("labels", n_labels)):
+        if v > MAX_ID + 1:
+            raise DataFormatError(f"{path}:1: header declares {v} {name}; at most {MAX_ID + 1} "
+                                  f"are supported")
+    return (n, d, n_labels), (int(nl[0]) + 1 if nl.size else buf.size)
+
+
+def _sizes(n_features, n_labels) -> str:
+    """How the error messages describe the id bounds in force."""
+    parts = [f"{v} {name}" for v, name in ((n_features, "features"), (n_labels, "labels")) if v >= 0]
+    return f" (the data has {' and '.join(parts)})" if parts else ""
 
 
 def _parse(path, buf, start, first_line, n_rows, n_features, n_labels):
@@ -251,8 +280,7 @@ def _parse(path, buf, start, first_line, n_rows, n_features, n_labels):
             snippet = snippet[:57] + "..."
         raise DataFormatError(
             f"{path}:{line_no}: {_MESSAGES[status]} at column {col + 1} in {snippet!r}"
-            + (f" (header declares {n_features} features, {n_labels} labels)"
-               if status in (_FEATURE_RANGE, _LABEL_RANGE) else ""))
+            + (_sizes(n_features, n_labels) if status in (_FEATURE_RANGE, _LABEL_RANGE) else ""))
     if n_rows >= 0 and rows != n_rows:
         raise DataFormatError(
             f"{path}:{first_line + min(rows, n_rows)}: header declares {n_rows} rows "
@@ -295,13 +323,21 @@ def read_libsvm(path, n_features: int | None = None, n_labels: int | None = None
 
 
 def read_dataset(path, n_features: int | None = None, n_labels: int | None = None):
-    """Read either format, telling them apart by the ``N D L`` header line."""
+    """Read either format, telling them apart by the ``N D L`` header line.
+
+    ``n_features`` / ``n_labels``: the sizes a model expects. A headerless file takes them as
+    its bounds; a file whose header declares other sizes is refused, naming the file.
+    """
     buf = _read_bytes(path)
     header = _parse_header(path, buf)
     if header is None:
         return _parse(path, buf, 0, 1, -1, -1 if n_features is None else n_features,
                       -1 if n_labels is None else n_labels)
     (n, d, n_l), start = header
+    for declared, expected, name in ((d, n_features, "features"), (n_l, n_labels, "labels")):
+        if expected is not None and declared != expected:
+            raise DataFormatError(f"{path}:1: header declares {declared} {name}, the model has "
+                                  f"{expected}")
     return _parse(path, buf, start, 2, n, d, n_l)
 
 
@@ -344,24 +380,48 @@ def write_libsvm(path, X, Y) -> None:
 # --------------------------------------------------------------------------------------------
 # Validation shared by readers, writers and the estimators
 # --------------------------------------------------------------------------------------------
+def _row_of(indptr, position) -> int:
+    return int(np.searchsorted(indptr, position, side="right") - 1)
+
+
 def labels_to_csr(Y, n_labels: int | None = None, where: str = "Y") -> sp.csr_matrix:
-    """A CSR indicator matrix from a CSR/dense matrix or a list of label-id lists."""
-    if sp.issparse(Y):
-        Y = sp.csr_matrix(Y, dtype=np.float32)
-    elif isinstance(Y, np.ndarray) and Y.ndim == 2:
-        Y = sp.csr_matrix(Y.astype(np.float32))
+    """A CSR 0/1 indicator matrix from a 0/1 matrix (sparse or dense) or label-id lists.
+
+    A matrix must hold only 0 and 1 (explicit zeros in a sparse one are not labels); lists must
+    hold non-negative integer ids. Anything else is a :class:`DataFormatError`: a {-1, +1}
+    matrix or ids written as 2.7 would otherwise turn silently into wrong labels.
+    """
+    if sp.issparse(Y) or (isinstance(Y, np.ndarray) and Y.ndim == 2):
+        Y = sp.csr_matrix(Y)
+        if Y.dtype.kind not in "biuf":
+            raise DataFormatError(f"{where}: Y must be numeric 0/1 labels, got dtype {Y.dtype}")
+        Y = sp.csr_matrix(Y, dtype=np.float32, copy=True)
+        Y.eliminate_zeros()
+        bad = np.flatnonzero(Y.data != 1)
+        if bad.size:
+            raise DataFormatError(f"{where}: row {_row_of(Y.indptr, bad[0])} (0-based): Y holds "
+                                  f"{Y.data[bad[0]]:g}; a label matrix holds only 0 and 1")
     else:
-        rows = [np.asarray(list(r) if not np.isscalar(r) else [r], dtype=np.int64) for r in Y]
+        if isinstance(Y, (str, bytes)) or not hasattr(Y, "__iter__"):
+            raise DataFormatError(f"{where}: Y must be a 0/1 matrix or a list of label-id lists")
+        rows = []
+        for r, labels in enumerate(Y):
+            a = np.asarray([labels] if np.isscalar(labels) else list(labels))
+            if a.size and (a.dtype.kind not in "iuf" or (a.dtype.kind == "f" and
+                                                          not np.all(np.mod(a, 1) == 0))):
+                raise DataFormatError(f"{where}: row {r} (0-based): label ids must be integers, "
+                                      f"got {a.tolist()[:5]}")
+            rows.append(a.astype(np.int64))
         indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         indptr[1:] = np.cumsum([r.size for r in rows])
         indices = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         if indices.size and indices.min() < 0:
-            raise DataFormatError(f"{where}: negative label id {int(indices.min())}")
+            raise DataFormatError(f"{where}: row {_row_of(indptr, int(np.argmin(indices)))} (0-based): "
+                                  f"negative label id {int(indices.min())}")
         n = n_labels if n_labels is not None else (int(indices.max()) + 1 if indices.size else 0)
         if indices.size and indices.max() >= n:
-            bad = int(np.searchsorted(indptr, np.argmax(indices >= n), side="right") - 1)
-            raise DataFormatError(f"{where}: row {bad}: label id {int(indices.max())} out of range "
-                                  f"for {n} labels")
+            raise DataFormatError(f"{where}: row {_row_of(indptr, int(np.argmax(indices >= n)))} "
+                                  f"(0-based): label id {int(indices.max())} out of range for {n} labels")
         Y = sp.csr_matrix((np.ones(indices.size, np.float32), indices.astype(np.int32), indptr),
                           shape=(len(rows), n))
     Y.sum_duplicates()
@@ -370,16 +430,22 @@ def labels_to_csr(Y, n_labels: int | None = None, where: str = "Y") -> sp.csr_ma
 
 
 def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = None,
-             where: str = "input"):
+             where: str = "input", require_labels: bool = False):
     """Validate and normalise ``X`` (float32 CSR, sorted indices) and ``Y`` (CSR indicator).
 
-    Raises :class:`DataFormatError` for shape mismatches, NaN/inf values, empty data, and
-    feature or label counts that do not match the model.
+    Raises :class:`DataFormatError` for shape mismatches, non-real or NaN/inf values, empty
+    data, feature or label counts that do not match the model, and (``require_labels``, when
+    a model is to be fitted) a ``Y`` without a single label.
     """
     if not sp.issparse(X):
-        X = np.asarray(X)
+        try:
+            X = np.asarray(X)
+        except (ValueError, TypeError) as e:
+            raise DataFormatError(f"{where}: X is not a matrix ({e})") from None
         if X.ndim != 2:
             raise DataFormatError(f"{where}: X must be 2-D (samples x features), got shape {X.shape}")
+    if X.dtype.kind not in "biuf":
+        raise DataFormatError(f"{where}: X must hold real numbers, got dtype {X.dtype}")
     X = sp.csr_matrix(X, dtype=np.float32)
     if X.shape[0] == 0:
         raise DataFormatError(f"{where}: X has no samples")
@@ -388,8 +454,8 @@ def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = No
         X.sort_indices()
     if not np.all(np.isfinite(X.data)):
         bad = int(np.flatnonzero(~np.isfinite(X.data))[0])
-        row = int(np.searchsorted(X.indptr, bad, side="right") - 1)
-        raise DataFormatError(f"{where}: row {row}: X holds a NaN or infinite value")
+        raise DataFormatError(f"{where}: row {_row_of(X.indptr, bad)} (0-based): X holds a NaN or "
+                              f"infinite value")
     if n_features is not None and X.shape[1] != n_features:
         raise DataFormatError(f"{where}: X has {X.shape[1]} features, the model expects {n_features}")
     if Y is None:
@@ -402,6 +468,9 @@ def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = No
             raise DataFormatError(f"{where}: label id {int(Y.indices.max())} out of range for "
                                   f"{n_labels} labels")
         Y = sp.csr_matrix((Y.data, Y.indices, Y.indptr), shape=(Y.shape[0], n_labels))
+    if require_labels and Y.nnz == 0:
+        raise DataFormatError(f"{where}: no labels: every row's label set is empty "
+                              f"({Y.shape[1]} labels declared); there is nothing to learn")
     return X, Y
 
 

@@ -25,6 +25,7 @@ from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, hidden_block, hidden
 from slide.data import check_xy
 from slide.metrics import topk
 from slide.preprocess import Preprocessor
+from slide.resources import check_fits, model_memory_bytes
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
 __all__ = ["SlideClassifier"]
@@ -122,7 +123,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Validated float32 CSR ``X`` (and CSR indicator ``Y``), against the fitted shapes
         when ``fitted`` and the model is fitted."""
         if not (fitted and self._is_fitted()):
-            return check_xy(X, Y, where=where)
+            return check_xy(X, Y, where=where, require_labels=Y is not None)
         return check_xy(X, Y, n_features=self.n_features_in_,
                         n_labels=self.n_labels_ if Y is not None else None, where=where)
 
@@ -158,6 +159,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
         self.resolved_ = self._resolve(self.config_)
+        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
+                                      self.config_.threads or numba.config.NUMBA_NUM_THREADS),
+                   f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "
+                   f"and {self.n_labels_} labels")
         self.params_ = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
                                        self.config_.seed, self.preprocessor_.seen_features())
         self.moments_ = {f"{k}.{s}": np.zeros_like(v) for k, v in self.params_.items() for s in "mv"}
@@ -389,6 +394,28 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         set_num_threads(self.config_.threads)
         return np.ascontiguousarray(self._last(self._forward(X)))
 
+    def _block_rows(self, block):
+        # about 256 MB of float32 scores per block
+        return block or max(1, min(4096, (1 << 26) // self.n_labels_))
+
+    def score_blocks(self, X, block: int | None = None):
+        """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
+        float32 [hi - lo, n_labels] for rows lo..hi of the (checked, raw) CSR ``X``."""
+        self._require_fitted()
+        Xp = self.transform(X)
+        set_num_threads(self.config_.threads)
+        W, b = self.params_["W"], self.params_["b"]
+        block = self._block_rows(block)
+        for lo in range(0, Xp.shape[0], block):
+            hi = min(lo + block, Xp.shape[0])
+            s = self._last(self._forward(Xp[lo:hi])) @ W.T
+            s += b
+            yield lo, hi, s
+
+    def block_topk(self, S, k: int):
+        """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of score rows ``S``."""
+        return topk(S, k)
+
     def predict_topk(self, X, k: int = 5, mode: str = "exact", block: int | None = None):
         """Top-k labels per row: ``(ids int64 [n, k], scores float32 [n, k])``, best first.
 
@@ -397,29 +424,29 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         rows with fewer than k candidates are padded with id -1).
         """
         self._require_fitted()
-        X = self.transform(self.check_data(X, where="predict"))
-        set_num_threads(self.config_.threads)
+        X = self.check_data(X, where="predict")
         k = int(k)
         if mode not in ("exact", "lsh"):
             raise ValueError(f"mode must be 'exact' or 'lsh', got {mode!r}")
-        W, b = self.params_["W"], self.params_["b"]
         ids = np.empty((X.shape[0], k), np.int64)
         scores = np.empty((X.shape[0], k), np.float32)
-        block = block or max(1, min(4096, (1 << 26) // self.n_labels_))
-        for lo in range(0, X.shape[0], block):
-            hi = min(lo + block, X.shape[0])
-            h = self._last(self._forward(X[lo:hi]))
-            if mode == "exact" or self.tables_ is None:
-                s = h @ W.T
-                s += b
+        if mode == "exact" or self.tables_ is None:
+            for lo, hi, s in self.score_blocks(X, block):
                 ids[lo:hi], scores[lo:hi] = topk(s, k)
-            else:
-                cand, n_c = self.tables_.query(h, rank=True)
-                cs = np.empty(cand.shape, np.float32)
-                kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
-                pos, scores[lo:hi] = topk(cs, k)
-                ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
-                ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1
+            return ids, scores
+        Xp = self.transform(X)
+        set_num_threads(self.config_.threads)
+        W, b = self.params_["W"], self.params_["b"]
+        block = self._block_rows(block)
+        for lo in range(0, Xp.shape[0], block):
+            hi = min(lo + block, Xp.shape[0])
+            h = self._last(self._forward(Xp[lo:hi]))
+            cand, n_c = self.tables_.query(h, rank=True)
+            cs = np.empty(cand.shape, np.float32)
+            kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
+            pos, scores[lo:hi] = topk(cs, k)
+            ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
+            ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1
         return ids, scores
 
     def predict(self, X) -> np.ndarray:

@@ -50,9 +50,9 @@ class DatasetShape:
     features_per_sample: float
     labels_per_sample: float
     label_exponent: float = 0.6
-    cluster_size: int = 20
-    same_cluster: float = 0.8
-    label_share: float = 0.3
+    cluster_size: int = 50
+    same_cluster: float = 0.7
+    label_share: float = 0.1
     topic_share: float = 0.3
 
 

@@ -24,18 +24,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from slide.data import DataFormatError, read_dataset, shuffle_rows
+from slide.resources import peak_rss_mb
 from slide.synthetic import load_default
 
-__all__ = ["fit_loop", "EarlyStopping", "TrainableMixin", "run_training", "peak_rss_mb",
-           "validation_split", "load_train_test", "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS"]
+__all__ = ["fit_loop", "EarlyStopping", "TrainableMixin", "run_training", "validation_split",
+           "load_train_test", "softmax_loss", "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS"]
 
 # After half the patience without improvement the learning rate is multiplied by this
 # (ReduceLROnPlateau): the plateau is usually Adam's noise floor, which a lower rate gets under.
@@ -46,12 +45,6 @@ PLATEAU_FACTOR = 0.3
 MAX_VALIDATION_ROWS = 5000
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process in MiB (Linux reports KiB)."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / 1024 if sys.platform != "darwin" else r / 2**20
-
-
 # --------------------------------------------------------------------------------------------
 # Early stopping
 # --------------------------------------------------------------------------------------------
@@ -59,9 +52,11 @@ def peak_rss_mb() -> float:
 class EarlyStopping:
     """Validation bookkeeping: best score and epoch, evaluations without improvement.
 
-    The score is the mean of P@1, P@3 and P@5 (steadier than P@1 alone on small validation
-    slices). ``patience`` evaluations without an improvement larger than ``tol`` stop the run;
-    after every ``max(1, patience // 2)`` of them the learning rate is lowered.
+    The score is the validation loss (cross-entropy against uniform targets over each row's
+    labels), negated: on small validation slices it picked better epochs than P@k, which moves
+    in steps of one row (bench/results/accuracy_experiments.md). ``patience`` evaluations
+    without an improvement larger than ``tol`` (relative) stop the run; after every
+    ``max(1, patience // 2)`` of them the learning rate is lowered.
     """
     patience: int = 5
     tol: float = 1e-4
@@ -73,13 +68,13 @@ class EarlyStopping:
 
     @staticmethod
     def score(metrics: dict) -> float:
-        return float(np.mean([metrics[f"P@{k}"] for k in (1, 3, 5) if f"P@{k}" in metrics]))
+        return -float(metrics["val_loss"])
 
     def update(self, epoch: int, metrics: dict) -> tuple[bool, bool]:
         """Record epoch ``epoch``'s metrics; returns ``(improved, lower_learning_rate)``."""
         s = self.score(metrics)
         self.scores.append(s)
-        if s > self.best_score + self.tol:
+        if not self.scores[:-1] or s > self.best_score + self.tol * abs(self.best_score):
             self.best_score, self.best_epoch, self.bad_epochs = s, epoch, 0
             return True, False
         self.bad_epochs += 1
@@ -177,7 +172,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
                   "learning_rate": float(model.learning_rate_)}
         if validation is not None:
             t0 = time.perf_counter()
-            record.update(model.evaluate(*validation, k=eval_k))
+            record.update({f"val_{k}": v for k, v in model.evaluate(*validation, k=eval_k, loss=True).items()})
             record["eval_seconds"] = time.perf_counter() - t0
         if stopper is not None:
             improved, lower = stopper.update(model.epoch_, record)
@@ -206,6 +201,29 @@ def _outcome(model, stopper, held_out, planned) -> dict:
             "reason": stopper.stopped or f"reached the planned {planned} epochs",
             "best_score": stopper.best_score,
             "validation": "held out from the training rows" if held_out else "given"}
+
+
+def softmax_loss(S, Y) -> tuple[float, int]:
+    """Summed cross-entropy of score rows ``S`` [n, L] (numpy or cupy) against uniform targets
+    over the labels of CSR ``Y`` [n, L], and the number of rows with labels."""
+    xp = _array_module(S)
+    counts = np.diff(Y.indptr)
+    rows = np.repeat(np.arange(S.shape[0]), counts)
+    m = S.max(axis=1, keepdims=True)
+    lse = (m + xp.log(xp.exp(S - m).sum(axis=1, keepdims=True)))[:, 0]
+    picked = S[xp.asarray(rows), xp.asarray(Y.indices)]
+    per_row = xp.bincount(xp.asarray(rows), weights=picked.astype(xp.float64),
+                          minlength=S.shape[0]) / xp.asarray(np.maximum(counts, 1))
+    has = xp.asarray(counts > 0)
+    return float((lse.astype(xp.float64) - per_row)[has].sum()), int((counts > 0).sum())
+
+
+def _array_module(a):
+    """numpy, or cupy for a device array (cupy is imported only when one is passed)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy.get_array_module(a)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,12 +265,21 @@ class TrainableMixin:
             self.params_[k][...] = v
         self._params_changed()
 
-    def evaluate(self, X, Y, k: int = 5, **predict_kw) -> dict:
-        """P@1..k and nDCG@1..k (reported at 1, 3, 5 and k) of the top-k predictions."""
+    def evaluate(self, X, Y, k: int = 5, loss: bool = False, **predict_kw) -> dict:
+        """P@1..k and nDCG@1..k (reported at 1, 3, 5 and k) of the top-k predictions, and with
+        ``loss`` the mean cross-entropy against uniform targets over each row's labels (rows
+        without labels are left out of it), from the same exact scores."""
         from slide.metrics import evaluate as evaluate_topk
         X, Y = self.check_data(X, Y, where="evaluate", fitted=True)
-        top, _ = self.predict_topk(X, k, **predict_kw)
-        return evaluate_topk(top, Y, k)
+        if predict_kw or not loss:
+            return evaluate_topk(self.predict_topk(X, k, **predict_kw)[0], Y, k)
+        top = np.empty((X.shape[0], k), np.int64)
+        total, rows = 0.0, 0
+        for lo, hi, S in self.score_blocks(X):
+            top[lo:hi] = self.block_topk(S, k)[0]
+            s, n = softmax_loss(S, Y[lo:hi])
+            total, rows = total + s, rows + n
+        return {**evaluate_topk(top, Y, k), "loss": total / max(rows, 1)}
 
     def score(self, X, Y) -> float:
         """P@1 (for scikit-learn's model selection)."""
@@ -314,7 +341,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         doc["resolved"] = getattr(m, "resolved_", None)
         if getattr(m, "timings_", None):
             doc["timings"] = dict(m.timings_)
-        shown = ["epoch", "loss", "P@1", "P@5", "test_P@1", "test_P@5", "samples_per_second"]
+        shown = ["epoch", "loss", "val_loss", "val_P@1", "test_P@1", "test_P@5", "samples_per_second"]
         log("  ".join(f"{k}={round(record[k], 4) if isinstance(record[k], float) else record[k]}"
                       for k in shown if k in record))
         if metrics_json:

@@ -24,8 +24,8 @@ def test_train_eval_predict_round_trip(synth, capsys):
     assert "final: P@1=" in out
     doc = json.loads((d / "m.json").read_text())
     assert len(doc["epochs"]) == 3
-    for key in ("epoch", "train_seconds", "samples_per_second", "loss", "P@1", "P@3", "P@5", "nDCG@5",
-                "peak_rss_mb"):
+    for key in ("epoch", "train_seconds", "samples_per_second", "loss", "val_loss", "val_P@1",
+                "test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "peak_rss_mb"):
         assert key in doc["epochs"][-1]
     assert doc["config"]["hidden"] == [32] and doc["peak_rss_mb"] > 0
     assert main(["eval", str(d / "model"), str(d / "eur_test.txt")]) == 0
@@ -52,7 +52,7 @@ def test_hetero_mode_from_cli(synth, capsys):
                  "--epochs", "1", "--hidden", "16", "--no-progress", "--test", str(d / "eur_test.txt"),
                  "--metrics-json", str(d / "h.json")]) == 0
     rec = json.loads((d / "h.json").read_text())["epochs"][0]
-    assert rec["cpu_updates"] > 0 and rec["gpu_updates"] > 0 and "P@1" in rec
+    assert rec["cpu_updates"] > 0 and rec["gpu_updates"] > 0 and "test_P@1" in rec
     assert main(["train", str(d / "eur_train.txt"), "--mode", "hetero", "--engine", "dense"]) == 2
 
 

@@ -58,7 +58,13 @@ def test_libsvm_infers_sizes(tmp_path):
     ("2 5 3\n0 1:1 ab:2\n1 2:1\n", 2, "malformed token"),
     ("3 5 3\n0 1:1\n1 2:1\n", 4, "declares 3 rows"),
     ("1 5 3\n0 1:1\n1 2:1\n", 3, "declares 1 rows"),
-    ("2 5 3\n0 1:1\n\n1 2:1\n", 3, "malformed token"),
+    ("2 5 3\n0 1:1\n\n1 2:1\n", 4, "declares 2 rows"),  # the blank line is a row
+    ("2 5 3\n0 1:1\n0 1:1e39\n", 3, "too large for float32"),
+    ("2 5 3\n0 1:1\n0 3000000000:1\n", 3, "id too large"),
+    ("2 5 3\n1.0 1:1\n0 2:1\n", 2, "malformed token"),
+    ("2 5\n0 1:1\n1 2:1\n", 1, "got 2 fields"),
+    ("2 5 3 4\n0 1:1\n1 2:1\n", 1, "got 4 fields"),
+    ("99999999999999999999 5 3\n0 1:1\n", 1, "header declares 99999999999999999999 samples"),
 ])
 def test_malformed_input_names_file_and_line(tmp_path, text, line, problem):
     p = _write(tmp_path, text)
@@ -67,6 +73,47 @@ def test_malformed_input_names_file_and_line(tmp_path, text, line, problem):
     msg = str(e.value)
     assert msg.startswith(f"{p}:{line}:"), msg
     assert problem in msg
+
+
+def test_blank_lines_are_empty_rows_and_a_bom_is_skipped(tmp_path):
+    p = _write(tmp_path, "\ufeff3 4 2\n1 0:1\n\n0,1 3:2\n\n\n")
+    X, Y = read_xmc(p)
+    assert X.shape == (3, 4) and Y.shape == (3, 2)
+    np.testing.assert_array_equal(np.diff(X.indptr), [1, 0, 1])
+    np.testing.assert_array_equal(np.diff(Y.indptr), [1, 0, 2])
+
+
+def test_headerless_ids_beyond_int32_are_refused(tmp_path):
+    with pytest.raises(DataFormatError, match=r":2: id too large"):
+        read_libsvm(_write(tmp_path, "0 1:1\n1 3000000000:1\n"))
+    with pytest.raises(DataFormatError, match=r":1: id too large"):
+        read_libsvm(_write(tmp_path, "2147483647 1:1\n", "b.txt"))
+
+
+def test_directory_and_header_size_mismatch(tmp_path):
+    with pytest.raises(DataFormatError, match="is a directory"):
+        read_dataset(tmp_path)
+    p = _write(tmp_path, "1 5 3\n0 1:1\n")
+    with pytest.raises(DataFormatError, match=r":1: header declares 5 features, the model has 4"):
+        read_dataset(p, n_features=4)
+    q = _write(tmp_path, "0 7:1\n", "h.txt")
+    with pytest.raises(DataFormatError, match=r"feature id out of range .*\(the data has 4 features\)"):
+        read_dataset(q, n_features=4)
+
+
+def test_label_matrices_and_lists_are_checked():
+    X = sp.csr_matrix(np.ones((2, 3), np.float32))
+    with pytest.raises(DataFormatError, match="holds -1; a label matrix holds only 0 and 1"):
+        check_xy(X, np.array([[1, -1], [-1, 1]]))
+    Y = sp.csr_matrix((np.array([1.0, 0.0]), np.array([0, 1]), np.array([0, 1, 2])), shape=(2, 2))
+    assert check_xy(X, Y)[1].nnz == 1  # an explicit zero is not a label
+    with pytest.raises(DataFormatError, match="label ids must be integers"):
+        check_xy(X, [[0.0, 2.7], [1]])
+    assert check_xy(X, [[0.0, 2.0], [1]])[1].nnz == 3
+    with pytest.raises(DataFormatError, match="real numbers"):
+        check_xy(np.ones((2, 3), complex))
+    with pytest.raises(DataFormatError, match="no labels"):
+        check_xy(X, [[], []], require_labels=True)
 
 
 def test_empty_and_missing_files(tmp_path):
@@ -82,7 +129,7 @@ def test_empty_and_missing_files(tmp_path):
 
 def test_check_xy_errors():
     X = sp.csr_matrix(np.array([[1.0, np.nan]], np.float32))
-    with pytest.raises(DataFormatError, match="row 0: X holds a NaN"):
+    with pytest.raises(DataFormatError, match=r"row 0 \(0-based\): X holds a NaN"):
         check_xy(X)
     with pytest.raises(DataFormatError, match="3 features, the model expects 2"):
         check_xy(sp.csr_matrix(np.ones((1, 3))), n_features=2)

@@ -1,0 +1,95 @@
+"""Memory: what a model will need before it is allocated, what the machine has, what was used.
+
+A header that declares ten million labels would otherwise start allocating a model that cannot
+fit and be killed by the kernel minutes later; :func:`check_fits` refuses it up front with the
+size, the parts that make it up and the settings that shrink it.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+__all__ = ["peak_rss_mb", "available_memory_bytes", "model_memory_bytes", "check_fits",
+           "ModelTooLargeError"]
+
+
+class ModelTooLargeError(MemoryError):
+    """The configuration needs more memory than the machine has available."""
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process in MiB (Linux reports KiB)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 1024 if sys.platform != "darwin" else r / 2**20
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process may still use: the smaller of MemAvailable and the cgroup's free
+    limit (containers), or None when neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as fh:
+                text = fh.read().strip()
+            with open(usage) as fh:
+                used = int(fh.read().strip())
+            if text.isdigit() and int(text) < 1 << 60:
+                found.append(int(text) - used)
+        except (OSError, ValueError):
+            continue
+    if not found:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return max(0, min(found))
+
+
+def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: int,
+                       copies: int = 4) -> dict:
+    """Bytes a model needs, by part, for :func:`slide.config.resolve`'s settings ``resolved``.
+
+    ``copies`` float32 arrays per parameter: the weights, two Adam moments and the gradient
+    accumulator (the dense reference has no accumulator but the same order of temporaries);
+    one more for the best weights kept by early stopping; LSH tables and per-thread scratch.
+    """
+    hidden = [int(h) for h in resolved["hidden"]]
+    n_params = n_features * hidden[0] + sum(a * b for a, b in zip(hidden[:-1], hidden[1:])) \
+        + n_labels * (hidden[-1] + 1) + sum(hidden)
+    parts = {"parameters": 4 * n_params, "adam_moments": 8 * n_params,
+             "gradients": 4 * n_params * (copies - 3)}
+    parts["best_weights"] = 4 * n_params
+    tables = 0
+    for t in [resolved.get("tables")] + [l["tables"] for l in resolved.get("hidden_layers", []) if l]:
+        if t:
+            tables += 4 * t["L"] * (1 << t["range_pow"]) * (t["bucket_size"] + 1)
+    parts["hash_tables"] = tables
+    # per-thread query stamps and hit counts over the labels, and exact scoring blocks
+    parts["scratch"] = 8 * max(1, threads) * n_labels + (1 << 28)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def check_fits(parts: dict, what: str = "this model") -> None:
+    """Raise :class:`ModelTooLargeError` if ``parts["total"]`` exceeds the available memory."""
+    avail = available_memory_bytes()
+    if avail is None or parts["total"] <= avail:
+        return
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    detail = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in parts.items()
+                       if k != "total" and v >= 2**26)
+    raise ModelTooLargeError(
+        f"{what} needs about {gib(parts['total'])} ({detail}) but {gib(avail)} is available. "
+        f"A smaller hidden layer (hidden) shrinks every weight matrix; fewer or smaller hash "
+        f"tables (L, bucket_size) shrink the tables; for an output layer this wide, check that "
+        f"the data's declared label count is what you meant")
