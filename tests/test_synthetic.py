@@ -7,7 +7,8 @@ import scipy.sparse as sp
 from slide.synthetic import PRESETS, DatasetShape, make_dataset
 
 SMALL = DatasetShape("small", n_features=3000, n_labels=2000, n_train=4000, n_test=500,
-                     features_per_sample=40.0, labels_per_sample=3.0)
+                     features_per_sample=40.0, labels_per_sample=3.0, cluster_size=20,
+                     same_cluster=0.8, label_share=0.3)
 
 
 def test_generator_is_deterministic_and_shaped():
