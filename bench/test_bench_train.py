@@ -3,8 +3,10 @@
     pytest bench/test_bench_train.py --benchmark-only --benchmark-json bench/results/train.json
     pytest bench/test_bench_train.py --benchmark-only --benchmark-compare   # against the last run
 
-Engines: the sparse engine on 1 and 2 threads, the dense reference on numpy, and on cupy when a
-GPU is present (skipped otherwise). Batches of 128; inference is the exact top-5 of 128 rows.
+Engines: the sparse engine on 1 and 2 threads and on every core (``slide-all``, when there are
+more than 2), the dense reference on numpy, and on cupy when a GPU is present (skipped otherwise):
+full softmax (``dense-gpu``) and sampled softmax over the batch's labels plus 4,096 shared random
+rows (``dense-gpu-sampled``). Batches of 128; inference is the exact top-5 of 128 rows.
 """
 import numba
 import pytest
@@ -13,21 +15,24 @@ from gpu_ref import DenseClassifier, gpu_available
 from slide.network import SlideClassifier
 
 BATCH = 128
-ENGINES = ["slide-1", "slide-2", "dense-cpu", "dense-gpu"]
+NEGATIVES = 4096
+ENGINES = ["slide-1", "slide-2", "slide-all", "dense-cpu", "dense-gpu", "dense-gpu-sampled"]
 
 
 def _model(engine, X, Y):
-    if engine == "dense-gpu" and not gpu_available():
+    if engine.startswith("dense-gpu") and not gpu_available():
         pytest.skip("dense-gpu needs cupy and a CUDA device")
     if engine.startswith("slide"):
-        threads = int(engine.split("-")[1])
-        if threads > numba.config.NUMBA_NUM_THREADS:
-            pytest.skip(f"needs {threads} threads")
+        cores = numba.config.NUMBA_NUM_THREADS
+        threads = cores if engine == "slide-all" else int(engine.split("-")[1])
+        if threads > cores or (engine == "slide-all" and cores <= 2):
+            pytest.skip(f"needs {threads} threads" if threads > cores else "slide-2 covers every core")
         sparsity = 0.005 if Y.shape[1] > 100_000 else None
         model = SlideClassifier(hidden=(128,), sparsity=sparsity, batch_size=BATCH, threads=threads, seed=0)
     else:
         model = DenseClassifier(hidden=(128,), batch_size=BATCH, seed=0,
-                                device="gpu" if engine == "dense-gpu" else "cpu")
+                                device="cpu" if engine == "dense-cpu" else "gpu",
+                                negatives=NEGATIVES if engine.endswith("sampled") else None)
     model.partial_fit(X[:2 * BATCH], Y[:2 * BATCH])  # initialise and compile
     return model
 
@@ -49,9 +54,9 @@ def test_train_batch(benchmark, engine_model):
         if hasattr(model, "synchronize"):
             model.synchronize()
 
-    rounds = 3 if engine.startswith("dense") and shape == "amazon-670k" else 10
+    rounds = 3 if engine == "dense-cpu" and shape == "amazon-670k" else 20
     benchmark.pedantic(one_batch, rounds=rounds, warmup_rounds=1)
-    benchmark.extra_info.update(shape=shape, engine=engine,
+    benchmark.extra_info.update(shape=shape, engine=engine, threads=getattr(model, "threads", None),
                                 samples_per_second=BATCH / benchmark.stats.stats.median)
 
 

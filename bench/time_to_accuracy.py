@@ -7,8 +7,10 @@ Every engine trains for the same wall-clock budget on the same data (batches of 
 shuffled order, epoch after epoch). Every ``--eval-every`` seconds of training it is evaluated
 on the same fixed shuffled test sample; evaluation time is not counted in the budget. Writes
 ``OUT.json`` (points, config, machine) and ``OUT.png`` (the plot). Engines: ``slide``, ``dense-cpu``,
-``dense-gpu`` (cupy), ``hetero`` (CPU threads + GPU worker, Adaptive Hogbatch; on numpy without
-a GPU). Each engine runs in its own process.
+``dense-gpu`` (cupy, full softmax), ``dense-gpu-sampled`` (cupy, the batch's labels plus
+``--negatives`` shared random rows), ``hetero-hogbatch`` and ``hetero-adaptive`` (``hetero`` is the
+latter): the engine's CPU threads with a GPU worker (on numpy without a GPU), whose per-worker
+samples, busy seconds and utilisation are recorded. Each engine runs in its own process.
 """
 from __future__ import annotations
 
@@ -26,23 +28,28 @@ def _make(engine, args):
         from slide.network import SlideClassifier
         return SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
                                batch_size=args.batch_size, seed=args.seed)
-    if engine in ("dense-cpu", "dense-gpu"):
+    if engine in ("dense-cpu", "dense-gpu", "dense-gpu-sampled"):
         from gpu_ref import DenseClassifier
         return DenseClassifier(hidden=(args.hidden,), batch_size=args.batch_size, seed=args.seed,
-                               device="gpu" if engine == "dense-gpu" else "cpu")
-    if engine == "hetero":
+                               device="cpu" if engine == "dense-cpu" else "gpu",
+                               negatives=args.negatives if engine.endswith("sampled") else None)
+    if engine.startswith("hetero"):
         from gpu_ref.hetero import HeteroConfig, HeteroTrainer
         from slide.network import SlideClassifier
         model = SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
                                 batch_size=args.batch_size, seed=args.seed)
-        return HeteroTrainer(model, HeteroConfig(policy="adaptive", cpu_batch=args.batch_size))
+        policy = "hogbatch" if engine == "hetero-hogbatch" else "adaptive"
+        return HeteroTrainer(model, HeteroConfig(policy=policy, cpu_batch=args.batch_size,
+                                                 gpu_pool=args.negatives))
     raise ValueError(f"unknown engine {engine!r}")
 
 
 def _run(engine, args, queue):
     Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_eval, args.seed)
     model = _make(engine, args)
-    evaluated = model.model if engine == "hetero" else model
+    hetero = engine.startswith("hetero")
+    evaluated = model.model if hetero else model
+    workers = {w: {"samples": 0, "updates": 0, "busy_seconds": 0.0} for w in ("cpu", "gpu")}
     chunk = args.batch_size * args.chunk_batches
     points = []
     train_seconds, samples, epoch = 0.0, 0, 0
@@ -58,10 +65,14 @@ def _run(engine, args, queue):
         idx = np.sort(order[pos:pos + chunk])
         pos += idx.size
         t0 = time.perf_counter()
-        model.partial_fit(Xtr[idx], Ytr[idx])
+        stats = model.partial_fit(Xtr[idx], Ytr[idx])
         if hasattr(model, "synchronize"):
             model.synchronize()
         train_seconds += time.perf_counter() - t0
+        if hetero:
+            for w, s in stats.items():
+                for k in workers[w]:
+                    workers[w][k] += s[k]
         samples += idx.size
         if train_seconds >= next_eval or train_seconds >= budget:
             res = evaluated.evaluate(Xte, Yte, k=5)
@@ -70,10 +81,15 @@ def _run(engine, args, queue):
             next_eval = train_seconds + args.eval_every
             if train_seconds >= budget:
                 break
-    label = engine
-    if engine == "hetero":
-        label = f"hetero (GPU worker on {'cupy' if model.xp is not np else 'numpy, no GPU'})"
-    queue.put({"engine": engine, "label": label, "points": points})
+    label, run = engine, {}
+    if hetero:
+        label = f"{engine} (GPU worker on {'cupy' if model.xp is not np else 'numpy, no GPU'})"
+        for s in workers.values():
+            s["utilisation"] = s["busy_seconds"] / max(train_seconds, 1e-9)
+            s["share"] = s["samples"] / max(samples, 1)
+        run = {"workers": workers, "gpu_retired": bool(model.policy_.retired),
+               "final_batch": dict(model.policy_.batch)}
+    queue.put({"engine": engine, "label": label, "points": points, **run})
 
 
 def plot(doc, path):
@@ -108,6 +124,8 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--sparsity", type=float, default=0.005)
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--negatives", type=int, default=4096,
+                   help="random output rows per batch of dense-gpu-sampled and of hetero's GPU worker")
     p.add_argument("--chunk-batches", type=int, default=10, help="batches between clock checks")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

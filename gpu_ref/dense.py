@@ -15,7 +15,7 @@ import scipy.sparse as sp
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
-from slide.checkpoint import read_checkpoint, write_checkpoint
+from slide.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
                           parameter_shapes, resolve)
 from slide.data import check_xy
@@ -24,8 +24,14 @@ from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
+from gpu_ref import ops
+
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
            "uniform_targets", "local_columns", "adam_step"]
+
+
+#: a GPU step's batch is densified over its input rows when it has at most this many entries
+DENSE_BATCH_ELEMENTS = 1 << 24
 
 
 def gpu_available() -> bool:
@@ -58,11 +64,13 @@ def forward(xp, Xd, p, blocks) -> list:
     return acts
 
 
-def uniform_targets(xp, Y):
-    """Dense float32 targets [n, L]: uniform over each row's labels (rows without labels: 0)."""
-    Y = sp.csr_matrix(Y, dtype=np.float32)
-    counts = np.maximum(np.diff(Y.indptr), 1).astype(np.float32)
-    return xp.asarray((sp.diags(1.0 / counts) @ Y).toarray(), dtype=xp.float32)
+def uniform_targets(Y: sp.csr_matrix) -> tuple:
+    """Sparse targets of label rows ``Y`` [n, m]: ``(rows, cols, weights)`` host arrays [nnz]
+    (int32, int32, float32), uniform over each row's labels."""
+    counts = np.diff(Y.indptr)
+    rows = np.repeat(np.arange(Y.shape[0], dtype=np.int32), counts)
+    weights = (1.0 / np.maximum(counts, 1)).astype(np.float32)[rows]
+    return rows, Y.indices.astype(np.int32), weights
 
 
 def local_columns(M: sp.csr_matrix, columns: np.ndarray) -> sp.csr_matrix:
@@ -72,24 +80,24 @@ def local_columns(M: sp.csr_matrix, columns: np.ndarray) -> sp.csr_matrix:
                          shape=(M.shape[0], columns.size))
 
 
-def softmax_grads(xp, Xd, T, p, blocks):
+def softmax_grads(xp, Xd, targets, p, blocks):
     """Mean softmax cross-entropy of the network ``p`` and its gradients.
 
     ``p`` holds ``W0`` [d, H0] (the rows of the features in ``Xd`` [n, d]), ``b0``, the flat hidden
     stack ``Wh``/``bh`` and an output block ``W`` [m, H], ``b`` [m]: every label, or any subset
-    of rows (a sampled softmax, as the heterogeneous trainer's GPU worker uses) whose targets are
-    the columns of ``T`` [n, m]. Returns ``(loss, grads)``, grads shaped like ``p``.
+    of rows (a sampled softmax) whose target entries ``targets`` = ``(rows, cols, weights)``
+    (device arrays, see :func:`uniform_targets`) index. Returns ``(loss, grads)``: the loss as a
+    0-d device array (reading it waits for the device), grads shaped like ``p``.
     """
     acts = forward(xp, Xd, p, blocks)
     n = Xd.shape[0]
     h = acts[-1]
-    z = h @ p["W"].T + p["b"]
-    z -= z.max(axis=1, keepdims=True)
-    logp = z - xp.log(xp.exp(z).sum(axis=1, keepdims=True))
-    loss = float(-(T * logp).sum() / n)
-    dz = (xp.exp(logp) - T) / n
+    dz = h @ p["W"].T
+    dz += p["b"]
+    loss = ops.softmax_xent_(xp, dz, *targets) / np.float32(max(n, 1))
     g = {"W": dz.T @ h, "b": dz.sum(axis=0)}
     dh = dz @ p["W"]
+    del dz
     gWh, gbh = [], []
     for l in range(len(blocks) - 1, -1, -1):
         dpre = dh * (acts[l + 1] > 0)
@@ -107,28 +115,33 @@ def softmax_grads(xp, Xd, T, p, blocks):
 
 def adam_step(xp, w, m, v, g, lr, beta1, beta2, eps, step, decay=0.0):
     """Adam (with decoupled weight decay ``decay`` × lr) on arrays ``w``, ``m``, ``v`` in place,
-    in the same float32 arithmetic as the engine's kernels."""
-    c1 = np.float32(1.0 / (1.0 - beta1 ** step))
-    c2 = np.float32(1.0 / (1.0 - beta2 ** step))
-    b1, b2 = np.float32(beta1), np.float32(beta2)
-    m *= b1
-    m += (np.float32(1) - b1) * g
-    v *= b2
-    v += (np.float32(1) - b2) * g * g
-    w -= np.float32(lr) * (m * c1) / (xp.sqrt(v * c2) + np.float32(eps)) + np.float32(lr * decay) * w
+    in the same float32 arithmetic as the engine's kernels (see :func:`gpu_ref.ops.adam_`)."""
+    ops.adam_(xp, w, m, v, g, lr, beta1, beta2, eps, step, decay)
 
 
 class DenseClassifier(TrainableMixin, BaseEstimator):
     """Dense reference with the engine's settings, defaults, loop and checkpoints.
 
-    ``device``: "auto" (cupy when a GPU is present), "cpu" (numpy) or "gpu"; changing it with
-    ``set_params`` on a fitted model moves the parameters at the next call.
+    Besides the engine's settings (see :class:`slide.SlideClassifier`):
+
+    device : "auto" (cupy when a GPU is present), "cpu" (numpy) or "gpu"; changing it with
+        ``set_params`` on a fitted model moves the parameters at the next call.
+    negatives : None for the full softmax over every label (the dense baseline), or an int: a
+        sampled softmax over each batch's labels plus this many label rows drawn uniformly at
+        random, shared by the batch (the GPU peer of the engine's LSH sampling); only those
+        output rows are computed and updated.
+    precision : "tf32" (the tensor cores' float32 mode for the matrix products, on GPUs that have
+        it; parameters, sums and Adam stay float32) or "fp32". No effect on numpy.
+
+    A training step never waits for the device: the loss stays on it until the epoch ends, and
+    the next batch is prepared on the host (its rows, their input and output ids) and queued for
+    the device while the current step runs.
     """
 
     def __init__(self, hidden=None, norm="l2", tfidf=False, lr=None, beta1=0.9, beta2=0.999,
                  eps=1e-8, weight_decay=None, batch_size=None, epochs=None, early_stopping=True,
                  validation_fraction=0.1, n_iter_no_change=5, seed=0, warm_start=False,
-                 device="auto"):
+                 device="auto", negatives=None, precision="tf32"):
         self.hidden = hidden
         self.norm = norm
         self.tfidf = tfidf
@@ -145,6 +158,11 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.seed = seed
         self.warm_start = warm_start
         self.device = device
+        self.negatives = negatives
+        self.precision = precision
+
+    #: settings of this class that are not the engine's (kept in the checkpoint's "dense" entry)
+    _OWN = ("device", "negatives", "precision")
 
     # -- settings --------------------------------------------------------------------------------
     def _is_fitted(self) -> bool:
@@ -154,7 +172,13 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         return self._is_fitted()
 
     def _config(self) -> SlideConfig:
-        return SlideConfig(**{k: v for k, v in self.get_params().items() if k != "device"})
+        if self.negatives is not None and (isinstance(self.negatives, bool) or
+                                           not isinstance(self.negatives, (int, np.integer))
+                                           or self.negatives < 0):
+            raise ValueError(f"negatives must be None or a non-negative int, got {self.negatives!r}")
+        if self.precision not in ops.PRECISIONS:
+            raise ValueError(f"precision must be one of {ops.PRECISIONS}, got {self.precision!r}")
+        return SlideConfig(**{k: v for k, v in self.get_params().items() if k not in self._OWN})
 
     def fit_settings(self) -> dict:
         c = self._config()
@@ -171,6 +195,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             to = (lambda a: xp.asarray(a)) if xp is not np else self._host
             self.params_ = {k: to(v) for k, v in self.params_.items()}
             self.moments_ = {k: to(v) for k, v in self.moments_.items()}
+            if getattr(self, "best_params_", None):
+                self.best_params_ = {k: to(v) for k, v in self.best_params_.items()}
         self.xp, self._sparse = xp, sparse
 
     def _host(self, a):
@@ -209,27 +235,99 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.xp = None
         self._use_device()
 
-    def train_step(self, Xb, Yb) -> float:
-        """One Adam step on a preprocessed batch; the input layer's gradient and update cover
-        only the rows of the batch's features (as the engine's)."""
-        self._use_device()
-        xp, p, m = self.xp, self.params_, self.moments_
-        in_rows = np.unique(Xb.indices)
+    def _sample_rng(self):
+        """The negatives' generator, a function of the seed and the step (so a resumed run draws
+        what an uninterrupted one would)."""
+        return np.random.default_rng([self.config_.seed, 7, self.step_ + 1])
+
+    def prepare_batch(self, Xb, Yb, rng=None) -> dict:
+        """Host half of a step: the batch's input rows and output rows, its rows over them, its
+        target entries, all queued for the device (the only host-to-device copies of a step).
+
+        Xb, Yb : preprocessed float32 CSR [n, n_features], CSR [n, n_labels].
+        rng : generator of the sampled softmax's negatives (default: one from the step count).
+        """
+        xp = self.xp
+        in_rows = np.unique(Xb.indices).astype(np.int32)
         Xl = local_columns(Xb, in_rows)
-        rows = self.xp.asarray(in_rows)
-        local = {**p, "W0": p["W0"][rows]}
-        Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
-        loss, g = softmax_grads(xp, Xd, uniform_targets(xp, Yb), local, self._blocks)
+        if self.negatives is None:
+            out_rows, Yl = None, Yb
+        else:
+            rng = self._sample_rng() if rng is None else rng
+            pool = rng.choice(self.n_labels_, size=min(self.negatives, self.n_labels_), replace=False)
+            out_rows = np.union1d(Yb.indices, pool).astype(np.int32)
+            Yl = local_columns(Yb, out_rows)
+        targets = uniform_targets(Yl)
+        if xp is np:
+            return {"in_rows": in_rows, "X": Xl, "out_rows": out_rows, "targets": targets,
+                    "n": Xb.shape[0]}
+        dev = xp.asarray  # async copies from pinned staging on the current stream
+        if Xl.shape[0] * Xl.shape[1] <= DENSE_BATCH_ELEMENTS:
+            # a small batch over its own input rows is cheaper as a dense block: two launches to
+            # build, then tensor-core products, instead of cuSPARSE's setup on every call
+            Xd = xp.zeros(Xl.shape, xp.float32)
+            Xd[dev(np.repeat(np.arange(Xl.shape[0], dtype=np.int32), np.diff(Xl.indptr))),
+               dev(Xl.indices)] = dev(Xl.data)
+        else:
+            Xd = self._sparse.csr_matrix((dev(Xl.data), dev(Xl.indices), dev(Xl.indptr)), shape=Xl.shape)
+        return {"in_rows": dev(in_rows), "X": Xd, "targets": tuple(dev(t) for t in targets),
+                "out_rows": None if out_rows is None else dev(out_rows), "n": Xb.shape[0]}
+
+    def step_batch(self, batch: dict):
+        """Device half of a step: forward, backward and Adam on the rows the batch touches.
+        Returns the batch's mean loss as a 0-d device array (no host synchronisation)."""
+        xp, p, m = self.xp, self.params_, self.moments_
+        in_rows, out_rows = batch["in_rows"], batch["out_rows"]
+        local = {**p, "W0": p["W0"][in_rows]}
+        if out_rows is not None:
+            local["W"], local["b"] = p["W"][out_rows], p["b"][out_rows]
+        with ops.matmul_precision(xp, self.precision):
+            loss, g = softmax_grads(xp, batch["X"], batch["targets"], local, self._blocks)
         self.step_ += 1
         c, lr, wd = self.config_, self.learning_rate_, self.resolved_["weight_decay"]
         hp = (lr, c.beta1, c.beta2, c.eps, self.step_)
-        w0, m0, v0 = local["W0"], m["W0.m"][rows], m["W0.v"][rows]
-        adam_step(xp, w0, m0, v0, g["W0"], *hp, wd)
-        p["W0"][rows], m["W0.m"][rows], m["W0.v"][rows] = w0, m0, v0
-        for k in ("b0", "Wh", "bh", "W", "b"):
-            adam_step(xp, p[k], m[k + ".m"], m[k + ".v"], g[k], *hp,
-                      wd if k in ("Wh", "W") else 0.0)
+        ops.adam_rows_(xp, p["W0"], m["W0.m"], m["W0.v"], g["W0"], in_rows, *hp, wd)
+        if out_rows is None:
+            ops.adam_(xp, p["W"], m["W.m"], m["W.v"], g["W"], *hp, wd)
+            ops.adam_(xp, p["b"], m["b.m"], m["b.v"], g["b"], *hp, 0.0)
+        else:
+            ops.adam_rows_(xp, p["W"], m["W.m"], m["W.v"], g["W"], out_rows, *hp, wd)
+            ops.adam_rows_(xp, p["b"], m["b.m"], m["b.v"], g["b"], out_rows, *hp, 0.0)
+        for k in ("b0", "Wh", "bh"):
+            ops.adam_(xp, p[k], m[k + ".m"], m[k + ".v"], g[k], *hp, wd if k == "Wh" else 0.0)
         return loss
+
+    def train_step(self, Xb, Yb) -> float:
+        """One Adam step on a preprocessed batch (waits for the device to report the loss);
+        the input layer's gradient and update cover only the rows of the batch's features, as
+        the engine's do."""
+        self._use_device()
+        return float(self.step_batch(self.prepare_batch(Xb, Yb)))
+
+    def train_epoch(self, Xp, Y, order, progress=None) -> dict:
+        """One pass over preprocessed rows in ``order``: batch k+1 is prepared on a host thread
+        while the device runs batch k; the loss is read once, at the end."""
+        from concurrent.futures import ThreadPoolExecutor
+        self._use_device()
+        xp, bs = self.xp, self.batch_size_
+        starts = range(0, order.size, bs)
+
+        def prepare(lo, step):
+            idx = np.sort(order[lo:lo + bs])
+            rng = np.random.default_rng([self.config_.seed, 7, step])
+            return idx.size, self.prepare_batch(Xp[idx], Y[idx], rng)
+
+        total = xp.zeros((), xp.float32) if xp is not np else 0.0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-prefetch") as pool:
+            ahead = pool.submit(prepare, 0, self.step_ + 1) if order.size else None
+            for j, _ in enumerate(starts):
+                n, batch = ahead.result()
+                if j + 1 < len(starts):
+                    ahead = pool.submit(prepare, starts[j + 1], self.step_ + 2)
+                total = total + self.step_batch(batch) * np.float32(n)
+                if progress is not None:
+                    progress.update(n)
+        return {"loss": float(total) / max(order.size, 1)}
 
     def _params_changed(self):
         pass
@@ -269,7 +367,10 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
             Xd = Xp[lo:hi] if xp is np else self._sparse.csr_matrix(Xp[lo:hi])
-            yield lo, hi, forward(xp, Xd, self.params_, self._blocks)[-1] @ self.params_["W"].T + self.params_["b"]
+            with ops.matmul_precision(xp, self.precision):
+                S = forward(xp, Xd, self.params_, self._blocks)[-1] @ self.params_["W"].T
+            S += self.params_["b"]
+            yield lo, hi, S
 
     def block_topk(self, S, k):
         """Top-k ``(ids, scores)`` (host arrays) of device score rows ``S``."""
@@ -307,13 +408,18 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "step": self.step_, "epoch": self.epoch_, "learning_rate": self.learning_rate_,
                 "history": self.history_, "stopping": self.stopping_,
-                "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None}
+                "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None,
+                "dense": {"negatives": self.negatives, "precision": self.precision}}
         write_checkpoint(path, arrays, meta, self.step_)
 
     @classmethod
     def load(cls, path, device="auto"):
         ck = read_checkpoint(path)
-        model = cls(**ck.config_params(cls), device=device)
+        own = ck.meta.get("dense") or {}
+        if not isinstance(own, dict):
+            raise CheckpointError(f"{path}: 'dense' must be an object, got {type(own).__name__}")
+        own = {k: own[k] for k in ("negatives", "precision") if k in own}
+        model = cls(**ck.config_params(cls), device=device, **own)
         model.config_ = model._config()
         model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
         model.resolved_ = resolve(model.config_, ck.n_features, ck.n_labels, ck.n_train)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_ref.dense import get_array_module, local_columns, softmax_grads, uniform_targets
+from gpu_ref.ops import PRECISIONS, matmul_precision
 from lsh import engine_threads
 from slide.config import hidden_blocks
 from slide.train import fit_loop
@@ -49,6 +50,12 @@ class HeteroConfig:
     device : the GPU worker's device: "auto" (cupy if a GPU is present), "gpu" or "cpu".
     cpu_threads : the CPU worker's numba threads (default: the model's, one fewer when the GPU
         worker runs on the CPU).
+    min_speed : the GPU worker retires (for the rest of the run; the CPU worker then gets every
+        core back) when, after ``warmup_updates`` updates of each, its samples per busy second
+        fall below ``min_speed`` times the CPU worker's: a worker that slow takes cores and
+        samples from the engine without speeding the run up.
+    warmup_updates : updates of each worker before ``min_speed`` is judged.
+    precision : the GPU worker's matrix products, "tf32" or "fp32" (see ``DenseClassifier``).
     """
     policy: str = "adaptive"
     cpu_batch: int = 128
@@ -58,6 +65,9 @@ class HeteroConfig:
     threshold: float = 8.0
     device: str = "auto"
     cpu_threads: int | None = None
+    min_speed: float = 0.5
+    warmup_updates: int = 5
+    precision: str = "tf32"
 
     def __post_init__(self):
         if self.policy not in ("hogbatch", "adaptive"):
@@ -66,6 +76,10 @@ class HeteroConfig:
             raise ValueError("batch sizes must be positive and gpu_pool non-negative")
         if self.target_ratio <= 0 or self.threshold < 1:
             raise ValueError("target_ratio must be positive and threshold at least 1")
+        if self.min_speed < 0 or self.warmup_updates < 1:
+            raise ValueError("min_speed must be non-negative and warmup_updates at least 1")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 class BatchPolicy:
@@ -74,6 +88,8 @@ class BatchPolicy:
     def __init__(self, config: HeteroConfig, smoothing: float = 0.3):
         self.config = config
         self.batch = {"cpu": config.cpu_batch, "gpu": config.gpu_batch}
+        self.retired = False
+        self._updates = {"cpu": 0, "gpu": 0}
         self._speed = {}
         self._alpha = smoothing
         self._lock = threading.Lock()
@@ -85,8 +101,21 @@ class BatchPolicy:
             s = samples / seconds
             old = self._speed.get(worker)
             self._speed[worker] = s if old is None else (1 - self._alpha) * old + self._alpha * s
-            if self.config.policy == "adaptive" and len(self._speed) == 2:
+            self._updates[worker] += 1
+            if len(self._speed) < 2:
+                return
+            if min(self._updates.values()) >= self.config.warmup_updates and \
+                    self._speed["gpu"] < self.config.min_speed * self._speed["cpu"]:
+                self.retired = True
+            if self.retired:  # the engine alone again, at the batch size it learns with
+                self.batch = {"cpu": self.config.cpu_batch, "gpu": self.config.gpu_batch}
+            elif self.config.policy == "adaptive":
                 self._adapt()
+
+    @property
+    def speeds(self) -> dict:
+        """Smoothed samples per busy second of each worker measured so far."""
+        return dict(self._speed)
 
     def _adapt(self):
         c = self.config
@@ -192,34 +221,46 @@ class HeteroTrainer:
                 "W": p["W"][out_rows], "b": p["b"][out_rows]}
         device_rows = {k: xp.asarray(v) for k, v in rows.items()}
         Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
-        loss, grads = softmax_grads(xp, Xd, uniform_targets(xp, Yl), device_rows, self._blocks)
+        targets = tuple(xp.asarray(t) for t in uniform_targets(Yl))
+        with matmul_precision(xp, self.config.precision):
+            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks)
         host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
                 for k, v in grads.items()}
         m.apply_gradients(out_rows, in_rows, host)
-        return loss
+        return float(loss)
 
-    def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads):
+    def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads, cpu_started):
         try:
             with engine_threads(threads):
                 t_start = time.perf_counter()
+                if name == "gpu":  # the engine's first step compiles its kernels: don't race it
+                    while not (cpu_started.wait(0.05) or stop.is_set()):
+                        pass
                 while not stop.is_set():
-                    idx = stream.take(self._policy.batch[name])
+                    if name == "gpu" and self.policy_.retired:
+                        break
+                    idx = stream.take(self.policy_.batch[name])
                     if idx is None:
                         break
                     idx = np.sort(idx)
                     t0 = time.perf_counter()
                     loss = step(X, Y, idx)
                     dt = time.perf_counter() - t0
-                    self._policy.observe(name, idx.size, dt)
+                    self.policy_.observe(name, idx.size, dt)
                     stats["updates"] += 1
                     stats["samples"] += int(idx.size)
                     stats["busy_seconds"] += dt
                     stats["loss_sum"] += loss * idx.size
                     self.epoch_indices_[name].append(idx)
+                    if name == "cpu":
+                        cpu_started.set()
                 stats["wall_seconds"] = time.perf_counter() - t_start
         except BaseException as e:  # reported by the caller, after the other worker stopped
             errors.append((name, e))
             stop.set()
+        finally:
+            if name == "cpu":
+                cpu_started.set()
 
     def _run(self, X, Y, order):
         """Both workers over the samples ``order``; returns (wall seconds, per-worker stats)."""
@@ -230,14 +271,17 @@ class HeteroTrainer:
         stats = {w: {"updates": 0, "samples": 0, "busy_seconds": 0.0, "wall_seconds": 0.0,
                      "loss_sum": 0.0} for w in ("cpu", "gpu")}
         self.epoch_indices_ = {"cpu": [], "gpu": []}
+        retired = self.policy_.retired
         cpu_threads = self.config.cpu_threads or m.config_.threads
         if cpu_threads is None:
             cores = os.cpu_count() or 1
-            cpu_threads = max(1, cores - 1) if self.xp is np else cores
+            cpu_threads = max(1, cores - 1) if self.xp is np and not retired else cores
+        cpu_started = threading.Event()
         t0 = time.perf_counter()
+        plan = [("cpu", self._cpu_step, cpu_threads)] + ([] if retired else [("gpu", self._gpu_step, 1)])
         workers = [threading.Thread(target=self._worker, name=f"slide-{w}", daemon=True,
-                                    args=(w, step, stream, X, Y, stats[w], stop, errors, thr))
-                   for w, step, thr in (("cpu", self._cpu_step, cpu_threads), ("gpu", self._gpu_step, 1))]
+                                    args=(w, step, stream, X, Y, stats[w], stop, errors, thr, cpu_started))
+                   for w, step, thr in plan]
         for w in workers:
             w.start()
         for w in workers:
@@ -250,20 +294,20 @@ class HeteroTrainer:
         for w in stats:
             s = stats[w]
             s["utilisation"] = s["busy_seconds"] / wall if wall > 0 else 0.0
-            s["final_batch"] = self._policy.batch[w]
+            s["final_batch"] = self.policy_.batch[w]
             s["loss"] = s.pop("loss_sum") / max(s["samples"], 1)
         return wall, stats
 
     def _start(self):
         """Batch policy, layer layout and the GPU worker's RNG for a (newly) fitted model."""
         self._blocks = hidden_blocks(self.model.resolved_["hidden"])
-        self._policy = BatchPolicy(self.config)
+        self.policy_ = BatchPolicy(self.config)
         self._rng = np.random.default_rng([self.model.config_.seed, 3, self.model.step_])
 
     def train_epoch(self, Xp, Y, order, progress=None) -> dict:
         """One epoch of preprocessed rows in ``order``, shared out to both workers."""
         m = self.model
-        if not hasattr(self, "_policy"):
+        if not hasattr(self, "policy_"):
             self._start()
         self._rng = np.random.default_rng([m.config_.seed, 3, m.epoch_])
         m.begin_epoch()
@@ -274,6 +318,8 @@ class HeteroTrainer:
                   "policy": self.config.policy, "device": "gpu" if self.xp is not np else "cpu",
                   **{f"{w}_{k}": v for w, s in stats.items() for k, v in s.items()}}
         record["update_ratio"] = stats["cpu"]["updates"] / max(stats["gpu"]["updates"], 1)
+        record["gpu_retired"] = self.policy_.retired
+        record["gpu_share"] = stats["gpu"]["samples"] / max(order.size, 1)
         return record
 
     def partial_fit(self, X, Y):
@@ -284,7 +330,7 @@ class HeteroTrainer:
         else:
             X, Y = m.check_data(X, Y, where="partial_fit", fitted=False)
             self.initialize(X, Y)
-        if not hasattr(self, "_policy"):
+        if not hasattr(self, "policy_"):
             self._start()
         return self._run(m.transform(X), Y, np.arange(X.shape[0]))[1]
 

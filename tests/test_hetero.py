@@ -19,7 +19,7 @@ def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
 @pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
 def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     Xtr, Ytr, Xte, Yte = tiny_data
-    h = _trainer(policy, epochs=4).fit(Xtr, Ytr, validation=(Xte, Yte))
+    h = _trainer(policy, epochs=4, min_speed=0.0).fit(Xtr, Ytr, validation=(Xte, Yte))
     seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
     np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
     rec = h.history_[-1]
@@ -44,13 +44,29 @@ def test_adaptive_balances_update_ratio_when_one_worker_is_slow(tiny_data):
     Xtr, Ytr = tiny_data[0], tiny_data[1]
     ratios = {}
     for policy in ("hogbatch", "adaptive"):
-        h = _trainer(policy, cls=_SlowGPU, cpu_batch=16, gpu_batch=256, target_ratio=2.0, threshold=16)
+        h = _trainer(policy, cls=_SlowGPU, cpu_batch=16, gpu_batch=256, target_ratio=2.0, threshold=16,
+                     min_speed=0.0)
         h.fit(Xtr, Ytr)
         ratios[policy] = h.history_[-1]["update_ratio"]
     # fixed batches: the slow GPU's few large updates leave the CPU doing far more than 2x;
     # adaptive moves the ratio to its target (within the noise of a short epoch)
     assert abs(np.log(ratios["adaptive"] / 2.0)) < np.log(1.6), ratios
     assert abs(np.log(ratios["adaptive"] / 2.0)) < abs(np.log(ratios["hogbatch"] / 2.0)), ratios
+
+
+def test_slow_worker_retires_and_run_learns_as_cpu_alone(tiny_data):
+    """A second worker far slower than the engine gives its cores and samples back: from then on
+    the run is the CPU engine's, and it learns as well as the engine alone."""
+    Xtr, Ytr, Xte, Yte = tiny_data
+    h = _trainer("adaptive", cls=_SlowGPU, epochs=3, min_speed=0.5, warmup_updates=2)
+    h.fit(Xtr, Ytr, validation=(Xte, Yte))
+    first, last = h.history_[0], h.history_[-1]
+    assert first["gpu_retired"] and last["gpu_retired"]
+    assert last["gpu_samples"] == 0 and last["cpu_samples"] == Xtr.shape[0]
+    assert first["gpu_share"] < 0.5
+    alone = SlideClassifier(hidden=(32,), sparsity=0.25, seed=0, early_stopping=False, lr=3e-3,
+                            epochs=3).fit(Xtr, Ytr, validation=(Xte, Yte))
+    assert last["val_P@1"] >= alone.history_[-1]["val_P@1"] - 0.05, (last, alone.history_[-1])
 
 
 def test_policy_rule_and_bounds():
@@ -65,7 +81,13 @@ def test_policy_rule_and_bounds():
     fixed = BatchPolicy(HeteroConfig(policy="hogbatch", cpu_batch=100, gpu_batch=400))
     fixed.observe("cpu", 10, 1.0)
     fixed.observe("gpu", 1e6, 1.0)
-    assert fixed.batch == {"cpu": 100, "gpu": 400}
+    assert fixed.batch == {"cpu": 100, "gpu": 400} and not fixed.retired
+    slow = BatchPolicy(HeteroConfig(policy="hogbatch", min_speed=0.5, warmup_updates=2))
+    for _ in range(2):
+        slow.observe("cpu", 1000, 1.0)
+        assert not slow.retired  # judged only after warmup_updates of each
+        slow.observe("gpu", 400, 1.0)
+    assert slow.retired
 
 
 class _FailingGPU(HeteroTrainer):

@@ -65,7 +65,7 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data):
     finally:
         SlideClassifier.train_step = orig
     params = {k: v.astype(np.float64) for k, v in eng.params_.items()}
-    Xp, T = eng.transform(X), uniform_targets(np, Y)
+    Xp, T = eng.transform(X), uniform_targets(Y)
     blocks = hidden_blocks(eng.resolved_["hidden"])
 
     def loss():
