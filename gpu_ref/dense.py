@@ -391,9 +391,6 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             ids[lo:hi], scores[lo:hi] = self.block_topk(S, k)
         return ids, scores
 
-    def predict(self, X):
-        return self.predict_topk(X, 1)[0][:, 0]
-
     def host_params(self) -> dict:
         return {k: self._host(v) for k, v in self.params_.items()}
 

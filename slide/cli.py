@@ -33,7 +33,10 @@ def _positive(text):
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from slide import __version__
+    from slide.synthetic import PRESETS
     p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
+    p.add_argument("--version", action="version", version=f"slide {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (the built-in dataset when no file is given)")
@@ -56,7 +59,8 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
-    t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta")
+    t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
+                   help="LSH family of the output layer's tables (default: dwta, densified WTA)")
     t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: 1e-3)")
     t.add_argument("--weight-decay", type=float, default=None,
                    help="decoupled weight decay, a multiple of the learning rate (default: 1)")
@@ -70,30 +74,45 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_positive, default=None,
                    help="default: 32 to 128 by training-set size")
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0,
+                   help="fixes initialisation, validation slice and data order (one thread repeats exactly)")
     t.add_argument("--metrics-json", help="write per-epoch metrics here")
     t.add_argument("--save", help="checkpoint directory (saved after every epoch)")
-    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --save")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --save (its settings; --epochs is the total, "
+                        "counting the checkpoint's epochs); metrics are appended to --metrics-json")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace a model already in --save (refused otherwise)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     e = sub.add_parser("eval", help="evaluate a saved model on a test file")
-    e.add_argument("model")
-    e.add_argument("test")
-    e.add_argument("--k", type=_positive, default=5)
-    e.add_argument("--mode", choices=["exact", "lsh"], default="exact")
+    e.add_argument("model", help="model directory (written by train --save)")
+    e.add_argument("test", help="labelled file in the model's feature and label space")
+    e.add_argument("--k", type=_positive, default=5,
+                   help="report P@j and nDCG@j at j = 1, 3, 5 (up to k) and at k (default: 5)")
+    e.add_argument("--mode", choices=["exact", "lsh"], default="exact",
+                   help="exact: score every label; lsh: only the hash tables' candidates (faster, "
+                        "lower recall)")
 
-    pr = sub.add_parser("predict", help="write top-k label ids per input row")
-    pr.add_argument("model")
-    pr.add_argument("input")
-    pr.add_argument("--top-k", type=_positive, default=5)
-    pr.add_argument("--mode", choices=["exact", "lsh"], default="exact")
+    pr = sub.add_parser("predict", help="write each row's top-k labels and scores",
+                        description="Writes the Extreme Classification Repository score-matrix format: "
+                                    "a header 'N L', then one line per row of 'id:score' pairs, best first.")
+    pr.add_argument("model", help="model directory (written by train --save)")
+    pr.add_argument("input", help="file of rows to label (its label fields, if any, are ignored)")
+    pr.add_argument("--top-k", type=_positive, default=5, help="labels per row (default: 5)")
+    pr.add_argument("--mode", choices=["exact", "lsh"], default="exact",
+                    help="exact: score every label; lsh: only the hash tables' candidates")
+    pr.add_argument("--proba", action="store_true",
+                    help="scores as softmax probabilities over every label (exact mode) instead of logits")
+    pr.add_argument("--label-names", help="file with one label name per line (line i names label i): "
+                                          "write 'name:score' instead of 'id:score'")
     pr.add_argument("--output", "-o", help="output file (default: stdout)")
 
     d = sub.add_parser("data", help="dataset utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
     s = dsub.add_parser("synth", help="generate a synthetic dataset: OUT_PREFIX_{train,test}.txt")
-    s.add_argument("preset")
-    s.add_argument("out_prefix")
+    s.add_argument("preset", choices=list(PRESETS), help="shape to imitate: " + ", ".join(PRESETS))
+    s.add_argument("out_prefix", help="writes OUT_PREFIX_train.txt and OUT_PREFIX_test.txt")
     s.add_argument("--train", type=_positive, default=None)
     s.add_argument("--test", type=_positive, default=None)
     s.add_argument("--seed", type=int, default=0)
@@ -109,19 +128,68 @@ def _load_model(path):
     return SlideClassifier.load(path)
 
 
+#: ``slide train`` flags that fix the model's architecture or preprocessing: a resumed run keeps
+#: the checkpoint's, so giving another value is an error rather than silently ignored
+_FIXED_ON_RESUME = {"hidden": "hidden", "sparsity": "sparsity", "hidden_sparsity": "hidden_sparsity",
+                    "hash_family": "hash_family", "tfidf": "tfidf", "no_norm": "norm"}
+
+
+def _check_outputs(a):
+    """Refuse, before any data is read or trained on, outputs that could not be written."""
+    if a.resume and not a.save:
+        raise ValueError("--resume needs --save DIR")
+    if a.save:
+        if os.path.exists(a.save) and not os.path.isdir(a.save):
+            raise ValueError(f"--save {a.save}: exists and is not a directory")
+        has_model = os.path.exists(os.path.join(a.save, "config.json"))
+        if a.resume and not has_model:
+            raise ValueError(f"--resume: no model in {a.save}")
+        if has_model and not (a.resume or a.overwrite):
+            raise ValueError(f"--save {a.save}: a model is already there; "
+                             "pass --resume to continue it or --overwrite to replace it")
+        parent = os.path.dirname(os.path.abspath(a.save))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ValueError(f"--save {a.save}: cannot create it in {parent}")
+    if a.metrics_json:
+        parent = os.path.dirname(os.path.abspath(a.metrics_json))
+        if os.path.isdir(a.metrics_json):
+            raise ValueError(f"--metrics-json {a.metrics_json}: is a directory")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ValueError(f"--metrics-json {a.metrics_json}: directory {parent} is missing or not writable")
+
+
+def _check_resume_flags(a, model):
+    """Architecture flags given with --resume must agree with the checkpoint's settings."""
+    defaults = vars(_build_parser().parse_args(["train"]))
+    saved = model.get_params()
+    for flag, param in _FIXED_ON_RESUME.items():
+        given = getattr(a, flag)
+        if given == defaults.get(flag):
+            continue
+        value = ("l2" if not given else None) if flag == "no_norm" else given
+        if isinstance(value, (list, tuple)):
+            value = tuple(value)
+        have = saved.get(param)
+        if isinstance(have, list):
+            have = tuple(have)
+        if value != have:
+            raise ValueError(f"--resume: --{flag.replace('_', '-')} {given} differs from the "
+                             f"checkpoint's {param}={have}; a resumed model keeps its architecture")
+
+
 def _cmd_train(a):
     from slide.train import load_train_test, run_training
-    Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
     if a.mode == "hetero" and a.engine != "slide":
         raise ValueError("--mode hetero trains the slide engine together with a GPU worker")
+    _check_outputs(a)
+    Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
     if a.resume:
-        if not a.save:
-            raise ValueError("--resume needs --save DIR")
         if a.engine == "slide":
             model = _load_model(a.save)
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier.load(a.save, a.device)
+        _check_resume_flags(a, model)
         print(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
         common = dict(hidden=a.hidden, batch_size=a.batch_size, seed=a.seed, lr=a.lr,
@@ -148,6 +216,8 @@ def _cmd_train(a):
         t = doc["test"]
         print(f"final: P@1={t['P@1']:.4f}  P@3={t['P@3']:.4f}  P@5={t['P@5']:.4f}  "
               f"nDCG@5={t['nDCG@5']:.4f}  ({doc['wall_seconds']:.1f}s, peak RSS {doc.get('peak_rss_mb', 0):.0f} MiB)")
+    print(f"model saved to {a.save} (epoch {stop['kept_epoch']}'s weights)" if a.save else
+          "model not saved: pass --save DIR to keep it")
     return 0
 
 
@@ -160,15 +230,39 @@ def _cmd_eval(a):
     return 0
 
 
+def _label_names(path, n_labels):
+    with open(path, encoding="utf-8") as fh:
+        names = [line.rstrip("\n") for line in fh]
+    if len(names) < n_labels:
+        raise ValueError(f"{path}: {len(names)} label names, the model has {n_labels} labels")
+    bad = [i for i, n in enumerate(names[:n_labels]) if not n or any(c.isspace() for c in n)]
+    if bad:
+        raise ValueError(f"{path}:{bad[0] + 1}: a label name must be non-empty without spaces")
+    return names
+
+
 def _cmd_predict(a):
     from slide.data import read_dataset
+    if a.proba and a.mode != "exact":
+        raise ValueError("--proba needs --mode exact (LSH mode does not score every label)")
+    if a.output and os.path.isdir(a.output):
+        raise ValueError(f"--output {a.output}: is a directory")
     model = _load_model(a.model)
+    names = _label_names(a.label_names, model.n_labels_) if a.label_names else None
     X, _ = read_dataset(a.input, n_features=model.n_features_in_)
-    ids, scores = model.predict_topk(X, a.top_k, mode=a.mode)
+    if a.proba:
+        ids, scores = model.predict_topk_proba(X, a.top_k)
+    else:
+        ids, scores = model.predict_topk(X, a.top_k, mode=a.mode)
     out = open(a.output, "w") if a.output else sys.stdout
     try:
+        out.write(f"{ids.shape[0]} {model.n_labels_}\n")
         for row_ids, row_scores in zip(ids, scores):  # formatting output, not inference
-            out.write(" ".join(f"{i}:{s:.5g}" for i, s in zip(row_ids, row_scores) if i >= 0) + "\n")
+            out.write(" ".join(f"{names[i] if names else i}:{s:.6g}"
+                               for i, s in zip(row_ids, row_scores) if i >= 0) + "\n")
+        out.flush()
+    except BrokenPipeError:  # the reader stopped early (| head): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     finally:
         if a.output:
             out.close()
@@ -177,10 +271,8 @@ def _cmd_predict(a):
 
 def _cmd_data(a):
     from slide.data import read_dataset, write_xmc
-    from slide.synthetic import PRESETS, make_dataset
+    from slide.synthetic import make_dataset
     if a.data_command == "synth":
-        if a.preset not in PRESETS:
-            raise ValueError(f"unknown preset {a.preset!r}; choose from {', '.join(PRESETS)}")
         Xtr, Ytr, Xte, Yte = make_dataset(a.preset, a.train, a.test, a.seed)
         for split, X, Y in (("train", Xtr, Ytr), ("test", Xte, Yte)):
             path = f"{a.out_prefix}_{split}.txt"

@@ -193,20 +193,15 @@ def _best_gains(indptr, data, out):
 
 
 def evaluate(pred, Y, k: int = 5, propensity=None) -> dict:
-    """A dict of the usual report: P@1, P@3, P@5, nDCG@1/3/5 (and PSP@k given propensities)."""
+    """A dict of the usual report at j = 1, 3, 5 (those up to k) and at k itself: P@j, nDCG@j
+    (and PSP@j given propensities)."""
     top = _as_top(pred, k)
+    at = sorted({j for j in (1, 3, 5) if j <= k} | {k})
     p = precision_at_k(top, Y, k)
     n = ndcg_at_k(top, Y, k)
-    out = {}
-    for j in (1, 3, 5):
-        if j <= k:
-            out[f"P@{j}"] = float(p[j - 1])
-    for j in (1, 3, 5):
-        if j <= k:
-            out[f"nDCG@{j}"] = float(n[j - 1])
+    out = {f"P@{j}": float(p[j - 1]) for j in at}
+    out.update({f"nDCG@{j}": float(n[j - 1]) for j in at})
     if propensity is not None:
         s = psp_at_k(top, Y, propensity, k)
-        for j in (1, 3, 5):
-            if j <= k:
-                out[f"PSP@{j}"] = float(s[j - 1])
+        out.update({f"PSP@{j}": float(s[j - 1]) for j in at})
     return out

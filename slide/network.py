@@ -143,14 +143,18 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
 
     def partial_fit(self, X, Y):
         """One pass over (X, Y) in the given row order (for streams); initialises an unfitted
-        model from this first batch's shapes (no validation slice is held out)."""
+        model from this first batch's shapes (no validation slice is held out). Unlike an
+        epoch, a call does not start with a rehash: the tables follow their schedule across
+        calls, so a stream of small calls costs what one epoch over the same rows does."""
         if self._is_fitted():
             self._refresh_config()
             X, Y = self.check_data(X, Y, where="partial_fit")
         else:
             X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
             self.initialize(X, Y)
-        self.train_epoch(self.transform(X), Y, np.arange(X.shape[0]))
+        if self.samples_seen_ == 0:  # a fresh model: fill the tables from the initial weights
+            self._refresh_tables()
+        self.train_rows(self.transform(X), Y, np.arange(X.shape[0]))
         return self
 
     def initialize(self, X, Y) -> None:
@@ -262,8 +266,13 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._refresh_tables()
 
     def train_epoch(self, Xp, Y, order, progress=None) -> dict:
-        """One pass in ``order`` over preprocessed rows, in batches of ``batch_size_``."""
+        """One epoch: a rehash (:meth:`begin_epoch`), then :meth:`train_rows`."""
         self.begin_epoch()
+        return self.train_rows(Xp, Y, order, progress)
+
+    def train_rows(self, Xp, Y, order, progress=None) -> dict:
+        """One pass in ``order`` over preprocessed rows, in batches of ``batch_size_``, on the
+        model's threads; the tables rehash on their schedule only."""
         with engine_threads(self.config_.threads):
             return super().train_epoch(Xp, Y, order, progress)
 
@@ -448,10 +457,6 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
             ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1
         return ids, scores
-
-    def predict(self, X) -> np.ndarray:
-        """Top-1 label per row, int64 [n]."""
-        return self.predict_topk(X, 1)[0][:, 0]
 
     def decision_function(self, X) -> np.ndarray:
         """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers)."""

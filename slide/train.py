@@ -167,8 +167,10 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         if bar is not None:
             bar.close()
         model.epoch_ += 1
+        # the rate leaves out a first batch that compiled the kernels (recorded on its own)
+        first_batch = record.get("first_batch_seconds", 0.0)
         record = {"epoch": model.epoch_, "train_seconds": seconds,
-                  "samples_per_second": X.shape[0] / seconds, **record,
+                  "samples_per_second": X.shape[0] / max(seconds - first_batch, 1e-9), **record,
                   "learning_rate": float(model.learning_rate_)}
         if validation is not None:
             t0 = time.perf_counter()
@@ -218,6 +220,17 @@ def softmax_loss(S, Y) -> tuple[float, int]:
     return float((lse.astype(xp.float64) - per_row)[has].sum()), int((counts > 0).sum())
 
 
+#: engine classes whose kernels this process has already compiled (progress bars say so once)
+_WARM: dict = {}
+
+
+def _logsumexp_rows(S):
+    """log Σ exp over each row of score rows ``S`` [n, L] (numpy or cupy), float32 [n]."""
+    xp = _array_module(S)
+    m = S.max(axis=1)
+    return m + xp.log(xp.exp(S - m[:, None]).sum(axis=1))
+
+
 def _array_module(a):
     """numpy, or cupy for a device array (cupy is imported only when one is passed)."""
     if isinstance(a, np.ndarray):
@@ -246,13 +259,26 @@ class TrainableMixin:
         """One pass over preprocessed rows ``Xp``/``Y`` in ``order``, in consecutive batches."""
         bs = self.batch_size_
         total = 0.0
+        compiling = not _WARM.get(type(self).__name__)
+        compile_seconds = 0.0
+        if compiling and progress is not None:  # numba compiles inside the first batch
+            progress.set_postfix_str("compiling kernels (first run only)")
         for lo in range(0, order.size, bs):
             idx = np.sort(order[lo:lo + bs])
+            t0 = time.perf_counter()
             loss = self.train_step(Xp[idx], Y[idx])
             total += loss * idx.size
+            if compiling:
+                _WARM[type(self).__name__] = True
+                compiling = False
+                compile_seconds = time.perf_counter() - t0
+                if progress is not None:
+                    progress.reset(total=progress.total)  # rate and time left start after compile
             if progress is not None:
                 progress.update(idx.size)
                 progress.set_postfix(batch_loss=f"{loss:.3f}", refresh=False)
+        if compile_seconds:
+            return {"loss": total / max(order.size, 1), "first_batch_seconds": compile_seconds}
         return {"loss": total / max(order.size, 1)}
 
     def snapshot(self) -> dict:
@@ -285,6 +311,41 @@ class TrainableMixin:
         """P@1 (for scikit-learn's model selection)."""
         return self.evaluate(X, Y, k=1)["P@1"]
 
+    def predict(self, X, k: int = 1):
+        """Label-indicator matrix of each row's top ``k`` labels: scipy CSR [n, n_labels] of
+        0/1 int8, the form scikit-learn's multi-label metrics and scorers take."""
+        ids = self.predict_topk(X, k)[0]
+        n = ids.shape[0]
+        keep = ids >= 0
+        indptr = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
+        import scipy.sparse as sp
+        return sp.csr_matrix((np.ones(int(keep.sum()), np.int8), ids[keep], indptr),
+                             shape=(n, self.n_labels_))
+
+    def predict_proba(self, X) -> np.ndarray:
+        """Softmax probability of every label, float32 [n, n_labels] on the host (dense: n ×
+        n_labels × 4 bytes; for wide layers use :meth:`predict_topk_proba`)."""
+        X = self.check_data(X, where="predict_proba", fitted=True)
+        out = np.empty((X.shape[0], self.n_labels_), np.float32)
+        for lo, hi, S in self.score_blocks(X):
+            xp = _array_module(S)
+            P = xp.exp(S - _logsumexp_rows(S)[:, None])
+            out[lo:hi] = P if xp is np else P.get()
+        return out
+
+    def predict_topk_proba(self, X, k: int = 5):
+        """Exact top-k labels and their softmax probabilities (normalised over every label):
+        ``(ids int64 [n, k], probabilities float32 [n, k])``, best first."""
+        X = self.check_data(X, where="predict", fitted=True)
+        ids = np.empty((X.shape[0], k), np.int64)
+        probs = np.empty((X.shape[0], k), np.float32)
+        for lo, hi, S in self.score_blocks(X):
+            lse = _logsumexp_rows(S)
+            ids[lo:hi], top = self.block_topk(S, k)
+            lse = lse if isinstance(lse, np.ndarray) else lse.get()
+            probs[lo:hi] = np.exp(top - lse[:, None])
+        return ids, probs
+
 
 # --------------------------------------------------------------------------------------------
 # The ``slide train`` run
@@ -316,7 +377,8 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
                  checkpoint_dir=None, progress=True, log=print, resume=False):
     """Train ``model`` (engine, dense reference or heterogeneous trainer) the way ``slide
     train`` does: validation held out from the training rows, the test set (if any) scored
-    after every epoch for the record only, ``metrics_json`` rewritten after every epoch and a
+    after every epoch for the record only, ``metrics_json`` rewritten after every epoch (with
+    ``resume``, the records already in it are kept and the new epochs appended) and a
     checkpoint saved to ``checkpoint_dir`` after every epoch and at the end.
 
     ``epochs`` is the total (with ``resume``, counting the checkpoint's epochs).
@@ -328,6 +390,15 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in model.get_params().items()}
     doc = {"config": config, "n_train": int(Xtr.shape[0]), "n_features": int(Xtr.shape[1]),
            "n_labels": int(Ytr.shape[1]), "epochs": []}
+    if resume and metrics_json and os.path.exists(metrics_json):
+        try:
+            with open(metrics_json) as fh:
+                earlier = json.load(fh).get("epochs", [])
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"{metrics_json}: cannot append to it ({e}); move it away or "
+                             "choose another --metrics-json") from None
+        # keep the records of epochs the checkpoint holds (a crash may have written later ones)
+        doc["epochs"] = [r for r in earlier if isinstance(r, dict) and r.get("epoch", 0) <= model.epoch_]
 
     def on_epoch(m, record):
         record = dict(record)
@@ -341,9 +412,11 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         doc["resolved"] = getattr(m, "resolved_", None)
         if getattr(m, "timings_", None):
             doc["timings"] = dict(m.timings_)
-        shown = ["epoch", "loss", "val_loss", "val_P@1", "test_P@1", "test_P@5", "samples_per_second"]
-        log("  ".join(f"{k}={round(record[k], 4) if isinstance(record[k], float) else record[k]}"
-                      for k in shown if k in record))
+        shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
+                 "val_P@1": "val_P@1", "test_P@1": "test_P@1", "test_P@5": "test_P@5",
+                 "samples_per_second": "samples/s"}
+        log("  ".join(f"{name}={round(record[k], 4) if isinstance(record[k], float) else record[k]}"
+                      for k, name in shown.items() if k in record))
         if metrics_json:
             _write_json(metrics_json, doc)
         if checkpoint_dir:

@@ -32,11 +32,47 @@ def test_train_eval_predict_round_trip(synth, capsys):
     assert "P@1=" in capsys.readouterr().out
     assert main(["predict", str(d / "model"), str(d / "eur_test.txt"), "--top-k", "3", "-o", str(d / "p.txt")]) == 0
     lines = (d / "p.txt").read_text().splitlines()
-    assert len(lines) == 300 and len(lines[0].split()) == 3
-    # resume to 4 epochs continues the same run
+    assert lines[0] == "300 3993" and len(lines) == 301 and len(lines[1].split()) == 3
+    assert main(["eval", str(d / "model"), str(d / "eur_test.txt"), "--k", "10"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{m}@{j}=" in out for m in ("P", "nDCG") for j in (1, 3, 5, 10)), out
+    (d / "names.txt").write_text("".join(f"label_{i}\n" for i in range(3993)))
+    assert main(["predict", str(d / "model"), str(d / "eur_test.txt"), "--top-k", "2", "--proba",
+                 "--label-names", str(d / "names.txt"), "-o", str(d / "q.txt")]) == 0
+    row = (d / "q.txt").read_text().splitlines()[1].split()
+    probs = [float(t.split(":")[1]) for t in row]
+    assert all(t.startswith("label_") for t in row) and 0 < sum(probs) <= 1 and probs[0] >= probs[1]
+    # resume to 4 epochs continues the same run, and its metrics are appended
     assert main(["train", str(d / "eur_train.txt"), "--epochs", "4", "--save", str(d / "model"), "--resume",
-                 "--no-progress"]) == 0
+                 "--no-progress", "--metrics-json", str(d / "m.json")]) == 0
     assert json.loads((d / "model" / "config.json").read_text())["epoch"] == 4
+    assert [r["epoch"] for r in json.loads((d / "m.json").read_text())["epochs"]] == [1, 2, 3, 4]
+    assert f"model saved to {d / 'model'}" in capsys.readouterr().out
+
+
+def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_path):
+    d, train = synth, str(synth / "eur_train.txt")
+    base = ["train", train, "--epochs", "1", "--hidden", "16", "--no-progress"]
+    (tmp_path / "afile").write_text("x")
+    cases = [(["--save", str(tmp_path / "afile")], "not a directory"),
+             (["--metrics-json", str(tmp_path / "missing" / "m.json")], "missing or not writable"),
+             (["--resume", "--save", str(tmp_path / "nothing")], "no model in")]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        out, err = capsys.readouterr()
+        assert message in err and "epoch=" not in out, (extra, err)
+    assert main(base + ["--save", str(tmp_path / "m")]) == 0
+    assert "model saved to" in capsys.readouterr().out
+    assert main(base + ["--save", str(tmp_path / "m")]) == 2  # would overwrite a model
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(base + ["--save", str(tmp_path / "m"), "--overwrite"]) == 0
+    capsys.readouterr()
+    resume = ["train", train, "--epochs", "2", "--no-progress", "--save", str(tmp_path / "m"), "--resume"]
+    assert main(resume + ["--hidden", "64"]) == 2
+    assert "differs from the checkpoint" in capsys.readouterr().err
+    assert main(resume + ["--hidden", "16"]) == 0  # the same value is fine
+    assert main(base) == 0
+    assert "model not saved" in capsys.readouterr().out
 
 
 def test_dense_engine_from_cli(synth, capsys):
@@ -69,10 +105,23 @@ def test_bad_files_and_arguments(tmp_path, capsys):
     assert f"{bad}:3: feature id out of range" in err
     assert main(["train", str(tmp_path / "missing.txt")]) == 2
     assert main(["eval", str(tmp_path / "nomodel"), str(bad)]) == 2
-    assert main(["data", "synth", "nope", str(tmp_path / "x")]) == 2
+    with pytest.raises(SystemExit) as e:  # argparse lists the presets
+        main(["data", "synth", "nope", str(tmp_path / "x")])
+    assert e.value.code == 2 and "amazon-670k" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["train", "--epochs", "0"])
     assert e.value.code == 2
+
+
+def test_version_and_broken_pipe(synth):
+    out = subprocess.run([sys.executable, "-m", "slide.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("slide ")
+    d = synth
+    assert main(["train", str(d / "eur_train.txt"), "--epochs", "1", "--hidden", "8", "--no-progress",
+                 "--save", str(d / "pipe_model")]) == 0
+    cmd = (f"{sys.executable} -m slide.cli predict {d / 'pipe_model'} {d / 'eur_test.txt'} | head -2")
+    res = subprocess.run(cmd, shell=True, capture_output=True, text=True)
+    assert len(res.stdout.splitlines()) == 2 and "Traceback" not in res.stderr, res.stderr
 
 
 def test_console_script_is_installed():

@@ -219,8 +219,20 @@ def test_sklearn_pipeline_after_tfidf():
         labels.append(sorted(ts.tolist()))
     pipe = make_pipeline(TfidfVectorizer(), SlideClassifier(hidden=(16,), sparsity=1.0, seed=0, lr=0.01))
     pipe.set_params(slideclassifier__epochs=5).fit(docs[:300], labels[:300])
-    pred = pipe.predict(docs[300:])
-    assert np.mean([p in l for p, l in zip(pred, labels[300:])]) > 0.9
+    pred = pipe.predict(docs[300:])  # top-1 as a label-indicator matrix
+    assert pred.shape == (100, 4) and (pred.sum(axis=1) == 1).all()
+    assert np.mean([pred[i].indices[0] in l for i, l in enumerate(labels[300:])]) > 0.9
+    from sklearn.metrics import f1_score
+    from sklearn.model_selection import cross_val_score
+    from sklearn.preprocessing import MultiLabelBinarizer
+    Y = MultiLabelBinarizer(classes=range(4)).fit_transform(labels)
+    assert f1_score(Y[300:], pred.toarray(), average="samples") > 0.6
+    scores = cross_val_score(pipe, docs, Y, cv=2, scoring="f1_samples")
+    assert np.isfinite(scores).all() and scores.min() > 0.5, scores
+    proba = pipe.predict_proba(docs[300:305])
+    assert proba.shape == (5, 4) and np.allclose(proba.sum(axis=1), 1, atol=1e-5)
+    ids, p = pipe[-1].predict_topk_proba(pipe[0].transform(docs[300:305]), 2)
+    np.testing.assert_allclose(p, np.take_along_axis(proba, ids, 1), rtol=1e-5)
     from sklearn.base import clone
     assert clone(pipe).get_params()["slideclassifier__lr"] == 0.01
 
