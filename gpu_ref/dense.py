@@ -189,7 +189,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     def _use_device(self):
         """Move the parameters when ``device`` now names another array module."""
         xp, sparse = get_array_module(self.device)
-        if getattr(self, "xp", None) is xp:
+        if getattr(self, "_xp", None) is xp:
             return
         if self._is_fitted():
             to = (lambda a: xp.asarray(a)) if xp is not np else self._host
@@ -197,7 +197,16 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             self.moments_ = {k: to(v) for k, v in self.moments_.items()}
             if getattr(self, "best_params_", None):
                 self.best_params_ = {k: to(v) for k, v in self.best_params_.items()}
-        self.xp, self._sparse = xp, sparse
+        self._xp, self._sparse = xp, sparse
+
+    def __getstate__(self):
+        # the array modules are found again from ``device`` (modules do not pickle); device
+        # arrays travel as host arrays
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_xp", "_sparse")}
+        for key in ("params_", "moments_", "best_params_"):
+            if state.get(key):
+                state[key] = {k: self._host(v) for k, v in state[key].items()}
+        return state
 
     def _host(self, a):
         return a if isinstance(a, np.ndarray) else a.get()
@@ -207,7 +216,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         if not (fitted and self._is_fitted()):
             return check_xy(X, Y, where=where, require_labels=Y is not None)
         return check_xy(X, Y, n_features=self.n_features_in_,
-                        n_labels=self.n_labels_ if Y is not None else None, where=where)
+                        n_labels=self.n_labels_ if Y is not None else None, where=where,
+                        owner=type(self).__name__)
 
     def initialize(self, X, Y) -> None:
         self.config_ = self._config()
@@ -217,7 +227,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1),
                    f"a dense model of {self.n_features_in_} features, hidden "
                    f"{self.resolved_['hidden']} and {self.n_labels_} labels")
-        self.xp = None
+        self._xp = None
         params = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
                                  self.config_.seed, self.preprocessor_.seen_features())
         self._set_arrays(params, None)
@@ -232,7 +242,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             {f"{k}.{s}": np.zeros_like(v) for k, v in params.items() for s in "mv"}
         self.batch_size_ = self.resolved_["batch_size"]
         self._blocks = hidden_blocks(self.resolved_["hidden"])
-        self.xp = None
+        self._xp = None
         self._use_device()
 
     def _sample_rng(self):
@@ -247,7 +257,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         Xb, Yb : preprocessed float32 CSR [n, n_features], CSR [n, n_labels].
         rng : generator of the sampled softmax's negatives (default: one from the step count).
         """
-        xp = self.xp
+        xp = self._xp
         in_rows = np.unique(Xb.indices).astype(np.int32)
         Xl = local_columns(Xb, in_rows)
         if self.negatives is None:
@@ -276,7 +286,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     def step_batch(self, batch: dict):
         """Device half of a step: forward, backward and Adam on the rows the batch touches.
         Returns the batch's mean loss as a 0-d device array (no host synchronisation)."""
-        xp, p, m = self.xp, self.params_, self.moments_
+        xp, p, m = self._xp, self.params_, self.moments_
         in_rows, out_rows = batch["in_rows"], batch["out_rows"]
         local = {**p, "W0": p["W0"][in_rows]}
         if out_rows is not None:
@@ -309,7 +319,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         while the device runs batch k; the loss is read once, at the end."""
         from concurrent.futures import ThreadPoolExecutor
         self._use_device()
-        xp, bs = self.xp, self.batch_size_
+        xp, bs = self._xp, self.batch_size_
         starts = range(0, order.size, bs)
 
         def prepare(lo, step):
@@ -347,13 +357,13 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         else:
             X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
             self.initialize(X, Y)
-        self.train_epoch(self.transform(X), Y, np.arange(X.shape[0]))
+        self.train_epoch(self.preprocess(X), Y, np.arange(X.shape[0]))
         return self
 
     def synchronize(self):
         """Wait for the device to finish queued work (for timing)."""
-        if self.xp is not np:
-            self.xp.cuda.Stream.null.synchronize()
+        if self._xp is not np:
+            self._xp.cuda.Stream.null.synchronize()
 
     # -- inference -----------------------------------------------------------------------------
     def score_blocks(self, X, block=None):
@@ -361,8 +371,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         if not self._is_fitted():
             raise NotFittedError("this DenseClassifier is not fitted yet; call fit first")
         self._use_device()
-        Xp = self.transform(X)
-        xp = self.xp
+        Xp = self.preprocess(X)
+        xp = self._xp
         block = block or max(1, min(4096, (1 << 26) // self.n_labels_))
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
@@ -374,7 +384,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
 
     def block_topk(self, S, k):
         """Top-k ``(ids, scores)`` (host arrays) of device score rows ``S``."""
-        xp = self.xp
+        xp = self._xp
         if xp is np:
             return topk(S, k)
         part = xp.argpartition(-S, k - 1, axis=1)[:, :k]
@@ -405,6 +415,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "step": self.step_, "epoch": self.epoch_, "learning_rate": self.learning_rate_,
                 "history": self.history_, "stopping": self.stopping_,
+                "single_label": bool(getattr(self, "single_label_", False)),
                 "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None,
                 "dense": {"negatives": self.negatives, "precision": self.precision}}
         write_checkpoint(path, arrays, meta, self.step_)
@@ -424,7 +435,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model._set_arrays(ck.arrays_like(shapes),
                           ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))
         best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
-        model.best_params_ = {k: model.xp.asarray(v) for k, v in best.items()} or None
+        model.best_params_ = {k: model._xp.asarray(v) for k, v in best.items()} or None
         model.preprocessor_ = ck.preprocessor(ck.n_features)
         model.learning_rate_ = ck.float("learning_rate", model.resolved_["lr"])
         model.step_, model.epoch_ = ck.step, ck.epoch
@@ -432,4 +443,5 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         es = ck.meta.get("early_stopping")
         model.early_stopping_ = EarlyStopping.from_json(es) if es else None
         model.stopping_ = ck.meta.get("stopping")
+        model.single_label_ = bool(ck.meta.get("single_label", False))
         return model

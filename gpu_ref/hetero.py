@@ -185,8 +185,8 @@ class HeteroTrainer:
         self.model.initialize(X, Y)
         self._start()
 
-    def transform(self, X):
-        return self.model.transform(X)
+    def preprocess(self, X):
+        return self.model.preprocess(X)
 
     def snapshot(self):
         return self.model.snapshot()
@@ -332,7 +332,7 @@ class HeteroTrainer:
             self.initialize(X, Y)
         if not hasattr(self, "policy_"):
             self._start()
-        return self._run(m.transform(X), Y, np.arange(X.shape[0]))[1]
+        return self._run(m.preprocess(X), Y, np.arange(X.shape[0]))[1]
 
     def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
         """Train as :meth:`slide.SlideClassifier.fit` does, with both workers."""

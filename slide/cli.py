@@ -108,6 +108,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                           "write 'name:score' instead of 'id:score'")
     pr.add_argument("--output", "-o", help="output file (default: stdout)")
 
+    x = sub.add_parser("export", help="write a model for inference only (without optimizer state)")
+    x.add_argument("model", help="model directory (written by train --save)")
+    x.add_argument("out", help="new model directory")
+
     d = sub.add_parser("data", help="dataset utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
     s = dsub.add_parser("synth", help="generate a synthetic dataset: OUT_PREFIX_{train,test}.txt")
@@ -189,6 +193,8 @@ def _cmd_train(a):
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier.load(a.save, a.device)
+        if getattr(model, "inference_only_", False):
+            raise ValueError(f"--resume: {a.save} was exported for inference only (no optimizer state)")
         _check_resume_flags(a, model)
         print(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
@@ -269,6 +275,16 @@ def _cmd_predict(a):
     return 0
 
 
+def _cmd_export(a):
+    if os.path.exists(a.out):
+        raise ValueError(f"{a.out}: already exists")
+    model = _load_model(a.model)
+    model.save(a.out, inference_only=True)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(a.out) for f in fs)
+    print(f"wrote {a.out}: {size / 2 ** 20:.1f} MiB, for inference only")
+    return 0
+
+
 def _cmd_data(a):
     from slide.data import read_dataset, write_xmc
     from slide.synthetic import make_dataset
@@ -296,7 +312,8 @@ def main(argv=None) -> int:
     from slide.data import DataFormatError
     from slide.resources import ModelTooLargeError
     try:
-        return {"train": _cmd_train, "eval": _cmd_eval, "predict": _cmd_predict, "data": _cmd_data}[args.command](args)
+        return {"train": _cmd_train, "eval": _cmd_eval, "predict": _cmd_predict, "export": _cmd_export,
+                "data": _cmd_data}[args.command](args)
     except (DataFormatError, CheckpointError, ModelTooLargeError, FileNotFoundError, ValueError,
             RuntimeError) as e:
         print(f"slide: error: {e}", file=sys.stderr)

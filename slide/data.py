@@ -430,12 +430,13 @@ def labels_to_csr(Y, n_labels: int | None = None, where: str = "Y") -> sp.csr_ma
 
 
 def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = None,
-             where: str = "input", require_labels: bool = False):
+             where: str = "input", require_labels: bool = False, owner: str = "the model"):
     """Validate and normalise ``X`` (float32 CSR, sorted indices) and ``Y`` (CSR indicator).
 
     Raises :class:`DataFormatError` for shape mismatches, non-real or NaN/inf values, empty
     data, feature or label counts that do not match the model, and (``require_labels``, when
-    a model is to be fitted) a ``Y`` without a single label.
+    a model is to be fitted) a ``Y`` without a single label. ``owner`` names the model in
+    messages.
     """
     if not sp.issparse(X):
         try:
@@ -443,12 +444,22 @@ def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = No
         except (ValueError, TypeError) as e:
             raise DataFormatError(f"{where}: X is not a matrix ({e})") from None
         if X.ndim != 2:
-            raise DataFormatError(f"{where}: X must be 2-D (samples x features), got shape {X.shape}")
+            raise DataFormatError(f"{where}: X must be 2-D (samples x features), got shape {X.shape}; "
+                                  "Reshape your data: X.reshape(1, -1) for a single sample")
+        if X.dtype.kind == "O":  # numbers held as Python objects: convert, or say what is not one
+            try:
+                X = X.astype(np.float64)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"{where}: X holds a value that is not a number ({e})") from None
+    if X.dtype.kind == "c":
+        raise DataFormatError(f"{where}: Complex data not supported (X has dtype {X.dtype})")
     if X.dtype.kind not in "biuf":
         raise DataFormatError(f"{where}: X must hold real numbers, got dtype {X.dtype}")
     X = sp.csr_matrix(X, dtype=np.float32)
     if X.shape[0] == 0:
         raise DataFormatError(f"{where}: X has no samples")
+    if X.shape[1] == 0:
+        raise DataFormatError(f"{where}: 0 feature(s) (shape={X.shape}) while a minimum of 1 is required.")
     if not X.has_sorted_indices:
         X = X.copy()
         X.sort_indices()
@@ -457,7 +468,8 @@ def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = No
         raise DataFormatError(f"{where}: row {_row_of(X.indptr, bad)} (0-based): X holds a NaN or "
                               f"infinite value")
     if n_features is not None and X.shape[1] != n_features:
-        raise DataFormatError(f"{where}: X has {X.shape[1]} features, the model expects {n_features}")
+        raise DataFormatError(f"{where}: X has {X.shape[1]} features, but {owner} is expecting "
+                              f"{n_features} features as input")
     if Y is None:
         return X
     Y = labels_to_csr(Y, n_labels, where=where)

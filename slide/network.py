@@ -8,6 +8,7 @@ and orchestrates one batch at a time; all per-sample work happens in :mod:`slide
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numba
@@ -27,6 +28,9 @@ from slide.metrics import topk
 from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
+
+#: queries of fewer rows than this run on one thread (see ``SlideClassifier._serving``)
+SMALL_QUERY_ROWS = 16
 
 __all__ = ["SlideClassifier"]
 
@@ -125,7 +129,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if not (fitted and self._is_fitted()):
             return check_xy(X, Y, where=where, require_labels=Y is not None)
         return check_xy(X, Y, n_features=self.n_features_in_,
-                        n_labels=self.n_labels_ if Y is not None else None, where=where)
+                        n_labels=self.n_labels_ if Y is not None else None, where=where,
+                        owner=type(self).__name__)
 
     def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
         """Train from scratch (or, with ``warm_start``, continue) on ``X`` [n, n_features]
@@ -138,8 +143,11 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         warm = self.warm_start and self._is_fitted()
         if warm:
             self._refresh_config()
-        return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
-                        continue_training=warm)
+        fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                 continue_training=warm)
+        if self._tables_stale:  # serving-ready: predictions then leave the model as it is
+            self._refresh_tables()
+        return self
 
     def partial_fit(self, X, Y):
         """One pass over (X, Y) in the given row order (for streams); initialises an unfitted
@@ -154,7 +162,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self.initialize(X, Y)
         if self.samples_seen_ == 0:  # a fresh model: fill the tables from the initial weights
             self._refresh_tables()
-        self.train_rows(self.transform(X), Y, np.arange(X.shape[0]))
+        self.train_rows(self.preprocess(X), Y, np.arange(X.shape[0]))
         return self
 
     def initialize(self, X, Y) -> None:
@@ -399,7 +407,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     def embed(self, X) -> np.ndarray:
         """Last hidden layer activations, float32 [n, hidden[-1]]."""
         self._require_fitted()
-        X = self.transform(self.check_data(X, where="embed"))
+        X = self.preprocess(self.check_data(X, where="embed"))
         set_num_threads(self.config_.threads)
         return np.ascontiguousarray(self._last(self._forward(X)))
 
@@ -407,18 +415,27 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # about 256 MB of float32 scores per block
         return block or max(1, min(4096, (1 << 26) // self.n_labels_))
 
+    def _serving(self, n_rows: int):
+        """Threads for answering ``n_rows`` queries: a few rows run on the calling thread alone
+        (numba's and BLAS's pools cost more to wake than such a query computes), more on the
+        model's threads."""
+        if n_rows < SMALL_QUERY_ROWS:
+            return engine_threads(1)
+        set_num_threads(self.config_.threads)
+        return contextlib.nullcontext()
+
     def score_blocks(self, X, block: int | None = None):
         """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
         float32 [hi - lo, n_labels] for rows lo..hi of the (checked, raw) CSR ``X``."""
         self._require_fitted()
-        Xp = self.transform(X)
-        set_num_threads(self.config_.threads)
+        Xp = self.preprocess(X)
         W, b = self.params_["W"], self.params_["b"]
         block = self._block_rows(block)
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
-            s = self._last(self._forward(Xp[lo:hi])) @ W.T
-            s += b
+            with self._serving(hi - lo):
+                s = self._last(self._forward(Xp[lo:hi])) @ W.T
+                s += b
             yield lo, hi, s
 
     def block_topk(self, S, k: int):
@@ -441,19 +458,20 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         scores = np.empty((X.shape[0], k), np.float32)
         if mode == "exact" or self.tables_ is None:
             for lo, hi, s in self.score_blocks(X, block):
-                ids[lo:hi], scores[lo:hi] = topk(s, k)
+                with self._serving(hi - lo):
+                    ids[lo:hi], scores[lo:hi] = topk(s, k)
             return ids, scores
-        Xp = self.transform(X)
-        set_num_threads(self.config_.threads)
+        Xp = self.preprocess(X)
         W, b = self.params_["W"], self.params_["b"]
         block = self._block_rows(block)
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
-            h = self._last(self._forward(Xp[lo:hi]))
-            cand, n_c = self.tables_.query(h, rank=True)
-            cs = np.empty(cand.shape, np.float32)
-            kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
-            pos, scores[lo:hi] = topk(cs, k)
+            with self._serving(hi - lo):
+                h = self._last(self._forward(Xp[lo:hi]))
+                cand, n_c = self.tables_.query(h, rank=True)
+                cs = np.empty(cand.shape, np.float32)
+                kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
+                pos, scores[lo:hi] = topk(cs, k)
             ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
             ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1
         return ids, scores
@@ -461,18 +479,23 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     def decision_function(self, X) -> np.ndarray:
         """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers)."""
         self._require_fitted()
-        X = self.transform(self.check_data(X, where="decision_function"))
+        X = self.preprocess(self.check_data(X, where="decision_function"))
         return self._last(self._forward(X)) @ self.params_["W"].T + self.params_["b"]
 
     # -- persistence -----------------------------------------------------------------------------
-    def save(self, path) -> None:
-        """Write the model to directory ``path`` (npz + JSON, atomic; see :mod:`slide.checkpoint`)."""
+    def save(self, path, inference_only: bool = False) -> None:
+        """Write the model to directory ``path`` (npz + JSON, atomic; see :mod:`slide.checkpoint`).
+
+        ``inference_only`` leaves out what only training needs (the Adam moments and the best
+        epoch's copy): about a third of the size; such a model predicts, but cannot resume.
+        """
         self._require_fitted()
         pre_arrays, pre_meta = self.preprocessor_.get_state()
-        arrays = {**self.params_, **{f"adam.{k}": v for k, v in self.moments_.items()},
-                  **{f"pre.{k}": v for k, v in pre_arrays.items()}}
-        if self.best_params_ is not None:
-            arrays.update({f"best.{k}": v for k, v in self.best_params_.items()})
+        arrays = {**self.params_, **{f"pre.{k}": v for k, v in pre_arrays.items()}}
+        if not inference_only:
+            arrays.update({f"adam.{k}": v for k, v in self.moments_.items()})
+            if self.best_params_ is not None:
+                arrays.update({f"best.{k}": v for k, v in self.best_params_.items()})
         meta = {
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
@@ -481,7 +504,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             "next_rehash": self._next_rehash, "rehash_interval": self._rehash_interval,
             "next_rebuild": self._next_rebuild, "history": self.history_,
             "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None,
-            "stopping": self.stopping_,
+            "stopping": self.stopping_, "inference_only": bool(inference_only),
+            "single_label": bool(getattr(self, "single_label_", False)),
         }
         write_checkpoint(path, arrays, meta, self.step_)
 
@@ -501,6 +525,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         shapes = parameter_shapes(self.resolved_["hidden"], self.n_features_in_, self.n_labels_)
         self.params_ = ck.arrays_like(shapes)
         self.moments_ = ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True)
+        self.inference_only_ = bool(ck.meta.get("inference_only", False))
         best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
         self.best_params_ = best or None
         self.preprocessor_ = ck.preprocessor(self.n_features_in_)
@@ -511,6 +536,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         es = ck.meta.get("early_stopping")
         self.early_stopping_ = EarlyStopping.from_json(es) if es else None
         self.stopping_ = ck.meta.get("stopping")
+        self.single_label_ = bool(ck.meta.get("single_label", False))
         self.timings_ = {}
         self._setup()
         r = self.resolved_

@@ -8,7 +8,7 @@ that is not engine-specific):
   settings, valid before the model is fitted); after ``initialize``, ``resolved_["epochs"]``;
 * ``check_data(X, Y, where, fitted)``: validated float32 CSR ``X`` and CSR indicator ``Y``;
 * ``initialize(X, Y)``: fit the preprocessing on the training rows, draw fresh parameters;
-* ``transform(X)``: the fitted preprocessing (CSR in, float32 CSR out);
+* ``preprocess(X)``: the fitted preprocessing (CSR in, float32 CSR out);
 * ``train_epoch(Xp, Y, order, progress)``: one pass over preprocessed rows in ``order``
   (the mixin runs ``train_step`` over consecutive batches of ``batch_size_``); returns a dict
   with the epoch's mean ``loss`` and anything else worth recording;
@@ -95,6 +95,13 @@ class EarlyStopping:
         return cls(**d)
 
 
+def _is_label_vector(Y) -> bool:
+    """A 1-D array of label ids (one label per row, scikit-learn's multi-class ``y``)."""
+    if hasattr(Y, "ndim") and not hasattr(Y, "indptr"):
+        return Y.ndim == 1
+    return False
+
+
 def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (train, validation) row ids: a seeded random ``fraction`` of the n rows held out
     (at least one, at most :data:`MAX_VALIDATION_ROWS`, and never all of them)."""
@@ -128,6 +135,9 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
     stopping), and ``model.stopping_`` says which epoch it kept and why training stopped.
     """
     s = model.fit_settings()
+    if Y is None:
+        raise ValueError(f"{type(model).__name__} requires y to be passed, but the target y is None")
+    single_label = _is_label_vector(Y)
     X, Y = model.check_data(X, Y, where="fit", fitted=continue_training)
     held_out = False
     if s["early_stopping"] and validation is None and X.shape[0] > 1:
@@ -136,6 +146,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         held_out = True
     if not continue_training:
         model.initialize(X, Y)
+        model.single_label_ = single_label
     if validation is not None:
         Xv, Yv = model.check_data(*validation, where="validation", fitted=True)
         if Xv.shape[0] > MAX_VALIDATION_ROWS:
@@ -149,7 +160,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         if stopper is not previous:
             model.best_params_ = None
     model.early_stopping_ = stopper
-    Xp = model.transform(X)
+    Xp = model.preprocess(X)
     first = model.epoch_
     epochs = max(0, (first + model.resolved_["epochs"] if until_epoch is None else int(until_epoch)) - first)
     for _ in range(epochs):
@@ -251,7 +262,16 @@ class TrainableMixin:
     ``preprocessor_``.
     """
 
-    def transform(self, X):
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = True  # CSR is the native input
+        tags.target_tags.required = True
+        tags.target_tags.multi_output = True  # Y: a label-indicator matrix or label lists
+        from sklearn.utils import ClassifierTags
+        tags.classifier_tags = ClassifierTags(multi_class=True, multi_label=True)
+        return tags
+
+    def preprocess(self, X):
         """The model's fitted preprocessing of CSR ``X`` (float32 CSR, same shape)."""
         return self.preprocessor_.transform(X)
 
@@ -307,13 +327,20 @@ class TrainableMixin:
             total, rows = total + s, rows + n
         return {**evaluate_topk(top, Y, k), "loss": total / max(rows, 1)}
 
-    def score(self, X, Y) -> float:
+    def score(self, X, y=None) -> float:
         """P@1 (for scikit-learn's model selection)."""
-        return self.evaluate(X, Y, k=1)["P@1"]
+        if y is None:
+            self.check_data(X, where="score", fitted=True)
+            raise ValueError("score needs the true labels y")
+        return self.evaluate(X, y, k=1)["P@1"]
 
     def predict(self, X, k: int = 1):
         """Label-indicator matrix of each row's top ``k`` labels: scipy CSR [n, n_labels] of
-        0/1 int8, the form scikit-learn's multi-label metrics and scorers take."""
+        0/1 int8, the form scikit-learn's multi-label metrics and scorers take. A model fitted
+        on a 1-D ``y`` (one label id per row) returns the top label ids, int64 [n], as
+        scikit-learn's classifiers do."""
+        if getattr(self, "single_label_", False) and k == 1:
+            return self.predict_topk(X, 1)[0][:, 0]
         ids = self.predict_topk(X, k)[0]
         n = ids.shape[0]
         keep = ids >= 0
@@ -325,6 +352,9 @@ class TrainableMixin:
     def predict_proba(self, X) -> np.ndarray:
         """Softmax probability of every label, float32 [n, n_labels] on the host (dense: n ×
         n_labels × 4 bytes; for wide layers use :meth:`predict_topk_proba`)."""
+        if not self.__sklearn_is_fitted__():
+            from sklearn.exceptions import NotFittedError
+            raise NotFittedError(f"this {type(self).__name__} is not fitted yet; call fit first")
         X = self.check_data(X, where="predict_proba", fitted=True)
         out = np.empty((X.shape[0], self.n_labels_), np.float32)
         for lo, hi, S in self.score_blocks(X):

@@ -113,6 +113,22 @@ def test_bad_files_and_arguments(tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_export_for_inference_only(synth, capsys):
+    d = synth
+    assert main(["train", str(d / "eur_train.txt"), "--epochs", "1", "--hidden", "16", "--no-progress",
+                 "--save", str(d / "full")]) == 0
+    assert main(["export", str(d / "full"), str(d / "small")]) == 0
+    size = {m: sum(f.stat().st_size for f in (d / m).iterdir()) for m in ("full", "small")}
+    assert size["small"] < 0.5 * size["full"], size
+    capsys.readouterr()
+    for m in ("full", "small"):
+        assert main(["predict", str(d / m), str(d / "eur_test.txt"), "-o", str(d / f"{m}.txt")]) == 0
+    assert (d / "full.txt").read_text() == (d / "small.txt").read_text()
+    assert main(["train", str(d / "eur_train.txt"), "--epochs", "2", "--save", str(d / "small"),
+                 "--resume", "--no-progress"]) == 2
+    assert "inference only" in capsys.readouterr().err
+
+
 def test_version_and_broken_pipe(synth):
     out = subprocess.run([sys.executable, "-m", "slide.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("slide ")

@@ -110,7 +110,7 @@ def test_label_matrices_and_lists_are_checked():
     with pytest.raises(DataFormatError, match="label ids must be integers"):
         check_xy(X, [[0.0, 2.7], [1]])
     assert check_xy(X, [[0.0, 2.0], [1]])[1].nnz == 3
-    with pytest.raises(DataFormatError, match="real numbers"):
+    with pytest.raises(DataFormatError, match="Complex data not supported"):
         check_xy(np.ones((2, 3), complex))
     with pytest.raises(DataFormatError, match="no labels"):
         check_xy(X, [[], []], require_labels=True)
@@ -131,7 +131,7 @@ def test_check_xy_errors():
     X = sp.csr_matrix(np.array([[1.0, np.nan]], np.float32))
     with pytest.raises(DataFormatError, match=r"row 0 \(0-based\): X holds a NaN"):
         check_xy(X)
-    with pytest.raises(DataFormatError, match="3 features, the model expects 2"):
+    with pytest.raises(DataFormatError, match="3 features, but the model is expecting 2 features"):
         check_xy(sp.csr_matrix(np.ones((1, 3))), n_features=2)
     with pytest.raises(DataFormatError, match="rows"):
         check_xy(sp.csr_matrix(np.ones((2, 3))), [[0]])

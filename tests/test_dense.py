@@ -62,7 +62,7 @@ def test_sampled_softmax_learns_and_touches_only_its_rows(tiny_data):
     model.fit(Xtr, Ytr, validation=(Xte, Yte))
     assert model.history_[-1]["val_P@1"] > 0.2, model.history_[-1]
     before = {k: v.copy() for k, v in model.params_.items()}
-    Xb, Yb = model.transform(Xtr[:8]), Ytr[:8]
+    Xb, Yb = model.preprocess(Xtr[:8]), Ytr[:8]
     batch = model.prepare_batch(Xb, Yb)
     model.step_batch(batch)
     changed = np.flatnonzero((model.params_["W"] != before["W"]).any(axis=1))
@@ -76,7 +76,7 @@ def test_prefetching_epoch_equals_step_by_step(tiny_data):
     b = DenseClassifier(hidden=(8,), batch_size=32, seed=2, device="cpu", negatives=50)
     for mdl in (a, b):
         mdl.initialize(*mdl.check_data(X, Y, fitted=False))
-    Xp, order = a.transform(X), np.random.default_rng(0).permutation(300)
+    Xp, order = a.preprocess(X), np.random.default_rng(0).permutation(300)
     rec = a.train_epoch(Xp, Y, order)
     losses = [b.train_step(Xp[np.sort(order[lo:lo + 32])], Y[np.sort(order[lo:lo + 32])])
               for lo in range(0, 300, 32)]

@@ -65,7 +65,7 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data):
     finally:
         SlideClassifier.train_step = orig
     params = {k: v.astype(np.float64) for k, v in eng.params_.items()}
-    Xp, T = eng.transform(X), uniform_targets(Y)
+    Xp, T = eng.preprocess(X), uniform_targets(Y)
     blocks = hidden_blocks(eng.resolved_["hidden"])
 
     def loss():
@@ -153,7 +153,7 @@ def test_dense_and_engine_checkpoints_are_interchangeable(tmp_path, tiny_data):
 def test_bad_inputs_give_clear_errors(tiny_data):
     X, Y = tiny_data[0][:100], tiny_data[1][:100]
     m = SlideClassifier(hidden=(8,), sparsity=0.5).fit(X, Y)
-    with pytest.raises(DataFormatError, match="features, the model expects"):
+    with pytest.raises(DataFormatError, match="features, but SlideClassifier is expecting"):
         m.predict(sp.csr_matrix((3, X.shape[1] + 1), dtype=np.float32))
     bad = X.copy()
     bad.data[0] = np.nan
