@@ -14,7 +14,7 @@ seconds and peak RSS, each in its own process. Real sets are the folders of ``--
 holding ``train.txt`` and ``test.txt``; presets are synthetic (``NAME`` or ``NAME:N_TRAIN``).
 
 XR-Linear (PECOS) runs in its own environment because libpecos pins older numpy and scipy:
-``python -m venv .peers && .peers/bin/pip install ".[peers]"``, then pass
+``python -m venv .peers && .peers/bin/pip install libpecos``, then pass
 ``--peers-python .peers/bin/python`` (the default when that file exists; also
 ``$SLIDE_PEERS_PYTHON``). Without it the XR-Linear column is skipped, and the table says so.
 Writes ``OUT.json`` and ``OUT.md``.
@@ -57,7 +57,7 @@ def _load(spec, data_dir, seed):
 def _scores(top, Ytr, Yte, name) -> dict:
     from slide.metrics import evaluate, propensities
     a, b = next((v for k, v in PROPENSITY_AB.items() if k in name.lower()), (0.55, 1.5))
-    res = evaluate(top, Yte, 5, propensity=propensities(Ytr, a, b))
+    res = evaluate(Yte, top, 5, propensities=propensities(Ytr, a, b))
     return {k: res[k] for k in ("P@1", "P@3", "P@5", "PSP@5")}
 
 

@@ -19,7 +19,7 @@ from slide.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
                           parameter_shapes, resolve)
 from slide.data import check_xy
-from slide.metrics import topk
+from slide.metrics import check_k, topk
 from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
@@ -232,7 +232,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                                  self.config_.seed, self.preprocessor_.seen_features())
         self._set_arrays(params, None)
         self.learning_rate_ = self.resolved_["lr"]
-        self.step_, self.epoch_ = 0, 0
+        self.step_, self.epoch_, self.epoch_position_ = 0, 0, 0
         self.history_ = []
         self.early_stopping_, self.best_params_, self.stopping_ = None, None, None
 
@@ -394,6 +394,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                 self._host(xp.take_along_axis(vals, order, 1)))
 
     def predict_topk(self, X, k=5, block=None):
+        """Exact top-k labels per row: ``(ids int64 [n, k], scores float32 [n, k])``, best first."""
+        k = check_k(k)
         X = self.check_data(X, where="predict")
         ids = np.empty((X.shape[0], k), np.int64)
         scores = np.empty((X.shape[0], k), np.float32)
@@ -413,7 +415,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             arrays.update({f"best.{k}": self._host(v) for k, v in self.best_params_.items()})
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
-                "step": self.step_, "epoch": self.epoch_, "learning_rate": self.learning_rate_,
+                "step": self.step_, "epoch": self.epoch_, "epoch_position": self.epoch_position_,
+                "learning_rate": self.learning_rate_,
                 "history": self.history_, "stopping": self.stopping_,
                 "single_label": bool(getattr(self, "single_label_", False)),
                 "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None,
@@ -423,9 +426,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     @classmethod
     def load(cls, path, device="auto"):
         ck = read_checkpoint(path)
-        own = ck.meta.get("dense") or {}
-        if not isinstance(own, dict):
-            raise CheckpointError(f"{path}: 'dense' must be an object, got {type(own).__name__}")
+        own = ck.object("dense") or {}
         own = {k: own[k] for k in ("negatives", "precision") if k in own}
         model = cls(**ck.config_params(cls), device=device, **own)
         model.config_ = model._config()
@@ -437,11 +438,11 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
         model.best_params_ = {k: model._xp.asarray(v) for k, v in best.items()} or None
         model.preprocessor_ = ck.preprocessor(ck.n_features)
-        model.learning_rate_ = ck.float("learning_rate", model.resolved_["lr"])
+        model.learning_rate_ = ck.float("learning_rate", model.resolved_["lr"], positive=True)
         model.step_, model.epoch_ = ck.step, ck.epoch
-        model.history_ = ck.meta.get("history") or []
-        es = ck.meta.get("early_stopping")
-        model.early_stopping_ = EarlyStopping.from_json(es) if es else None
-        model.stopping_ = ck.meta.get("stopping")
+        model.epoch_position_ = ck.int("epoch_position", 0, minimum=0, maximum=ck.n_train)
+        model.history_ = ck.records("history")
+        model.early_stopping_ = ck.parsed("early_stopping", EarlyStopping.from_json)
+        model.stopping_ = ck.object("stopping")
         model.single_label_ = bool(ck.meta.get("single_label", False))
         return model

@@ -160,6 +160,7 @@ class HeteroTrainer:
     """
 
     epoch_ = _delegated("epoch_")
+    epoch_position_ = _delegated("epoch_position_")
     history_ = _delegated("history_")
     learning_rate_ = _delegated("learning_rate_")
     early_stopping_ = _delegated("early_stopping_")

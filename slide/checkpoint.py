@@ -91,7 +91,7 @@ class Checkpoint:
     def _fail(self, problem):
         raise CheckpointError(f"{self._where}: {problem}")
 
-    def int(self, key, default=None, minimum=None) -> int:
+    def int(self, key, default=None, minimum=None, maximum=2 ** 62) -> int:
         v = self.meta.get(key, default)
         if v is None and default is not None:
             v = default
@@ -103,15 +103,42 @@ class Checkpoint:
                            else f"missing '{key}'")
         if minimum is not None and v < minimum:
             self._fail(f"'{key}' must be at least {minimum}, got {v}")
+        if v > maximum:
+            self._fail(f"'{key}' must be at most {maximum}, got {v}")
         return int(v)
 
-    def float(self, key, default=None) -> float:
+    def float(self, key, default=None, positive: bool = False) -> float:
         v = self.meta.get(key, default)
         if v is None:
             v = default
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v):
-            self._fail(f"'{key}' must be a finite number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v) \
+                or (positive and v <= 0):
+            self._fail(f"'{key}' must be a finite{' positive' if positive else ''} number, got {v!r}")
         return float(v)
+
+    def object(self, key) -> dict | None:
+        """A JSON object entry, or None when absent or null."""
+        v = self.meta.get(key)
+        if v is not None and not isinstance(v, dict):
+            self._fail(f"'{key}' must be an object or null, got {type(v).__name__}")
+        return v
+
+    def records(self, key) -> list:
+        """A list of JSON objects (empty when absent)."""
+        v = self.meta.get(key) or []
+        if not isinstance(v, list) or not all(isinstance(r, dict) for r in v):
+            self._fail(f"'{key}' must be a list of objects")
+        return v
+
+    def parsed(self, key, parse):
+        """``parse(object)`` of an object entry (None when absent), its errors as ours."""
+        v = self.object(key)
+        if v is None:
+            return None
+        try:
+            return parse(v)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self._fail(f"'{key}' is invalid ({type(e).__name__}: {e})")
 
     def config_params(self, estimator_cls) -> dict:
         """The saved settings that ``estimator_cls`` takes (engines share the format)."""
@@ -190,11 +217,36 @@ def read_checkpoint(path) -> Checkpoint:
                               f"directory, got {name!r}")
     npz = os.path.join(path, name)
     _remove_stale_temporaries(path)
+    if not os.path.exists(npz):
+        raise CheckpointError(f"{npz}: missing (named by {cfg_path})")
     try:
-        with np.load(npz, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise CheckpointError(f"{npz}: missing (named by {cfg_path})") from None
-    except (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError) as e:
+        arrays = _read_npz(npz)
+    except CheckpointError:
+        raise
+    except Exception as e:  # untrusted bytes: whatever numpy or zipfile trip over is "unreadable"
         raise CheckpointError(f"{npz}: unreadable ({type(e).__name__}: {e})") from None
     return Checkpoint(path, meta, arrays)
+
+
+def _read_npz(npz: str) -> dict:
+    """The arrays of an uncompressed or compressed .npz, each member's header checked against
+    its stored size before anything is allocated (a corrupted shape cannot ask for terabytes)."""
+    fmt = np.lib.format
+    arrays = {}
+    with zipfile.ZipFile(npz) as zf:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                raise CheckpointError(f"{npz}: unexpected member {info.filename!r}")
+            with zf.open(info) as fh:
+                major, _ = fmt.read_magic(fh)
+                read_header = fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0
+                shape, fortran, dtype = read_header(fh)
+                if dtype.hasobject:
+                    raise CheckpointError(f"{npz}: {info.filename} holds Python objects")
+                need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if need != info.file_size - fh.tell():
+                    raise CheckpointError(f"{npz}: {info.filename} declares {shape} {dtype} but "
+                                          f"stores {info.file_size - fh.tell()} bytes")
+            with zf.open(info) as fh:
+                arrays[info.filename[:-4]] = fmt.read_array(fh, allow_pickle=False)
+    return arrays

@@ -81,9 +81,14 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint in --save (its settings; --epochs is the total, "
                         "counting the checkpoint's epochs); metrics are appended to --metrics-json")
+    t.add_argument("--save-every", type=_positive, default=None, metavar="BATCHES",
+                   help="also checkpoint every BATCHES batches inside an epoch (a resumed run "
+                        "continues from there, so a kill loses at most that many)")
     t.add_argument("--overwrite", action="store_true",
                    help="replace a model already in --save (refused otherwise)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--plot", metavar="IMAGE", help="draw loss and P@k per epoch into IMAGE (.png, "
+                                                    ".svg, .pdf; needs matplotlib)")
 
     e = sub.add_parser("eval", help="evaluate a saved model on a test file")
     e.add_argument("model", help="model directory (written by train --save)")
@@ -107,6 +112,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--label-names", help="file with one label name per line (line i names label i): "
                                           "write 'name:score' instead of 'id:score'")
     pr.add_argument("--output", "-o", help="output file (default: stdout)")
+
+    pl = sub.add_parser("plot", help="draw loss and P@k per epoch from a --metrics-json file")
+    pl.add_argument("metrics", help="a file written by train --metrics-json")
+    pl.add_argument("--output", "-o", default=None, help="image file (default: METRICS with .png)")
 
     x = sub.add_parser("export", help="write a model for inference only (without optimizer state)")
     x.add_argument("model", help="model directory (written by train --save)")
@@ -142,6 +151,8 @@ def _check_outputs(a):
     """Refuse, before any data is read or trained on, outputs that could not be written."""
     if a.resume and not a.save:
         raise ValueError("--resume needs --save DIR")
+    if a.save_every and not a.save:
+        raise ValueError("--save-every needs --save DIR")
     if a.save:
         if os.path.exists(a.save) and not os.path.isdir(a.save):
             raise ValueError(f"--save {a.save}: exists and is not a directory")
@@ -154,6 +165,10 @@ def _check_outputs(a):
         parent = os.path.dirname(os.path.abspath(a.save))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ValueError(f"--save {a.save}: cannot create it in {parent}")
+    if getattr(a, "plot", None):
+        parent = os.path.dirname(os.path.abspath(a.plot))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ValueError(f"--plot {a.plot}: directory {parent} is missing or not writable")
     if a.metrics_json:
         parent = os.path.dirname(os.path.abspath(a.metrics_json))
         if os.path.isdir(a.metrics_json):
@@ -215,7 +230,8 @@ def _cmd_train(a):
     print(f"train: {Xtr.shape[0]} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
           f"engine={a.engine}, mode={a.mode}")
     doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs, metrics_json=a.metrics_json,
-                       checkpoint_dir=a.save, progress=not a.no_progress, resume=a.resume)
+                       checkpoint_dir=a.save, progress=not a.no_progress, resume=a.resume,
+                       save_every=a.save_every)
     stop = doc["stopping"]
     print(f"kept epoch {stop['kept_epoch']}: {stop['reason']}")
     if "test" in doc:
@@ -224,6 +240,24 @@ def _cmd_train(a):
               f"nDCG@5={t['nDCG@5']:.4f}  ({doc['wall_seconds']:.1f}s, peak RSS {doc.get('peak_rss_mb', 0):.0f} MiB)")
     print(f"model saved to {a.save} (epoch {stop['kept_epoch']}'s weights)" if a.save else
           "model not saved: pass --save DIR to keep it")
+    if a.plot:
+        from slide.plot import plot_metrics
+        plot_metrics(doc, a.plot)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def _cmd_plot(a):
+    import json
+    from slide.plot import plot_metrics
+    try:
+        with open(a.metrics) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{a.metrics}: cannot read it as JSON ({e})") from None
+    out = a.output or os.path.splitext(a.metrics)[0] + ".png"
+    plot_metrics(doc, out)
+    print(f"wrote {out}")
     return 0
 
 
@@ -312,7 +346,7 @@ def main(argv=None) -> int:
     from slide.data import DataFormatError
     from slide.resources import ModelTooLargeError
     try:
-        return {"train": _cmd_train, "eval": _cmd_eval, "predict": _cmd_predict, "export": _cmd_export,
+        return {"train": _cmd_train, "eval": _cmd_eval, "predict": _cmd_predict, "export": _cmd_export, "plot": _cmd_plot,
                 "data": _cmd_data}[args.command](args)
     except (DataFormatError, CheckpointError, ModelTooLargeError, FileNotFoundError, ValueError,
             RuntimeError) as e:

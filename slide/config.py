@@ -178,7 +178,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
       steps, between 5 and 100.
     * output active set: ``max(1024, 0.005 · labels)`` neurons (all of them for fewer labels);
       a quarter of it the sample's LSH hard negatives, the rest random negatives shared by the
-      batch.
+      batch, to which every label of the batch is added (so the other samples' labels are
+      negatives too, in proportion to how often labels occur).
     * hidden, lr, weight_decay: see the README's "Defaults" section.
     """
     c = config
@@ -198,7 +199,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
                weight_decay=1.0 if c.weight_decay is None else c.weight_decay)
     # a quarter of the active set is each sample's own LSH candidates (hard negatives), the
     # rest a random pool shared by the batch (dense matrix products, few distinct rows to
-    # update); without sampling the pool is every neuron
+    # update), which the engine extends by the batch's labels; without sampling the pool is
+    # every neuron
     lsh_cap = target // 4 if sampled else 0
     out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap)
     if sampled:

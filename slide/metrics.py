@@ -1,9 +1,10 @@
 """Extreme-classification metrics: P@k, nDCG@k, PSP@k, and a parallel top-k.
 
-Conventions follow pyxclib / napkinXC: predictions are a top-k index matrix [n, k] (int, best
-first; -1 pads rows with fewer than k predictions) or a score matrix [n, L]; true labels are a
-CSR indicator matrix [n, L]. Every metric returns its mean over samples for k = 1..k as a float64
-array, so ``precision_at_k(top, Y, 5)[0]`` is P@1.
+Arguments come in scikit-learn's and napkinXC's order, ``(y_true, y_pred)``. ``y_true``: a
+0/1 indicator matrix [n, L] (CSR or dense) or a list of label-id lists. ``y_pred``: a top-k
+index matrix [n, k] (int, best first; -1 pads rows with fewer than k predictions), a score
+matrix [n, L] (float), or a list of ranked label-id lists. Every metric returns its mean over
+samples for k = 1..k as a float64 array, so ``precision_at_k(Y, top, 5)[0]`` is P@1.
 """
 from __future__ import annotations
 
@@ -78,12 +79,20 @@ def topk_kernel(scores, k, out_ids, out_scores):
         _topk_row(scores[r], k, out_ids[r], out_scores[r])
 
 
+def check_k(k) -> int:
+    """``k`` as an int, refusing what is not a positive whole number (2.7, 0, True, "5")."""
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer, float, np.floating)) \
+            or k != int(k) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    return int(k)
+
+
 def topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k indices [n, k] (int64, best first) and their scores [n, k] (float32) of each row."""
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     if scores.ndim != 2:
         raise ValueError(f"scores must be 2-D, got shape {scores.shape}")
-    k = int(k)
+    k = check_k(k)
     ids = np.empty((scores.shape[0], k), np.int64)
     vals = np.empty((scores.shape[0], k), np.float32)
     topk_kernel(scores, k, ids, vals)
@@ -112,40 +121,56 @@ def _gains(top, indptr, indices, weights, out):
 
 
 def _as_top(pred, k: int) -> np.ndarray:
+    k = check_k(k)
+    if isinstance(pred, (list, tuple)):  # ranked label lists, padded with -1
+        top = np.full((len(pred), k), -1, np.int64)
+        for r, ids in enumerate(pred):
+            ids = list(ids)[:k]
+            top[r, :len(ids)] = ids
+        return top
     pred = np.asarray(pred)
     if pred.ndim != 2:
-        raise ValueError(f"predictions must be 2-D, got shape {pred.shape}")
+        raise ValueError(f"y_pred must be 2-D, got shape {pred.shape}")
     if np.issubdtype(pred.dtype, np.floating):  # a score matrix
         return topk(pred, k)[0]
     if pred.shape[1] < k:
-        raise ValueError(f"top-k matrix has {pred.shape[1]} columns, fewer than k={k}")
+        raise ValueError(f"y_pred's top-k matrix has {pred.shape[1]} columns, fewer than k={k}")
     return np.ascontiguousarray(pred[:, :k], dtype=np.int64)
 
 
-def _hits(pred, Y, k, weights=None):
-    Y = sp.csr_matrix(Y)
+def _hits(y_true, y_pred, k, weights=None):
+    from slide.data import DataFormatError, labels_to_csr
+    try:
+        Y = labels_to_csr(y_true, where="y_true")
+    except DataFormatError as e:
+        raise ValueError(f"{e} (the metrics take (y_true, y_pred): true labels first)") from None
     Y.sort_indices()
-    top = _as_top(pred, k)
+    top = _as_top(y_pred, k)
     if top.shape[0] != Y.shape[0]:
-        raise ValueError(f"predictions have {top.shape[0]} rows, labels {Y.shape[0]}")
-    w = np.ones(Y.shape[1], np.float64) if weights is None else np.asarray(weights, np.float64)
+        raise ValueError(f"y_pred has {top.shape[0]} rows, y_true {Y.shape[0]}")
+    if top.size and top.max() >= Y.shape[1] and isinstance(y_true, sp.spmatrix | sp.sparray | np.ndarray):
+        raise ValueError(f"y_pred holds label id {int(top.max())}, y_true has {Y.shape[1]} labels")
+    w = np.ones(max(Y.shape[1], int(top.max(initial=-1)) + 1), np.float64) if weights is None \
+        else np.asarray(weights, np.float64)
     gains = np.zeros(top.shape, np.float64)
     _gains(top, Y.indptr.astype(np.int64), Y.indices.astype(np.int64), w, gains)
     return top, Y, gains
 
 
-def precision_at_k(pred, Y, k: int = 5) -> np.ndarray:
+def precision_at_k(y_true, y_pred, k: int = 5) -> np.ndarray:
     """P@1..P@k: |top-j ∩ labels| / j averaged over samples. Returns float64 [k]."""
-    _, _, gains = _hits(pred, Y, k)
+    k = check_k(k)
+    _, _, gains = _hits(y_true, y_pred, k)
     return np.cumsum(gains, axis=1).mean(axis=0) / np.arange(1, k + 1)
 
 
-def ndcg_at_k(pred, Y, k: int = 5) -> np.ndarray:
+def ndcg_at_k(y_true, y_pred, k: int = 5) -> np.ndarray:
     """nDCG@1..nDCG@k with 1/log2(rank+1) discounts, normalised by the ideal ranking.
 
     Samples without labels score 0 (as in pyxclib).
     """
-    _, Y, gains = _hits(pred, Y, k)
+    k = check_k(k)
+    _, Y, gains = _hits(y_true, y_pred, k)
     disc = 1.0 / np.log2(np.arange(2, k + 2))
     dcg = np.cumsum(gains * disc, axis=1)
     n_true = np.diff(Y.indptr)
@@ -166,14 +191,18 @@ def propensities(Y_train, A: float = 0.55, B: float = 1.5) -> np.ndarray:
     return 1.0 / (1.0 + c * np.exp(-A * np.log(freq + B)))
 
 
-def psp_at_k(pred, Y, inv_propensity_source, k: int = 5) -> np.ndarray:
+def psp_at_k(y_true, y_pred, propensities, k: int = 5) -> np.ndarray:
     """Propensity-scored precision PSP@1..k, normalised by the best achievable ranking.
 
-    ``inv_propensity_source`` is the propensity vector [L] from :func:`propensities`.
+    ``propensities``: the propensity of every label, float [L] in (0, 1], as
+    :func:`slide.metrics.propensities` returns (each hit weighs 1 / propensity).
     """
-    p = np.asarray(inv_propensity_source, np.float64)
+    k = check_k(k)
+    p = np.asarray(propensities, np.float64)
+    if p.ndim != 1 or not np.all((p > 0) & (p <= 1)):
+        raise ValueError("propensities must be a 1-D array of values in (0, 1] (not their inverses)")
     w = 1.0 / p
-    _, Y, gains = _hits(pred, Y, k, w)
+    _, Y, gains = _hits(y_true, y_pred, k, w)
     num = np.cumsum(gains, axis=1).sum(axis=0)
     # the best ranking puts each row's highest inverse propensities first
     Yw = sp.csr_matrix((w[Y.indices], Y.indices, Y.indptr), shape=Y.shape)
@@ -192,16 +221,17 @@ def _best_gains(indptr, data, out):
             out[r, j] = row[j]
 
 
-def evaluate(pred, Y, k: int = 5, propensity=None) -> dict:
+def evaluate(y_true, y_pred, k: int = 5, propensities=None) -> dict:
     """A dict of the usual report at j = 1, 3, 5 (those up to k) and at k itself: P@j, nDCG@j
-    (and PSP@j given propensities)."""
-    top = _as_top(pred, k)
+    (and PSP@j given the labels' propensities)."""
+    k = check_k(k)
+    top = _as_top(y_pred, k)
     at = sorted({j for j in (1, 3, 5) if j <= k} | {k})
-    p = precision_at_k(top, Y, k)
-    n = ndcg_at_k(top, Y, k)
+    p = precision_at_k(y_true, top, k)
+    n = ndcg_at_k(y_true, top, k)
     out = {f"P@{j}": float(p[j - 1]) for j in at}
     out.update({f"nDCG@{j}": float(n[j - 1]) for j in at})
-    if propensity is not None:
-        s = psp_at_k(top, Y, propensity, k)
+    if propensities is not None:
+        s = psp_at_k(y_true, top, propensities, k)
         out.update({f"PSP@{j}": float(s[j - 1]) for j in at})
     return out

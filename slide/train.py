@@ -114,7 +114,8 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
 # The loop
 # --------------------------------------------------------------------------------------------
 def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=None,
-             continue_training: bool = False, until_epoch: int | None = None, eval_k: int = 5):
+             continue_training: bool = False, until_epoch: int | None = None, eval_k: int = 5,
+             save_every: int | None = None, on_save=None):
     """Train ``model`` (see the module docstring for the step API it provides).
 
     Parameters
@@ -130,6 +131,11 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         total); default: the model's planned epochs more (``resolved_["epochs"]``). With early
         stopping this is the most.
     on_epoch : ``on_epoch(model, record)`` after each epoch (metrics files, checkpoints).
+    save_every, on_save : ``on_save(model)`` also after every ``save_every`` batches inside an
+        epoch, with ``model.epoch_position_`` set to the samples of the epoch done so far; a run
+        continued from such a checkpoint skips them (the epoch's order is a function of the seed
+        and the epoch), so an interruption loses at most ``save_every`` batches. Engines whose
+        epochs report progress once (the heterogeneous trainer) save at epoch ends only.
 
     On return the model holds the best weights seen on the validation slice (when early
     stopping), and ``model.stopping_`` says which epoch it kept and why training stopped.
@@ -172,12 +178,18 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True, leave=True,
                        desc=f"epoch {model.epoch_ + 1}/{first + epochs}")
         order = np.random.default_rng([s["seed"], 2, model.epoch_]).permutation(X.shape[0])
+        start = min(getattr(model, "epoch_position_", 0), order.size) if continue_training else 0
+        order = order[start:]  # a checkpoint taken inside this epoch already holds these rows
+        sink = bar
+        if save_every and on_save is not None:
+            sink = _SavingProgress(model, bar, start, save_every * model.batch_size_, on_save)
         t0 = time.perf_counter()
-        record = model.train_epoch(Xp, Y, order, bar)
+        record = model.train_epoch(Xp, Y, order, sink)
         seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
         model.epoch_ += 1
+        model.epoch_position_ = 0
         # the rate leaves out a first batch that compiled the kernels (recorded on its own)
         first_batch = record.get("first_batch_seconds", 0.0)
         record = {"epoch": model.epoch_, "train_seconds": seconds,
@@ -200,6 +212,36 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             on_epoch(model, record)
     model.stopping_ = _outcome(model, stopper, held_out, first + epochs)
     return model
+
+
+class _SavingProgress:
+    """The epoch's progress sink (a tqdm bar or None) that also saves every ``every`` samples."""
+
+    def __init__(self, model, bar, start, every, on_save):
+        self.model, self.bar, self.done, self.every, self.on_save = model, bar, start, every, on_save
+        self.next = start + every
+        self.total = bar.total if bar is not None else None
+
+    def update(self, n):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        if self.done >= self.next:
+            self.model.epoch_position_ = self.done
+            self.on_save(self.model)
+            self.next = self.done + self.every
+
+    def reset(self, total=None):
+        if self.bar is not None:
+            self.bar.reset(total=total)
+
+    def set_postfix(self, *args, **kwargs):
+        if self.bar is not None:
+            self.bar.set_postfix(*args, **kwargs)
+
+    def set_postfix_str(self, *args, **kwargs):
+        if self.bar is not None:
+            self.bar.set_postfix_str(*args, **kwargs)
 
 
 def _outcome(model, stopper, held_out, planned) -> dict:
@@ -318,14 +360,14 @@ class TrainableMixin:
         from slide.metrics import evaluate as evaluate_topk
         X, Y = self.check_data(X, Y, where="evaluate", fitted=True)
         if predict_kw or not loss:
-            return evaluate_topk(self.predict_topk(X, k, **predict_kw)[0], Y, k)
+            return evaluate_topk(Y, self.predict_topk(X, k, **predict_kw)[0], k)
         top = np.empty((X.shape[0], k), np.int64)
         total, rows = 0.0, 0
         for lo, hi, S in self.score_blocks(X):
             top[lo:hi] = self.block_topk(S, k)[0]
             s, n = softmax_loss(S, Y[lo:hi])
             total, rows = total + s, rows + n
-        return {**evaluate_topk(top, Y, k), "loss": total / max(rows, 1)}
+        return {**evaluate_topk(Y, top, k), "loss": total / max(rows, 1)}
 
     def score(self, X, y=None) -> float:
         """P@1 (for scikit-learn's model selection)."""
@@ -404,14 +446,15 @@ def load_train_test(train=None, test=None, seed=0, log=print):
 
 
 def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=None,
-                 checkpoint_dir=None, progress=True, log=print, resume=False):
+                 checkpoint_dir=None, progress=True, log=print, resume=False, save_every=None):
     """Train ``model`` (engine, dense reference or heterogeneous trainer) the way ``slide
     train`` does: validation held out from the training rows, the test set (if any) scored
     after every epoch for the record only, ``metrics_json`` rewritten after every epoch (with
     ``resume``, the records already in it are kept and the new epochs appended) and a
     checkpoint saved to ``checkpoint_dir`` after every epoch and at the end.
 
-    ``epochs`` is the total (with ``resume``, counting the checkpoint's epochs).
+    ``epochs`` is the total (with ``resume``, counting the checkpoint's epochs). ``save_every``
+    also checkpoints every that many batches inside an epoch.
     """
     test = None
     if Xte is not None:
@@ -455,7 +498,9 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
     t0 = time.perf_counter()
     fit_loop(model, Xtr, Ytr, until_epoch=epochs if epochs is not None else
              (model.resolved_["epochs"] if resume else None),
-             progress=progress, on_epoch=on_epoch, continue_training=resume)
+             progress=progress, on_epoch=on_epoch, continue_training=resume,
+             save_every=save_every if checkpoint_dir else None,
+             on_save=lambda m: m.save(checkpoint_dir))
     doc["wall_seconds"] = time.perf_counter() - t0
     doc["stopping"] = model.stopping_
     if test is not None:

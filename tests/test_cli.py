@@ -113,6 +113,19 @@ def test_bad_files_and_arguments(tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_plots_from_train_and_from_metrics(synth, capsys, tmp_path):
+    d = synth
+    assert main(["train", str(d / "eur_train.txt"), "--test", str(d / "eur_test.txt"), "--epochs", "2",
+                 "--hidden", "8", "--no-progress", "--metrics-json", str(tmp_path / "m.json"),
+                 "--plot", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(tmp_path / "m.json")]) == 0
+    assert (tmp_path / "m.png").stat().st_size > 1000
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["plot", str(tmp_path / "bad.json")]) == 2
+    assert "no per-epoch records" in capsys.readouterr().err
+
+
 def test_export_for_inference_only(synth, capsys):
     d = synth
     assert main(["train", str(d / "eur_train.txt"), "--epochs", "1", "--hidden", "16", "--no-progress",

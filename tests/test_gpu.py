@@ -92,7 +92,7 @@ def test_hetero_with_cupy_worker_learns_and_reports_shares(tiny_data):
     assert rec["cpu_samples"] + rec["gpu_samples"] == Xtr.shape[0]
     assert 0 < rec["gpu_share"] < 1 and np.isfinite(rec["gpu_loss"])
     popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
-    base = precision_at_k(np.tile(popular, (Xte.shape[0], 1)), Yte, 1)[0]
+    base = precision_at_k(Yte, np.tile(popular, (Xte.shape[0], 1)), 1)[0]
     assert rec["val_P@1"] > base + 0.1, (rec, base)
 
 

@@ -28,7 +28,7 @@ def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     assert 0 < rec["cpu_utilisation"] <= 1.0 and 0 < rec["gpu_utilisation"] <= 1.0
     assert all(np.isfinite(v).all() for v in h.model.params_.values())
     popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
-    base = precision_at_k(np.tile(popular, (Xte.shape[0], 1)), Yte, 1)[0]
+    base = precision_at_k(Yte, np.tile(popular, (Xte.shape[0], 1)), 1)[0]
     assert rec["val_P@1"] > base + 0.1, (rec["val_P@1"], base)
 
 

@@ -10,7 +10,7 @@ TOP = np.array([[2, 1, 0], [0, 1, 2], [3, 4, 1]])
 
 def test_precision_hand_computed():
     # row 0: hit, miss, hit; row 1: none; row 2: hit, miss, hit
-    p = precision_at_k(TOP, Y, 3)
+    p = precision_at_k(Y, TOP, 3)
     np.testing.assert_allclose(p, [2 / 3, (1 / 2 + 0 + 1 / 2) / 3, (2 / 3 + 0 + 2 / 3) / 3])
 
 
@@ -18,7 +18,7 @@ def test_ndcg_hand_computed():
     d = 1 / np.log2([2, 3, 4])
     r0 = (d[0] + d[2]) / (d[0] + d[1])
     r2 = (d[0] + d[2]) / (d[0] + d[1] + d[2])
-    n = ndcg_at_k(TOP, Y, 3)
+    n = ndcg_at_k(Y, TOP, 3)
     np.testing.assert_allclose(n[0], 2 / 3)
     np.testing.assert_allclose(n[2], (r0 + 0 + r2) / 3)
 
@@ -28,7 +28,7 @@ def test_scores_and_topk_agree():
     ids, vals = topk(s, 3)
     np.testing.assert_array_equal(ids, TOP)
     np.testing.assert_allclose(vals, np.take_along_axis(s, TOP, 1))
-    np.testing.assert_allclose(precision_at_k(s, Y, 3), precision_at_k(TOP, Y, 3))
+    np.testing.assert_allclose(precision_at_k(Y, s, 3), precision_at_k(Y, TOP, 3))
 
 
 def test_topk_matches_sort_and_breaks_ties_by_index(rng):
@@ -43,7 +43,7 @@ def test_topk_matches_sort_and_breaks_ties_by_index(rng):
 def test_psp_hand_computed():
     p = np.array([0.5, 0.25, 1.0, 0.5, 1.0])
     w = 1 / p
-    psp = psp_at_k(TOP, Y, p, 1)
+    psp = psp_at_k(Y, TOP, p, 1)
     # top-1 hits: row 0 label 2 (w=1), row 1 miss, row 2 label 3 (w=2); best: 2 + 1 + 4
     np.testing.assert_allclose(psp[0], (w[2] + w[3]) / (w[0] + w[4] + w[1]))
 
@@ -56,9 +56,34 @@ def test_propensity_formula():
 
 
 def test_evaluate_keys_and_errors():
-    res = evaluate(TOP[:, :3], Y, 3)
+    res = evaluate(Y, TOP[:, :3], 3)
     assert set(res) == {"P@1", "P@3", "nDCG@1", "nDCG@3"}
     with pytest.raises(ValueError):
-        precision_at_k(TOP[:2], Y, 3)
+        precision_at_k(Y, TOP[:2], 3)
     with pytest.raises(ValueError):
-        precision_at_k(TOP, Y, 5)
+        precision_at_k(Y, TOP, 5)
+
+
+def test_arguments_in_scikit_learn_order_lists_accepted_and_misuse_refused():
+    lists_true = [[0, 2], [4], [1, 2, 3]]
+    lists_pred = [list(r) for r in TOP]
+    np.testing.assert_allclose(precision_at_k(lists_true, lists_pred, 3), precision_at_k(Y, TOP, 3))
+    np.testing.assert_allclose(precision_at_k(Y.toarray(), TOP, 3), precision_at_k(Y, TOP, 3))
+    with pytest.raises(ValueError, match="true labels first"):
+        precision_at_k(TOP, Y, 3)  # reversed: a top-k id matrix is not a 0/1 indicator
+    with pytest.raises(ValueError, match="true labels first"):
+        evaluate(Y.toarray() * 3, TOP, 3)
+    with pytest.raises(ValueError, match="not their inverses"):
+        psp_at_k(Y, TOP, 1 / np.array([0.5, 0.25, 1.0, 0.5, 1.0]), 1)
+    with pytest.raises(ValueError, match="label id 7"):
+        precision_at_k(Y, np.array([[7], [0], [1]]), 1)
+
+
+@pytest.mark.parametrize("k", [2.7, 0, -1, True, "5", None])
+def test_k_must_be_a_positive_integer(k):
+    from slide.metrics import check_k, topk
+    with pytest.raises(ValueError, match="positive integer"):
+        check_k(k)
+    with pytest.raises(ValueError, match="positive integer"):
+        topk(np.zeros((2, 3), np.float32), k)
+    assert check_k(3.0) == 3 and check_k(np.int64(2)) == 2

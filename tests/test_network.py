@@ -101,7 +101,7 @@ def test_learns_and_beats_most_frequent_baseline(tiny_data):
     losses = [h["loss"] for h in model.history_]
     assert losses[-1] < losses[0] * 0.8
     popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
-    base = precision_at_k(np.tile(popular, (Xte.shape[0], 1)), Yte, 1)[0]
+    base = precision_at_k(Yte, np.tile(popular, (Xte.shape[0], 1)), 1)[0]
     assert model.history_[-1]["val_P@1"] > base + 0.15, (model.history_[-1]["val_P@1"], base)
     lsh_p1 = model.evaluate(Xte, Yte, mode="lsh")["P@1"]
     assert lsh_p1 > base + 0.1
@@ -184,7 +184,7 @@ def test_sampled_hidden_layer_computes_only_its_active_neurons(tmp_path, tiny_da
     assert per_row.max() <= target and per_row.mean() > 5
     assert np.unique(np.flatnonzero(h.any(axis=0))).size > 3 * target  # rows pick different neurons
     popular = np.argsort(-np.bincount(Ytr.indices, minlength=Ytr.shape[1]))[:1]
-    base = precision_at_k(np.tile(popular, (Xte.shape[0], 1)), Yte, 1)[0]
+    base = precision_at_k(Yte, np.tile(popular, (Xte.shape[0], 1)), 1)[0]
     assert m.history_[-1]["val_P@1"] > base + 0.1, (m.history_[-1]["val_P@1"], base)
     m.save(tmp_path / "s")
     loaded = SlideClassifier.load(tmp_path / "s")

@@ -114,6 +114,35 @@ def test_resume_during_early_stopping_equals_straight_run(tmp_path, tiny_data):
         np.testing.assert_array_equal(resumed.params_[k], straight.params_[k], err_msg=k)
 
 
+@pytest.mark.parametrize("engine", ["slide", "dense"])
+def test_kill_inside_an_epoch_loses_at_most_save_every(tmp_path, tiny_data, engine):
+    """Checkpoints every 4 batches; killed after the third, the run resumes inside the epoch and
+    ends where an uninterrupted run ends (every output active, one thread: bit for bit)."""
+    X, Y = tiny_data[0][:600], tiny_data[1][:600]
+    kw = dict(hidden=(16,), seed=2, epochs=2, early_stopping=False, batch_size=32)
+    make = (lambda: SlideClassifier(sparsity=1.0, threads=1, **kw)) if engine == "slide" else \
+        (lambda: DenseClassifier(device="cpu", **kw))
+    saves = []
+
+    def save_then_die(model):
+        model.save(tmp_path / "ck")
+        saves.append(model.epoch_position_)
+        if len(saves) == 3:
+            raise KeyboardInterrupt
+
+    straight = make().fit(X, Y)
+    with pytest.raises(KeyboardInterrupt):
+        fit_loop(make(), X, Y, save_every=4, on_save=save_then_die)
+    assert saves == [128, 256, 384]  # samples of the first epoch done at each save
+    cls = type(straight)
+    resumed = cls.load(tmp_path / "ck", **({} if engine == "slide" else {"device": "cpu"}))
+    assert (resumed.epoch_, resumed.epoch_position_, resumed.step_) == (0, 384, 12)
+    fit_loop(resumed, X, Y, until_epoch=2, continue_training=True)
+    assert resumed.step_ == straight.step_
+    for k in straight.params_:
+        np.testing.assert_array_equal(resumed.params_[k], straight.params_[k], err_msg=k)
+
+
 @pytest.mark.parametrize("make", [
     lambda: DenseClassifier(hidden=(16,), epochs=3, n_iter_no_change=2, device="cpu"),
     lambda: HeteroTrainer(SlideClassifier(hidden=(16,), sparsity=0.25, epochs=3, n_iter_no_change=2),
