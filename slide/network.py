@@ -9,6 +9,7 @@ and orchestrates one batch at a time; all per-sample work happens in :mod:`slide
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import numba
@@ -201,7 +202,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._h_off = np.array([b[0] for b in self._blocks] or [0], np.int64)
         self._b_off = np.array([b[1] for b in self._blocks] or [0], np.int64)
         self.grads_ = {k: np.zeros_like(v) for k, v in self.params_.items()}
-        self.tables_ = None
+        self.tables_, self.serving_tables_ = None, None
         if r["sampled"]:
             self.tables_ = HashTables(int(sizes[-1]), self.n_labels_, TableConfig(**r["tables"]),
                                       seed=self.hash_seed_)
@@ -396,7 +397,33 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         when training has moved the weights since the last rehash)."""
         for tables, W, _ in self._tables():
             tables.rehash(W)
+        if getattr(self, "serving_tables_", None) is not None:
+            self.serving_tables_.rehash(self.params_["W"])
         self._tables_stale = False
+
+    def set_serving(self, tables: int | None = None, bucket_size: int | None = None):
+        """Hash tables for ``predict_topk(mode="lsh")``, apart from training's.
+
+        ``tables``: how many tables to query (same family, K and buckets as training's unless
+        ``bucket_size`` is given): more tables find more of the exact top-k (recall) at a higher
+        cost per query and ``tables × n_labels × 4`` bytes more memory. ``None`` serves from the
+        training tables again. Not saved with the model; training keeps them up to date.
+        ``bench/serving.py`` measures recall@k and latency along this setting.
+        """
+        self._require_fitted()
+        if self.tables_ is None:
+            raise ValueError("every output is computed for this model: there are no tables to serve from")
+        if tables is None:
+            self.serving_tables_ = None
+            return self
+        if isinstance(tables, bool) or not isinstance(tables, (int, np.integer)) or tables < 1:
+            raise ValueError(f"tables must be a positive integer, got {tables!r}")
+        cfg = dataclasses.replace(self.tables_.config, L=int(tables),
+                                  bucket_size=int(bucket_size or self.tables_.config.bucket_size))
+        self.serving_tables_ = HashTables(self.tables_.dim, self.n_labels_, cfg,
+                                          seed=self.hash_seed_ + 0x5EED)
+        self.serving_tables_.build(self.params_["W"])
+        return self
 
     def _params_changed(self):
         self._tables_stale = True
@@ -473,7 +500,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             hi = min(lo + block, Xp.shape[0])
             with self._serving(hi - lo):
                 h = self._last(self._forward(Xp[lo:hi]))
-                cand, n_c = self.tables_.query(h, rank=True)
+                tables = getattr(self, "serving_tables_", None) or self.tables_
+                cand, n_c = tables.query(h, rank=True)
                 cs = np.empty(cand.shape, np.float32)
                 kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
                 pos, scores[lo:hi] = topk(cs, k)

@@ -259,3 +259,26 @@ def test_concurrent_parallel_kernels_from_two_threads(tiny_data):
     assert not errors, errors
     assert numba.threading_layer() in ("omp", "tbb")
     assert all(np.isfinite(m.params_["W"]).all() for m in models)
+
+
+def test_serving_tables_move_recall_towards_exact(tiny_data):
+    Xtr, Ytr, Xte, _ = tiny_data
+    m = SlideClassifier(hidden=(32,), sparsity=0.05, seed=0, epochs=3, early_stopping=False).fit(Xtr, Ytr)
+    exact = m.predict_topk(Xte, 5)[0]
+
+    def recall():
+        ids = m.predict_topk(Xte, 5, mode="lsh")[0]
+        return np.mean([np.intersect1d(a[a >= 0], b).size / 5 for a, b in zip(ids, exact)])
+
+    base = recall()
+    L = m.tables_.config.L
+    assert m.set_serving(4 * L).serving_tables_.config.L == 4 * L
+    more = recall()
+    assert more >= base and more > 0.5, (base, more)
+    m.set_serving(None)
+    assert m.serving_tables_ is None and recall() == base
+    with pytest.raises(ValueError, match="positive integer"):
+        m.set_serving(0)
+    dense = SlideClassifier(hidden=(8,), sparsity=1.0, epochs=1).fit(Xtr[:200], Ytr[:200])
+    with pytest.raises(ValueError, match="no tables"):
+        dense.set_serving(8)

@@ -1,0 +1,81 @@
+"""Serving: exact top-k against LSH top-k, as recall and latency, for a recommender to pick its
+point on the curve.
+
+    python -m bench.serving --preset demo --tables 0,24,48,96 --threads 2
+
+Trains the engine with its defaults on the preset (or loads ``--model``), then for exact scoring
+and for LSH serving with each number of tables (0: the training tables; N: ``set_serving(N)``):
+recall@k against the exact top-k (|LSH top-k ∩ exact top-k| / k), P@1 and P@k, and per-query
+latency p50 and p99 for single rows and for batches of 128 (medians of repeated timed calls
+after a warm-up). Writes ``OUT.json`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from bench.common import dataset, machine, write_json
+
+
+def _latency(fn, rows, batch, reps, rng):
+    times = []
+    for _ in range(reps):
+        lo = int(rng.integers(0, rows.shape[0] - batch + 1))
+        t0 = time.perf_counter()
+        fn(rows[lo:lo + batch])
+        times.append(time.perf_counter() - t0)
+    return float(np.percentile(times, 50) * 1e3), float(np.percentile(times, 99) * 1e3)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--n-train", type=int, default=None)
+    p.add_argument("--n-test", type=int, default=2000)
+    p.add_argument("--model", default=None, help="a saved model instead of training one")
+    p.add_argument("--tables", default="0,24,48,96", help="serving tables to try (0: training's)")
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--single-reps", type=int, default=200)
+    p.add_argument("--batch-reps", type=int, default=20)
+    p.add_argument("--out", default="bench/results/serving")
+    args = p.parse_args(argv)
+    from slide.metrics import evaluate
+    from slide.network import SlideClassifier
+    Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_test, 0)
+    if args.model:
+        model = SlideClassifier.load(args.model).set_params(threads=args.threads)
+    else:
+        model = SlideClassifier(threads=args.threads, seed=0).fit(Xtr, Ytr)
+    k = args.k
+    exact_ids = model.predict_topk(Xte, k)[0]
+    rows = []
+    rng = np.random.default_rng(0)
+    settings = [("exact", None)] + [("lsh", int(t)) for t in args.tables.split(",")]
+    for mode, tables in settings:
+        if mode == "lsh":
+            model.set_serving(tables or None)
+        predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
+        ids = predict(Xte)[0]  # also the warm-up
+        hits = [np.intersect1d(a[a >= 0], b).size for a, b in zip(ids, exact_ids)]
+        res = evaluate(Yte, ids, k)
+        single = _latency(predict, Xte, 1, args.single_reps, rng)
+        batch = _latency(predict, Xte, 128, args.batch_reps, rng)
+        used = model.serving_tables_ or model.tables_
+        row = {"mode": mode, "tables": used.config.L if mode == "lsh" else None,
+               f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
+               "single_p50_ms": single[0], "single_p99_ms": single[1],
+               "batch128_p50_ms": batch[0], "batch128_p99_ms": batch[1]}
+        rows.append(row)
+        print(f"{mode:5s} tables={str(row['tables']):>4s}  recall@{k} {row[f'recall@{k}']:.3f}  "
+              f"P@1 {row['P@1']:.3f}  single p50 {single[0]:.2f} ms p99 {single[1]:.2f} ms  "
+              f"batch of 128 p50 {batch[0]:.1f} ms p99 {batch[1]:.1f} ms", flush=True)
+    model.set_serving(None)
+    write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
+                                    "training_tables": model.tables_.config.L, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
