@@ -35,6 +35,7 @@ def main(argv=None):
     p.add_argument("--n-train", type=int, default=None)
     p.add_argument("--n-test", type=int, default=2000)
     p.add_argument("--model", default=None, help="a saved model instead of training one")
+    p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the model's rule)")
     p.add_argument("--tables", default="0,24,48,96", help="serving tables to try (0: training's)")
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -48,7 +49,7 @@ def main(argv=None):
     if args.model:
         model = SlideClassifier.load(args.model).set_params(threads=args.threads)
     else:
-        model = SlideClassifier(threads=args.threads, seed=0).fit(Xtr, Ytr)
+        model = SlideClassifier(threads=args.threads, seed=0, epochs=args.epochs).fit(Xtr, Ytr)
     k = args.k
     exact_ids = model.predict_topk(Xte, k)[0]
     rows = []
