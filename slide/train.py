@@ -28,6 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import scipy.sparse as sp
+from sklearn.exceptions import NotFittedError
+from sklearn.utils import ClassifierTags
 
 from slide.data import DataFormatError, read_dataset, shuffle_rows
 from slide.resources import peak_rss_mb
@@ -309,7 +312,6 @@ class TrainableMixin:
         tags.input_tags.sparse = True  # CSR is the native input
         tags.target_tags.required = True
         tags.target_tags.multi_output = True  # Y: a label-indicator matrix or label lists
-        from sklearn.utils import ClassifierTags
         tags.classifier_tags = ClassifierTags(multi_class=True, multi_label=True)
         return tags
 
@@ -387,7 +389,6 @@ class TrainableMixin:
         n = ids.shape[0]
         keep = ids >= 0
         indptr = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
-        import scipy.sparse as sp
         return sp.csr_matrix((np.ones(int(keep.sum()), np.int8), ids[keep], indptr),
                              shape=(n, self.n_labels_))
 
@@ -395,7 +396,6 @@ class TrainableMixin:
         """Softmax probability of every label, float32 [n, n_labels] on the host (dense: n ×
         n_labels × 4 bytes; for wide layers use :meth:`predict_topk_proba`)."""
         if not self.__sklearn_is_fitted__():
-            from sklearn.exceptions import NotFittedError
             raise NotFittedError(f"this {type(self).__name__} is not fitted yet; call fit first")
         X = self.check_data(X, where="predict_proba", fitted=True)
         out = np.empty((X.shape[0], self.n_labels_), np.float32)
