@@ -196,7 +196,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         # the rate leaves out a first batch that compiled the kernels (recorded on its own)
         first_batch = record.get("first_batch_seconds", 0.0)
         record = {"epoch": model.epoch_, "train_seconds": seconds,
-                  "samples_per_second": X.shape[0] / max(seconds - first_batch, 1e-9), **record,
+                  "samples_per_second": order.size / max(seconds - first_batch, 1e-9), **record,
                   "learning_rate": float(model.learning_rate_)}
         if validation is not None:
             t0 = time.perf_counter()
