@@ -64,7 +64,7 @@ def main(argv=None):
         res = evaluate(Yte, ids, k)
         single = _latency(predict, Xte, 1, args.single_reps, rng)
         batch = _latency(predict, Xte, 128, args.batch_reps, rng)
-        used = model.serving_tables_ or model.tables_
+        used = model.tables_ if model.serving_tables_ is None else model.serving_tables_
         row = {"mode": mode, "tables": used.config.L if mode == "lsh" else None,
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
                "single_p50_ms": single[0], "single_p99_ms": single[1],

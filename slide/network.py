@@ -397,7 +397,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         when training has moved the weights since the last rehash)."""
         for tables, W, _ in self._tables():
             tables.rehash(W)
-        if getattr(self, "serving_tables_", None) is not None:
+        if self.serving_tables_ is not None:
             self.serving_tables_.rehash(self.params_["W"])
         self._tables_stale = False
 
@@ -456,17 +456,25 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         set_num_threads(self.config_.threads)
         return contextlib.nullcontext()
 
-    def score_blocks(self, X, block: int | None = None):
-        """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
-        float32 [hi - lo, n_labels] for rows lo..hi of the (checked, raw) CSR ``X``."""
-        self._require_fitted()
+    def _last_hidden_blocks(self, X, block: int | None = None):
+        """Yields ``(lo, hi, h)``: the last hidden layer float32 [hi - lo, H] of rows lo..hi of
+        the (checked, raw) CSR ``X``, block by block."""
         Xp = self.preprocess(X)
-        W, b = self.params_["W"], self.params_["b"]
         block = self._block_rows(block)
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
             with self._serving(hi - lo):
-                s = self._last(self._forward(Xp[lo:hi])) @ W.T
+                h = self._last(self._forward(Xp[lo:hi]))
+            yield lo, hi, h
+
+    def score_blocks(self, X, block: int | None = None):
+        """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
+        float32 [hi - lo, n_labels] for rows lo..hi of the (checked, raw) CSR ``X``."""
+        self._require_fitted()
+        W, b = self.params_["W"], self.params_["b"]
+        for lo, hi, h in self._last_hidden_blocks(X, block):
+            with self._serving(hi - lo):
+                s = h @ W.T
                 s += b
             yield lo, hi, s
 
@@ -493,14 +501,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 with self._serving(hi - lo):
                     ids[lo:hi], scores[lo:hi] = topk(s, k)
             return ids, scores
-        Xp = self.preprocess(X)
         W, b = self.params_["W"], self.params_["b"]
-        block = self._block_rows(block)
-        for lo in range(0, Xp.shape[0], block):
-            hi = min(lo + block, Xp.shape[0])
+        tables = self.tables_ if self.serving_tables_ is None else self.serving_tables_
+        for lo, hi, h in self._last_hidden_blocks(X, block):
             with self._serving(hi - lo):
-                h = self._last(self._forward(Xp[lo:hi]))
-                tables = getattr(self, "serving_tables_", None) or self.tables_
                 cand, n_c = tables.query(h, rank=True)
                 cs = np.empty(cand.shape, np.float32)
                 kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
