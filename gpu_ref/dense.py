@@ -22,12 +22,13 @@ from slide.data import check_xy
 from slide.metrics import check_k, topk
 from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
+from slide.sampling import shared_negatives
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
 from gpu_ref import ops
 
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
-           "uniform_targets", "local_columns", "adam_step"]
+           "uniform_targets", "local_columns", "batch_rows"]
 
 
 #: a GPU step's batch is densified over its input rows when it has at most this many entries
@@ -113,10 +114,18 @@ def softmax_grads(xp, Xd, targets, p, blocks):
     return loss, g
 
 
-def adam_step(xp, w, m, v, g, lr, beta1, beta2, eps, step, decay=0.0):
-    """Adam (with decoupled weight decay ``decay`` × lr) on arrays ``w``, ``m``, ``v`` in place,
-    in the same float32 arithmetic as the engine's kernels (see :func:`gpu_ref.ops.adam_`)."""
-    ops.adam_(xp, w, m, v, g, lr, beta1, beta2, eps, step, decay)
+def batch_rows(Xb, Yb, n_labels: int, negatives: int | None, rng) -> tuple:
+    """The rows a step touches and the batch over them: ``(in_rows, X_local, out_rows, Y_local)``.
+
+    ``in_rows`` int32: the input rows of the batch's features; ``X_local`` the batch over them.
+    ``out_rows``: None for every label (full softmax), or the batch's labels and ``negatives``
+    shared random rows (:func:`slide.sampling.shared_negatives`), with ``Y_local`` over them.
+    """
+    in_rows = np.unique(Xb.indices).astype(np.int32)
+    if negatives is None:
+        return in_rows, local_columns(Xb, in_rows), None, Yb
+    out_rows = shared_negatives(rng, n_labels, negatives, Yb.indices)
+    return in_rows, local_columns(Xb, in_rows), out_rows, local_columns(Yb, out_rows)
 
 
 class DenseClassifier(TrainableMixin, BaseEstimator):
@@ -258,15 +267,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         rng : generator of the sampled softmax's negatives (default: one from the step count).
         """
         xp = self._xp
-        in_rows = np.unique(Xb.indices).astype(np.int32)
-        Xl = local_columns(Xb, in_rows)
-        if self.negatives is None:
-            out_rows, Yl = None, Yb
-        else:
-            rng = self._sample_rng() if rng is None else rng
-            pool = rng.choice(self.n_labels_, size=min(self.negatives, self.n_labels_), replace=False)
-            out_rows = np.union1d(Yb.indices, pool).astype(np.int32)
-            Yl = local_columns(Yb, out_rows)
+        rng = self._sample_rng() if rng is None and self.negatives is not None else rng
+        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, self.n_labels_, self.negatives, rng)
         targets = uniform_targets(Yl)
         if xp is np:
             return {"in_rows": in_rows, "X": Xl, "out_rows": out_rows, "targets": targets,

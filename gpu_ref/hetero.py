@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_ref.dense import get_array_module, local_columns, softmax_grads, uniform_targets
+from gpu_ref.dense import batch_rows, get_array_module, softmax_grads, uniform_targets
 from gpu_ref.ops import PRECISIONS, matmul_precision
 from lsh import engine_threads
 from slide.config import hidden_blocks
@@ -214,10 +214,7 @@ class HeteroTrainer:
         xp, m = self.xp, self.model
         p = m.params_
         Xb, Yb = X[idx], Y[idx]
-        in_rows = np.unique(Xb.indices).astype(np.int32)
-        pool = self._rng.choice(m.n_labels_, size=min(self.config.gpu_pool, m.n_labels_), replace=False)
-        out_rows = np.union1d(Yb.indices, pool).astype(np.int32)
-        Xl, Yl = local_columns(Xb, in_rows), local_columns(Yb, out_rows)
+        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, m.n_labels_, self.config.gpu_pool, self._rng)
         rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"],
                 "W": p["W"][out_rows], "b": p["b"][out_rows]}
         device_rows = {k: xp.asarray(v) for k, v in rows.items()}
