@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 import numpy as np
 
@@ -76,6 +77,16 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     t.add_argument("--seed", type=int, default=0,
                    help="fixes initialisation, validation slice and data order (one thread repeats exactly)")
+    t.add_argument("--distributed", choices=["sync", "local", "delayed"], default=None,
+                   help="data-parallel training under mpiexec: each rank reads its shard of TRAIN; "
+                        "sync averages gradients every step, local averages weights every "
+                        "--average-every steps, delayed overlaps that average with --delay steps")
+    t.add_argument("--average-every", type=_positive, default=None, metavar="STEPS",
+                   help="local/delayed: steps between weight averages (default: 16)")
+    t.add_argument("--delay", type=_positive, default=None, metavar="STEPS",
+                   help="delayed: steps an average is in flight (default: half of --average-every)")
+    t.add_argument("--mpi-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="end the job when another rank does not answer for this long (default: 300)")
     t.add_argument("--metrics-json", help="write per-epoch metrics here")
     t.add_argument("--save", help="checkpoint directory (saved after every epoch)")
     t.add_argument("--resume", action="store_true",
@@ -196,12 +207,47 @@ def _check_resume_flags(a, model):
                              f"checkpoint's {param}={have}; a resumed model keeps its architecture")
 
 
+def _distributed(a):
+    """The DataParallel for ``--distributed`` (None without it), after checking the flags."""
+    if not a.distributed:
+        if a.average_every or a.delay:
+            raise ValueError("--average-every and --delay need --distributed local or delayed")
+        return None
+    if a.engine != "slide" or a.mode != "cpu":
+        raise ValueError("--distributed trains the slide engine on CPU ranks (--engine slide --mode cpu)")
+    if a.train is None:
+        raise ValueError("--distributed needs a TRAIN file: each rank reads its own shard of it")
+    from slide.distributed import DataParallel
+    return DataParallel(mode=a.distributed, every=a.average_every, delay=a.delay, timeout=a.mpi_timeout)
+
+
+def _read_shards(a, dp):
+    """This rank's shard of TRAIN; TEST on rank 0 only (it alone scores and writes)."""
+    from slide.data import DataFormatError, read_dataset, read_shard
+    Xtr, Ytr, declared = read_shard(a.train, dp.rank, dp.size)
+    Xtr, Ytr = dp.agree_shapes(Xtr, Ytr)
+    total = dp.total(Xtr.shape[0])
+    if declared is not None and total != declared:
+        raise DataFormatError(f"{a.train}:1: header declares {declared} rows but the file has {total}")
+    Xte = Yte = None
+    if a.test is not None and dp.rank == 0:
+        Xte, Yte = read_dataset(a.test, n_features=Xtr.shape[1], n_labels=Ytr.shape[1])
+    return Xtr, Ytr, Xte, Yte, total
+
+
 def _cmd_train(a):
     from slide.train import load_train_test, run_training
     if a.mode == "hetero" and a.engine != "slide":
         raise ValueError("--mode hetero trains the slide engine together with a GPU worker")
+    dp = _distributed(a)
+    lead = dp is None or dp.rank == 0  # the rank that prints, scores the test file and writes
     _check_outputs(a)
-    Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
+    if dp is None:
+        Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
+        n_rows = Xtr.shape[0]
+    else:
+        Xtr, Ytr, Xte, Yte, n_rows = _read_shards(a, dp)
+    log = print if lead else (lambda *args, **kw: None)
     if a.resume:
         if a.engine == "slide":
             model = _load_model(a.save)
@@ -211,7 +257,7 @@ def _cmd_train(a):
         if getattr(model, "inference_only_", False):
             raise ValueError(f"--resume: {a.save} was exported for inference only (no optimizer state)")
         _check_resume_flags(a, model)
-        print(f"resuming from {a.save} at epoch {model.epoch_}")
+        log(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
         common = dict(hidden=a.hidden, batch_size=a.batch_size, seed=a.seed, lr=a.lr,
                       weight_decay=a.weight_decay, tfidf=a.tfidf, norm=None if a.no_norm else "l2",
@@ -227,11 +273,16 @@ def _cmd_train(a):
     if a.mode == "hetero":
         from gpu_ref.hetero import HeteroConfig, HeteroTrainer
         model = HeteroTrainer(model, HeteroConfig(policy=a.policy, device=a.device))
-    print(f"train: {Xtr.shape[0]} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
-          f"engine={a.engine}, mode={a.mode}")
-    doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs, metrics_json=a.metrics_json,
-                       checkpoint_dir=a.save, progress=not a.no_progress, resume=a.resume,
-                       save_every=a.save_every)
+    log(f"train: {n_rows} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
+        f"engine={a.engine}, mode={a.mode}"
+        + (f"; {dp.size} ranks, {dp!r}, {Xtr.shape[0]} rows on rank 0" if dp is not None else ""))
+    doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs,
+                       metrics_json=a.metrics_json if lead else None,
+                       checkpoint_dir=a.save if lead else None,
+                       progress=lead and not a.no_progress, resume=a.resume,
+                       save_every=a.save_every, log=log, distributed=dp)
+    if not lead:
+        return 0
     stop = doc["stopping"]
     print(f"kept epoch {stop['kept_epoch']}: {stop['reason']}")
     if "test" in doc:
@@ -351,7 +402,23 @@ def main(argv=None) -> int:
     except (DataFormatError, CheckpointError, ModelTooLargeError, FileNotFoundError, ValueError,
             RuntimeError) as e:
         print(f"slide: error: {e}", file=sys.stderr)
+        _end_other_ranks(args)
         return 2
+    except Exception:
+        if getattr(args, "distributed", None):
+            traceback.print_exc()
+            _end_other_ranks(args)
+        raise
+
+
+def _end_other_ranks(args):
+    """Under ``--distributed`` an error on one rank ends the job: the other ranks would
+    otherwise wait for it in their next collective."""
+    if getattr(args, "distributed", None) and "mpi4py" in sys.modules:
+        from mpi4py import MPI
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(2)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import scipy.sparse as sp
 from numba import njit
 
 __all__ = ["DataFormatError", "read_xmc", "write_xmc", "read_libsvm", "write_libsvm",
-           "read_dataset", "check_xy", "labels_to_csr", "shuffle_rows"]
+           "read_dataset", "read_shard", "check_xy", "labels_to_csr", "shuffle_rows"]
 
 
 class DataFormatError(ValueError):
@@ -339,6 +339,78 @@ def read_dataset(path, n_features: int | None = None, n_labels: int | None = Non
             raise DataFormatError(f"{path}:1: header declares {declared} {name}, the model has "
                                   f"{expected}")
     return _parse(path, buf, start, 2, n, d, n_l)
+
+
+def _line_start(fh, pos: int, data_start: int, size: int) -> int:
+    """The first line start at or after byte ``pos`` (lines begin at ``data_start``)."""
+    if pos <= data_start:
+        return data_start
+    fh.seek(pos - 1)  # pos starts a line when the byte before it ends one
+    at = pos - 1
+    while at < size:
+        chunk = fh.read(1 << 16)
+        i = chunk.find(b"\n")
+        if i >= 0:
+            return at + i + 1
+        at += len(chunk)
+    return size
+
+
+def _newlines_before(path, end: int) -> int:
+    """Line breaks in the first ``end`` bytes (read in chunks; for error messages only)."""
+    count = 0
+    with open(path, "rb") as fh:
+        while end > 0:
+            chunk = fh.read(min(end, 1 << 24))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            end -= len(chunk)
+    return count
+
+
+def read_shard(path, shard: int, n_shards: int):
+    """Rows of one of ``n_shards`` shards of a data file (either format), reading only that
+    shard's bytes: the bytes after the header are cut into equal ranges, each moved to the next
+    line start, so every line belongs to exactly one shard and shards differ by a few rows.
+
+    Returns ``(X, Y, declared_rows)``: this shard's CSR rows (sized from the header, or from the
+    shard's largest ids for a headerless file) and the header's sample count (None without one),
+    which the caller checks against the shards' total. Errors name the file's own line number.
+    """
+    path = os.fspath(path)
+    if not 0 <= shard < n_shards:
+        raise ValueError(f"shard must be in [0, {n_shards}), got {shard}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise DataFormatError(f"{path}: is a directory, not a data file")
+    size = os.path.getsize(path)
+    head = np.fromfile(path, dtype=np.uint8, count=min(size, 4096))
+    bom = 3 if head[:3].tobytes() == b"\xef\xbb\xbf" else 0
+    if head.size <= bom:
+        raise DataFormatError(f"{path}: empty file")
+    header = _parse_header(path, head[bom:])
+    (n, d, n_l), start = header if header is not None else ((None, -1, -1), 0)
+    data_start = bom + start
+    span = size - data_start
+    with open(path, "rb") as fh:
+        lo = _line_start(fh, data_start + span * shard // n_shards, data_start, size)
+        hi = _line_start(fh, data_start + span * (shard + 1) // n_shards, data_start, size)
+    buf = np.fromfile(path, dtype=np.uint8, count=hi - lo, offset=lo)
+    if not np.any((buf != _SPACE) & (buf != _NL) & (buf != _TAB) & (buf != _CR)):
+        raise DataFormatError(f"{path}: shard {shard} of {n_shards} holds no rows (the file has "
+                              f"fewer rows than shards)")
+    try:
+        X, Y = _parse(path, buf, 0, 1, -1, d, n_l)
+    except DataFormatError as e:  # the shard counted its lines from 1: give the file's number
+        prefix = f"{path}:"
+        text = str(e)
+        if text.startswith(prefix) and text[len(prefix):].split(":", 1)[0].isdigit():
+            local, rest = text[len(prefix):].split(":", 1)
+            text = f"{path}:{int(local) + _newlines_before(path, lo)}:{rest}"
+        raise DataFormatError(text) from None
+    return X, Y, n
 
 
 # --------------------------------------------------------------------------------------------

@@ -134,44 +134,72 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                         n_labels=self.n_labels_ if Y is not None else None, where=where,
                         owner=type(self).__name__)
 
-    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
+    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None, distributed=None):
         """Train from scratch (or, with ``warm_start``, continue) on ``X`` [n, n_features]
         (CSR-convertible) and ``Y`` (CSR indicator [n, n_labels] or label-id lists).
 
         With ``early_stopping`` a slice of the training rows is held out unless ``validation``
         ``(X_val, Y_val)`` is given; see :func:`slide.train.fit_loop`. ``progress`` shows a
         tqdm bar per epoch; ``on_epoch(model, record)`` runs after each epoch.
+        ``distributed``: a :class:`slide.distributed.DataParallel`; every rank calls ``fit``
+        with its own shard of the rows and ends with the same model.
         """
         warm = self.warm_start and self._is_fitted()
         if warm:
             self._refresh_config()
-        fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
-                 continue_training=warm)
+        with distributed.guard() if distributed is not None else contextlib.nullcontext():
+            fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                     continue_training=warm, distributed=distributed)
         if self._tables_stale:  # serving-ready: predictions then leave the model as it is
             self._refresh_tables()
         return self
 
-    def partial_fit(self, X, Y):
+    def partial_fit(self, X, Y, distributed=None):
         """One pass over (X, Y) in the given row order (for streams); initialises an unfitted
         model from this first batch's shapes (no validation slice is held out). Unlike an
         epoch, a call does not start with a rehash: the tables follow their schedule across
-        calls, so a stream of small calls costs what one epoch over the same rows does."""
+        calls, so a stream of small calls costs what one epoch over the same rows does.
+        ``distributed``: see :meth:`fit`; every rank calls with its own rows (a shard shorter
+        than the others repeats its first rows to take as many steps)."""
+        if distributed is not None:
+            with distributed.guard():
+                return self._partial_fit(X, Y, distributed)
+        return self._partial_fit(X, Y, None)
+
+    def _partial_fit(self, X, Y, distributed):
         if self._is_fitted():
             self._refresh_config()
             X, Y = self.check_data(X, Y, where="partial_fit")
         else:
             X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
-            self.initialize(X, Y)
+            if distributed is not None:
+                X, Y = distributed.agree_shapes(X, Y)
+            self.initialize(X, Y, distributed=distributed)
+        order = np.arange(X.shape[0])
+        if distributed is not None:
+            distributed.ensure_started(self)
+            order = distributed.epoch_order(order, self.batch_size_)
         if self.samples_seen_ == 0:  # a fresh model: fill the tables from the initial weights
             self._refresh_tables()
-        self.train_rows(self.preprocess(X), Y, np.arange(X.shape[0]))
+        self.distributed_ = distributed
+        try:
+            self.train_rows(self.preprocess(X), Y, order)
+            if distributed is not None:
+                distributed.finish(self)
+        finally:
+            self.distributed_ = None
         return self
 
-    def initialize(self, X, Y) -> None:
-        """Fresh preprocessing (fitted on X), parameters, moments, tables and counters."""
+    def initialize(self, X, Y, distributed=None) -> None:
+        """Fresh preprocessing (fitted on X), parameters, moments, tables and counters. With
+        ``distributed``, X is this rank's shard: row counts and feature statistics are the
+        whole data's, and :meth:`DataParallel.start` then gives every rank rank 0's parameters."""
         self.config_ = SlideConfig(**self.get_params())
-        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
+        n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
+        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
+        if distributed is not None:
+            distributed.merge_preprocessor(self.preprocessor_)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
                                       self.config_.threads or numba.config.NUMBA_NUM_THREADS),
@@ -215,6 +243,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                                     seed=self._layer_seed(l))
         self._mark_out = np.zeros(self.n_labels_, np.uint8)
         self._scratch_key = None
+        self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
         self._tables_stale = False
 
     def _scratch(self, n_rows: int, max_labels: int):
@@ -331,10 +360,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                 g["Wh"], g["bh"], self._b_off, bounds, self._dbuf)
         t0 = self._tick("backward_hidden", t0)
         n_out = kernels.unique_rows(pool, self._active[:n], self._n_active[:n], self._mark_out, self._touched)
-        in_rows = np.unique(Xb.indices).astype(np.int32)
-        self._adam_update(self._touched[:n_out], in_rows, g, g["W"], g["W0"])
+        out_rows, in_rows = self._touched[:n_out], np.unique(Xb.indices).astype(np.int32)
+        dp = self.distributed_
+        if dp is not None:  # sync: the ranks' gradients averaged over the rows any rank touched
+            out_rows, in_rows = dp.before_update(self, out_rows, in_rows)
+            t0 = self._tick("exchange", t0)
+        self._adam_update(out_rows, in_rows, g, g["W"], g["W0"])
         t0 = self._tick("adam", t0)
         self.samples_seen_ += n
+        if dp is not None:  # local/delayed: parameter averages on their schedule
+            dp.after_update(self, out_rows, in_rows, n)
+            t0 = self._tick("exchange", t0)
         self._maybe_rehash()
         self._tick("rehash", t0)
         return float(losses.mean())

@@ -40,8 +40,13 @@ class Preprocessor:
 
     def fit(self, X: sp.csr_matrix) -> "Preprocessor":
         """Document frequencies (and idf) of CSR ``X`` [n, n_features]."""
-        self.n_documents_ = int(X.shape[0])
-        self.document_frequency_ = np.bincount(X.indices, minlength=X.shape[1]).astype(np.int64)
+        return self.fit_counts(np.bincount(X.indices, minlength=X.shape[1]), X.shape[0])
+
+    def fit_counts(self, document_frequency, n_documents: int) -> "Preprocessor":
+        """Fit from counts: ``document_frequency`` [n_features] rows holding each feature among
+        ``n_documents`` rows (data-parallel training sums them over the shards)."""
+        self.n_documents_ = int(n_documents)
+        self.document_frequency_ = np.asarray(document_frequency).astype(np.int64)
         self._set_idf()
         return self
 

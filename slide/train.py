@@ -118,7 +118,7 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
 # --------------------------------------------------------------------------------------------
 def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=None,
              continue_training: bool = False, until_epoch: int | None = None, eval_k: int = 5,
-             save_every: int | None = None, on_save=None):
+             save_every: int | None = None, on_save=None, distributed=None):
     """Train ``model`` (see the module docstring for the step API it provides).
 
     Parameters
@@ -139,6 +139,10 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         continued from such a checkpoint skips them (the epoch's order is a function of the seed
         and the epoch), so an interruption loses at most ``save_every`` batches. Engines whose
         epochs report progress once (the heterogeneous trainer) save at epoch ends only.
+    distributed : a :class:`slide.distributed.DataParallel` (the sparse engine only): X, Y are
+        this rank's shard; the validation slice is held out from each shard and scored over all
+        of them; every epoch ends with the replicas equal (:meth:`DataParallel.finish`); a
+        mid-epoch checkpoint position is not used (a resumed run starts its next epoch).
 
     On return the model holds the best weights seen on the validation slice (when early
     stopping), and ``model.stopping_`` says which epoch it kept and why training stopped.
@@ -148,14 +152,21 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         raise ValueError(f"{type(model).__name__} requires y to be passed, but the target y is None")
     single_label = _is_label_vector(Y)
     X, Y = model.check_data(X, Y, where="fit", fitted=continue_training)
+    if distributed is not None:
+        X, Y = distributed.agree_shapes(X, Y)
     held_out = False
     if s["early_stopping"] and validation is None and X.shape[0] > 1:
         tr, va = validation_split(X.shape[0], s["validation_fraction"], s["seed"])
         validation, X, Y = (X[va], Y[va]), X[tr], Y[tr]
         held_out = True
     if not continue_training:
-        model.initialize(X, Y)
+        if distributed is None:
+            model.initialize(X, Y)
+        else:
+            model.initialize(X, Y, distributed=distributed)
         model.single_label_ = single_label
+    if distributed is not None:
+        distributed.start(model)
     if validation is not None:
         Xv, Yv = model.check_data(*validation, where="validation", fitted=True)
         if Xv.shape[0] > MAX_VALIDATION_ROWS:
@@ -183,11 +194,21 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         order = np.random.default_rng([s["seed"], 2, model.epoch_]).permutation(X.shape[0])
         start = min(getattr(model, "epoch_position_", 0), order.size) if continue_training else 0
         order = order[start:]  # a checkpoint taken inside this epoch already holds these rows
+        if distributed is not None:
+            order = distributed.epoch_order(order, model.batch_size_)
         sink = bar
         if save_every and on_save is not None:
             sink = _SavingProgress(model, bar, start, save_every * model.batch_size_, on_save)
         t0 = time.perf_counter()
-        record = model.train_epoch(Xp, Y, order, sink)
+        if distributed is None:
+            record = model.train_epoch(Xp, Y, order, sink)
+        else:
+            model.distributed_ = distributed
+            try:
+                record = model.train_epoch(Xp, Y, order, sink)
+                distributed.finish(model)  # one model again before it is scored or saved
+            finally:
+                model.distributed_ = None
         seconds = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -195,12 +216,19 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         model.epoch_position_ = 0
         # the rate leaves out a first batch that compiled the kernels (recorded on its own)
         first_batch = record.get("first_batch_seconds", 0.0)
+        ranks = 1 if distributed is None else distributed.size
         record = {"epoch": model.epoch_, "train_seconds": seconds,
-                  "samples_per_second": order.size / max(seconds - first_batch, 1e-9), **record,
+                  "samples_per_second": ranks * order.size / max(seconds - first_batch, 1e-9), **record,
                   "learning_rate": float(model.learning_rate_)}
+        if distributed is not None:  # the ranks' mean loss; rates count every rank's rows
+            record = distributed.mean(record, order.size)
+            record["ranks"] = ranks
         if validation is not None:
             t0 = time.perf_counter()
-            record.update({f"val_{k}": v for k, v in model.evaluate(*validation, k=eval_k, loss=True).items()})
+            scores = model.evaluate(*validation, k=eval_k, loss=True)
+            if distributed is not None:  # every shard's slice: the same decision on every rank
+                scores = distributed.mean(scores, validation[0].shape[0])
+            record.update({f"val_{k}": v for k, v in scores.items()})
             record["eval_seconds"] = time.perf_counter() - t0
         if stopper is not None:
             improved, lower = stopper.update(model.epoch_, record)
@@ -446,7 +474,8 @@ def load_train_test(train=None, test=None, seed=0, log=print):
 
 
 def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=None,
-                 checkpoint_dir=None, progress=True, log=print, resume=False, save_every=None):
+                 checkpoint_dir=None, progress=True, log=print, resume=False, save_every=None,
+                 distributed=None):
     """Train ``model`` (engine, dense reference or heterogeneous trainer) the way ``slide
     train`` does: validation held out from the training rows, the test set (if any) scored
     after every epoch for the record only, ``metrics_json`` rewritten after every epoch (with
@@ -454,7 +483,8 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
     checkpoint saved to ``checkpoint_dir`` after every epoch and at the end.
 
     ``epochs`` is the total (with ``resume``, counting the checkpoint's epochs). ``save_every``
-    also checkpoints every that many batches inside an epoch.
+    also checkpoints every that many batches inside an epoch. ``distributed``: see
+    :func:`fit_loop` (every rank calls this with its shard; give the outputs to rank 0 only).
     """
     test = None
     if Xte is not None:
@@ -500,7 +530,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
              (model.resolved_["epochs"] if resume else None),
              progress=progress, on_epoch=on_epoch, continue_training=resume,
              save_every=save_every if checkpoint_dir else None,
-             on_save=lambda m: m.save(checkpoint_dir))
+             on_save=lambda m: m.save(checkpoint_dir), distributed=distributed)
     doc["wall_seconds"] = time.perf_counter() - t0
     doc["stopping"] = model.stopping_
     if test is not None:

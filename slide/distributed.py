@@ -1,0 +1,412 @@
+"""Data-parallel training over MPI (mpi4py): synchronous, local and delayed averaging.
+
+Every rank trains a replica of the model on its own shard of the training rows; a
+:class:`DataParallel` passed to ``SlideClassifier.fit`` (or ``partial_fit``) keeps the replicas
+together. One mechanism, three settings:
+
+``sync``
+    every step averages the batch's gradients over the ranks before the Adam update: the
+    replicas stay equal, and N ranks of batch B train like one process on batches of N·B.
+``local``
+    each rank steps alone; every ``every`` steps the ranks average the parameter rows that
+    changed on any rank since the last average (local SGD).
+``delayed``
+    as ``local``, but the average starts as a non-blocking allreduce and is applied ``delay``
+    steps later as ``avg + (now - sent)``: the rank keeps the progress it made while the
+    network worked (DaSGD, local SGD with delayed averaging).
+
+What travels: only rows that some rank touched (``sync``: gradient rows of the step;
+``local``/``delayed``: parameter rows changed since the last average) of the output layer, its
+biases and the input layer, plus the small dense parameters (hidden biases and stack), packed in
+one float32 buffer and summed by one allreduce. Before it, the ranks agree on the union of
+those rows with an allreduce of a bit mask (``(n_labels + n_features) / 8`` bytes). The whole
+670K-row layer travels only if every row changed.
+
+Adam's moments never travel. In ``sync`` every rank applies the same update to the same averaged
+gradient, so the moments stay equal without traffic. In ``local`` and ``delayed`` each rank's
+moments stay its own running statistics of the gradients it computes: after an average the
+rank's next local steps see its own gradient noise, which its own moments describe; averaging
+them would triple the bytes of a round (weights, first and second moments) and, for the second
+moment, would not give the statistics of the averaged model's gradients anyway. Checkpoints
+hold rank 0's moments; a resumed run gives them to every rank.
+
+Faults: every collective waits with a deadline (``timeout`` seconds); a rank whose training
+raises prints its error and aborts the job (``MPI_Abort``), so the other ranks end instead of
+waiting forever. ``mpiexec`` also ends the job when a rank dies.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank"]
+
+MODES = ("sync", "local", "delayed")
+#: local/delayed: steps between averages. At Amazon-670K shape a round moves up to 413 MB (every
+#: row of W and W0); 16 steps of batch 128 hide that behind computation on 25 Gb/s links
+#: (``bench/distributed.py`` models it)
+DEFAULT_EVERY = 16
+DEFAULT_TIMEOUT = 300.0
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise ImportError("distributed training needs mpi4py and an MPI library: "
+                          "pip install 'slide-xmc[mpi]'") from e
+    return MPI
+
+
+def cores_per_rank(comm) -> int:
+    """This host's cores divided among the ranks that share it (at least 1)."""
+    MPI = _mpi()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        n_local = local.Get_size()
+    finally:
+        local.Free()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // n_local)
+
+
+# --------------------------------------------------------------------------------------------
+# Packing kernels: rows of a parameter (or gradient) into a contiguous buffer and back
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, parallel=True)
+def _gather_rows(src, ids, dst):
+    """``dst[t] = src[ids[t]]`` for src [n, d], dst [len(ids), d]."""
+    for t in prange(ids.size):
+        dst[t, :] = src[ids[t]]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _scatter_rows(dst, ids, src, scale):
+    """``dst[ids[t]] = scale * src[t]``."""
+    for t in prange(ids.size):
+        row = dst[ids[t]]
+        s = src[t]
+        for j in range(row.size):
+            row[j] = scale * s[j]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _merge_rows(dst, ids, total, sent, inv_n):
+    """``dst[ids[t]] = total[t] * inv_n + (dst[ids[t]] - sent[t])``: the ranks' average plus
+    this rank's progress since it sent ``sent`` (zero when nothing moved in between)."""
+    for t in prange(ids.size):
+        row = dst[ids[t]]
+        tt, ss = total[t], sent[t]
+        for j in range(row.size):
+            row[j] = tt[j] * inv_n + (row[j] - ss[j])
+
+
+class _Parts:
+    """The (2-D array, row ids) pieces that travel in one step or round, laid out back to back
+    in one float32 buffer."""
+
+    def __init__(self, arrays: dict, out_ids: np.ndarray, in_ids: np.ndarray):
+        one = np.zeros(1, np.int32)
+        pieces = [(arrays["W"], out_ids), (arrays["b"].reshape(-1, 1), out_ids),
+                  (arrays["W0"], in_ids), (arrays["b0"].reshape(1, -1), one)]
+        for k in ("Wh", "bh"):
+            if arrays[k].size:
+                pieces.append((arrays[k].reshape(1, -1), one))
+        self.pieces, self.views = pieces, []
+        sizes = [ids.size * a.shape[1] for a, ids in pieces]
+        self.buffer = np.empty(int(sum(sizes)), np.float32)
+        lo = 0
+        for (a, ids), s in zip(pieces, sizes):
+            self.views.append(self.buffer[lo:lo + s].reshape(ids.size, a.shape[1]))
+            lo += s
+
+    def gather(self):
+        for (a, ids), v in zip(self.pieces, self.views):
+            _gather_rows(a, ids, v)
+        return self.buffer
+
+    def like(self, buffer):
+        """Views of another buffer of the same layout."""
+        out, lo = [], 0
+        for v in self.views:
+            out.append(buffer[lo:lo + v.size].reshape(v.shape))
+            lo += v.size
+        return out
+
+
+class _Round:
+    """A parameter average in flight: what was sent, where the sum arrives, and a thread that
+    drives MPI's progress engine while the rank computes (MPICH moves a large message only
+    while some thread calls into MPI)."""
+
+    def __init__(self, parts: _Parts, request, apply_at: int):
+        self.parts, self.request, self.apply_at = parts, request, apply_at
+        self.total = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._progress, daemon=True)
+        self.thread.start()
+
+    def _progress(self):
+        while not self.request.Test():
+            time.sleep(2e-4)
+        self.done.set()
+
+
+class DataParallel:
+    """Keeps the replicas of one model on the ranks of an MPI communicator together.
+
+    Parameters
+    ----------
+    comm : mpi4py communicator (default ``MPI.COMM_WORLD``).
+    mode : "sync", "local" or "delayed" (see the module docstring).
+    every : steps between averages in ``local``/``delayed`` (default :data:`DEFAULT_EVERY`);
+        ``sync`` averages every step.
+    delay : ``delayed`` only: steps between the start of an average and its use (default
+        ``every // 2``, at least 1, at most ``every``).
+    timeout : seconds any collective may wait before the job is aborted with a message naming
+        the rank that gave up.
+
+    Attributes after training: ``bytes_sent_`` (float32 payload this rank put into collectives,
+    masks included), ``steps_``, ``rounds_`` (averages done), ``wait_seconds_`` (time blocked
+    on the network), ``pack_seconds_`` (packing, unpacking, merging).
+    """
+
+    def __init__(self, comm=None, mode: str = "sync", every: int | None = None,
+                 delay: int | None = None, timeout: float = DEFAULT_TIMEOUT):
+        MPI = _mpi()
+        self._MPI = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "sync" and every not in (None, 1):
+            raise ValueError(f"sync averages every step; every={every!r} applies to local and delayed")
+        if mode != "delayed" and delay not in (None, 0):
+            raise ValueError(f"delay applies to the delayed mode, got delay={delay!r} with {mode!r}")
+        every = 1 if mode == "sync" else (DEFAULT_EVERY if every is None else every)
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
+            raise ValueError(f"every must be a positive integer, got {every!r}")
+        if mode == "delayed":
+            delay = max(1, every // 2) if delay is None else delay
+            if isinstance(delay, bool) or not isinstance(delay, (int, np.integer)) or not 1 <= delay <= every:
+                raise ValueError(f"delay must be an integer from 1 to every={every}, got {delay!r}")
+        else:
+            delay = 0
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.mode, self.every, self.delay, self.timeout = mode, int(every), int(delay), float(timeout)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._round = None
+        self.reset_counters()
+
+    def __repr__(self):
+        return (f"DataParallel(mode={self.mode!r}, every={self.every}, delay={self.delay}, "
+                f"ranks={self.size})")
+
+    def reset_counters(self):
+        self.bytes_sent_, self.steps_, self.rounds_ = 0, 0, 0
+        self.wait_seconds_, self.pack_seconds_ = 0.0, 0.0
+
+    # -- collectives with a deadline ----------------------------------------------------------
+    def abort(self, message: str):
+        """Print ``message`` for this rank and end every rank of the job."""
+        sys.stderr.write(f"slide: rank {self.rank} of {self.size}: {message}\n")
+        sys.stderr.flush()
+        self.comm.Abort(1)
+
+    def _wait(self, request, what: str):
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self.abort(f"{what}: no answer from the other ranks within {self.timeout:g} s "
+                           "(a rank stopped or hangs); ending the job")
+            spins += 1
+            if spins > 1000:
+                time.sleep(1e-4)
+        self.wait_seconds_ += time.perf_counter() - t0
+
+    def allreduce(self, a: np.ndarray, op: str = "sum") -> np.ndarray:
+        """A new array: ``a`` reduced over the ranks (``op``: sum, max or bor)."""
+        a = np.ascontiguousarray(a)
+        out = np.empty_like(a)
+        ops = {"sum": self._MPI.SUM, "max": self._MPI.MAX, "bor": self._MPI.BOR}
+        self._wait(self.comm.Iallreduce(a, out, op=ops[op]), f"allreduce of {a.nbytes} bytes")
+        self.bytes_sent_ += a.nbytes
+        return out
+
+    def broadcast(self, a: np.ndarray) -> None:
+        """Overwrite contiguous ``a`` with rank 0's."""
+        self._wait(self.comm.Ibcast(a, root=0), f"broadcast of {a.nbytes} bytes")
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Inside the block, an exception on this rank aborts the job (printing it), so that no
+        other rank waits on it; with one rank it propagates as usual."""
+        try:
+            yield
+        except Exception:
+            if self.size > 1:
+                self.abort("training failed:\n" + traceback.format_exc())
+            raise
+
+    # -- data ---------------------------------------------------------------------------------
+    def agree_shapes(self, X, Y):
+        """Give every rank's shard the largest feature and label counts seen on any rank
+        (headerless files size themselves from their largest id)."""
+        d, n_l = (int(v) for v in self.allreduce(np.array([X.shape[1], Y.shape[1]], np.int64), "max"))
+        if X.shape[1] != d:
+            X = X.copy()
+            X.resize((X.shape[0], d))
+        if Y.shape[1] != n_l:
+            Y = Y.copy()
+            Y.resize((Y.shape[0], n_l))
+        return X, Y
+
+    def total(self, n: int) -> int:
+        """Sum of ``n`` over the ranks."""
+        return int(self.allreduce(np.array([n], np.int64))[0])
+
+    def steps_per_epoch(self, n_local: int, batch: int) -> int:
+        """Every rank takes the same number of steps (the most any shard needs)."""
+        return int(self.allreduce(np.array([-(-n_local // batch)], np.int64), "max")[0])
+
+    def epoch_order(self, order: np.ndarray, batch: int) -> np.ndarray:
+        """This rank's epoch order, repeated from its start to fill the common number of full
+        batches (shards differ by a few rows; a collective step needs every rank)."""
+        steps = self.steps_per_epoch(order.size, batch)
+        return np.resize(order, steps * batch) if order.size else order
+
+    def mean(self, values: dict, weight: float) -> dict:
+        """Weighted mean over the ranks of a dict's float values (a shard's metrics, ``weight``
+        its rows); other values are kept: the same dict on every rank."""
+        keys = sorted(k for k, v in values.items() if isinstance(v, (float, np.floating)))
+        a = np.array([weight] + [float(values[k]) * weight for k in keys], np.float64)
+        s = self.allreduce(a)
+        return {**values, **{k: float(v / max(s[0], 1e-300)) for k, v in zip(keys, s[1:])}}
+
+    # -- the model ----------------------------------------------------------------------------
+    def merge_preprocessor(self, pre) -> None:
+        """Fit ``pre`` (fitted on this shard) on every shard's document frequencies."""
+        pre.fit_counts(self.allreduce(pre.document_frequency_), self.total(pre.n_documents_))
+
+    def ensure_started(self, model) -> None:
+        """:meth:`start` unless this model is the one last started (``partial_fit`` calls)."""
+        if getattr(self, "_model", None) is not model:
+            self.start(model)
+
+    def start(self, model) -> None:
+        """Make every replica rank 0's: parameters, moments, hash seed and counters."""
+        self._model, self._round = model, None
+        for arrays in (model.params_, model.moments_):
+            for k in sorted(arrays):
+                self.broadcast(arrays[k])
+        counters = np.array([model.hash_seed_, model.step_, model.samples_seen_, model.epoch_], np.int64)
+        self.broadcast(counters)
+        model.hash_seed_, model.step_, model.samples_seen_, model.epoch_ = (int(v) for v in counters)
+        lr = np.array([model.learning_rate_], np.float64)
+        self.broadcast(lr)
+        model.learning_rate_ = float(lr[0])
+        model.epoch_position_ = 0  # a shard's position in its epoch means nothing to other shards
+        if model.config_.threads is None:  # the host's cores shared among its ranks
+            model.config_ = model.config_.replace(threads=cores_per_rank(self.comm))
+        self._n_out, self._n_in = model.n_labels_, model.n_features_in_
+        self._changed = np.zeros(self._n_out + self._n_in, bool)
+        self._step = 0
+
+    def _union(self, mask: np.ndarray):
+        """Row ids (output, input) marked on any rank."""
+        bits = self.allreduce(np.packbits(mask), "bor")
+        ids = np.flatnonzero(np.unpackbits(bits, count=mask.size))
+        cut = np.searchsorted(ids, self._n_out)
+        return ids[:cut].astype(np.int32), (ids[cut:] - self._n_out).astype(np.int32)
+
+    def _mark(self, out_rows, in_rows, mask=None):
+        mask = np.zeros(self._n_out + self._n_in, bool) if mask is None else mask
+        mask[out_rows] = True
+        mask[self._n_out + in_rows] = True
+        return mask
+
+    def before_update(self, model, out_rows, in_rows):
+        """``sync``: average the step's gradients (rows touched on any rank) in
+        ``model.grads_``; returns the rows the update must cover. Other modes: unchanged."""
+        if self.mode != "sync" or self.size == 1:
+            return out_rows, in_rows
+        out_ids, in_ids = self._union(self._mark(out_rows, in_rows))
+        t0 = time.perf_counter()
+        parts = _Parts(model.grads_, out_ids, in_ids)
+        buf = parts.gather()
+        self.pack_seconds_ += time.perf_counter() - t0
+        self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM),
+                   f"gradient allreduce of {buf.nbytes} bytes")
+        self.bytes_sent_ += buf.nbytes
+        t0 = time.perf_counter()
+        inv = np.float32(1.0 / self.size)
+        for (a, ids), v in zip(parts.pieces, parts.views):
+            _scatter_rows(a, ids, v, inv)
+        self.pack_seconds_ += time.perf_counter() - t0
+        return out_ids, in_ids
+
+    def after_update(self, model, out_rows, in_rows, n_rows: int) -> None:
+        """Count the step of ``n_rows`` rows; ``local``/``delayed``: mark the rows it changed,
+        finish the average in flight when its delay is up and start the next one every
+        ``every`` steps."""
+        self.steps_ += 1
+        # the model has seen every rank's rows (the tables' rehash schedule counts them)
+        model.samples_seen_ += (self.size - 1) * n_rows
+        if self.mode == "sync" or self.size == 1:
+            return
+        self._mark(out_rows, in_rows, self._changed)
+        self._step += 1
+        if self._round is not None and self._step >= self._round.apply_at:
+            self._finish_round(model)
+        if self._step % self.every == 0:
+            self._start_round(model)
+            if self.delay == 0:
+                self._finish_round(model)
+
+    def finish(self, model) -> None:
+        """End of an epoch (or of ``partial_fit``): complete any average in flight and average
+        every row changed since, so that all replicas are equal (evaluation, early stopping
+        and checkpoints see one model)."""
+        if self.mode == "sync" or self.size == 1:
+            return
+        if self._round is not None:
+            self._finish_round(model)
+        self._start_round(model)
+        self._finish_round(model)
+
+    def _start_round(self, model):
+        out_ids, in_ids = self._union(self._changed)
+        self._changed[:] = False
+        t0 = time.perf_counter()
+        parts = _Parts(model.params_, out_ids, in_ids)
+        sent = parts.gather()
+        self.pack_seconds_ += time.perf_counter() - t0
+        total = np.empty_like(sent)
+        request = self.comm.Iallreduce(sent, total, op=self._MPI.SUM)
+        self.bytes_sent_ += sent.nbytes
+        self._round = _Round(parts, request, self._step + self.delay)
+        self._round.total = total
+
+    def _finish_round(self, model):
+        r, self._round = self._round, None
+        t0 = time.perf_counter()
+        if not r.done.wait(self.timeout):
+            self.abort(f"parameter allreduce of {r.parts.buffer.nbytes} bytes: no answer from the "
+                       f"other ranks within {self.timeout:g} s (a rank stopped or hangs); ending the job")
+        self.wait_seconds_ += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        inv = np.float32(1.0 / self.size)
+        for (a, ids), sent, total in zip(r.parts.pieces, r.parts.views, r.parts.like(r.total)):
+            _merge_rows(a, ids, total, sent, inv)
+        self.pack_seconds_ += time.perf_counter() - t0
+        self.rounds_ += 1
+        model._params_changed()

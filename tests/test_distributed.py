@@ -1,0 +1,133 @@
+"""Data-parallel training on 2 MPI ranks (``slide.distributed``), each case a separate
+``mpiexec -n 2`` job (``tests/mpi_cases.py``), plus the shard reader in one process."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from slide.data import DataFormatError, read_dataset, read_shard, write_xmc
+from slide.network import SlideClassifier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+
+
+def _mpi_missing():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "the mpi extra is not installed (pip install -e '.[mpi]')"
+    return None if MPIEXEC else "no mpiexec on PATH (pip install mpich)"
+
+
+needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+
+
+def _mpiexec(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    return out, time.monotonic() - t0
+
+
+def _case(name, *args):
+    out, _ = _mpiexec("-m", "tests.mpi_cases", name, *args)
+    assert out.returncode == 0 and f"OK " in out.stdout, out.stdout + out.stderr
+    return out.stdout
+
+
+@needs_mpi
+def test_sync_equals_one_process_on_the_union_batches():
+    _case("sync_equals_union")
+
+
+@needs_mpi
+def test_local_every_step_is_the_mean_of_the_ranks_local_steps():
+    _case("local_every_step_is_the_mean_of_local_steps")
+
+
+@needs_mpi
+@pytest.mark.parametrize("mode", ["delayed", "local"])
+def test_averaging_modes_learn_like_one_process(mode):
+    _case("delayed_learns_like_one_process", mode)
+
+
+@needs_mpi
+@pytest.mark.parametrize("how, says", [("raises", "rank 1 of 2: training failed"),
+                                       ("dies", "signal 9"),
+                                       ("hangs", "no answer from the other ranks within 3 s")])
+def test_a_failing_rank_ends_the_job(how, says):
+    out, seconds = _mpiexec("-m", "tests.mpi_cases", "rank_fails", how, timeout=90)
+    assert out.returncode != 0
+    assert says in out.stdout + out.stderr, out.stdout + out.stderr
+    assert seconds < 60
+
+
+def _write_set(path, n, seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 12, n)
+    X = sp.random(n, 80, density=0.08, format="csr", random_state=seed, dtype=np.float32)
+    X = (X + sp.csr_matrix((np.ones(n, np.float32), (np.arange(n), labels * 5)), shape=(n, 80))).tocsr()
+    Y = sp.csr_matrix((np.ones(n, np.float32), (np.arange(n), labels)), shape=(n, 12))
+    write_xmc(path, X, Y)
+
+
+@needs_mpi
+def test_cli_two_ranks_checkpoint_loads_and_resumes_in_one_process(tmp_path):
+    train, test, model = tmp_path / "train.txt", tmp_path / "test.txt", tmp_path / "model"
+    _write_set(train, 801, 0)
+    _write_set(test, 300, 1)
+    metrics = tmp_path / "m.json"
+    out, _ = _mpiexec("-m", "slide.cli", "train", str(train), "--test", str(test), "--distributed",
+                      "delayed", "--average-every", "4", "--epochs", "2", "--save", str(model),
+                      "--metrics-json", str(metrics), "--no-progress", "--hidden", "16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("train: 801 samples") == 1  # rank 0 alone speaks
+    doc = json.loads(metrics.read_text())
+    assert [r["ranks"] for r in doc["epochs"]] == [2, 2]
+    m = SlideClassifier.load(model)
+    Xte, Yte = read_dataset(test)
+    assert m.epoch_ == 2
+    assert abs(m.evaluate(Xte, Yte)["P@1"] - doc["test"]["P@1"]) < 1e-6
+    from slide.cli import main
+    assert main(["train", str(train), "--test", str(test), "--resume", "--save", str(model),
+                 "--epochs", "3", "--no-progress"]) == 0
+    assert SlideClassifier.load(model).epoch_ == 3
+
+
+@needs_mpi
+def test_cli_distributed_flag_errors(tmp_path, capsys):
+    from slide.cli import main
+    assert main(["train", "--distributed", "sync"]) == 2
+    assert "needs a TRAIN file" in capsys.readouterr().err
+    assert main(["train", "x.txt", "--average-every", "4"]) == 2
+    assert "need --distributed" in capsys.readouterr().err
+
+
+def test_shards_partition_the_file_and_errors_name_the_file_line(tmp_path):
+    path = tmp_path / "d.txt"
+    _write_set(path, 301, 2)
+    X, Y = read_dataset(path)
+    for n in (1, 2, 3, 8):
+        parts = [read_shard(path, r, n) for r in range(n)]
+        assert all(p[2] == 301 for p in parts)
+        assert (sp.vstack([p[0] for p in parts]) != X).nnz == 0
+        assert (sp.vstack([p[1] for p in parts]) != Y).nnz == 0
+        assert max(p[0].shape[0] for p in parts) - min(p[0].shape[0] for p in parts) <= 301 // n
+    lines = path.read_text().split("\n")
+    lines[250] = lines[250].replace(":", ":x", 1)
+    path.write_text("\n".join(lines))
+    with pytest.raises(DataFormatError, match=r"d\.txt:251: malformed value"):
+        read_shard(path, 1, 2)
+    one = tmp_path / "one.txt"
+    one.write_text("1 3 2\n0 1:1\n")
+    with pytest.raises(DataFormatError, match="shard 1 of 2 holds no rows"):
+        read_shard(one, 1, 2)
