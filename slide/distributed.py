@@ -112,7 +112,7 @@ class _Parts:
     """The (2-D array, row ids) pieces that travel in one step or round, laid out back to back
     in one float32 buffer."""
 
-    def __init__(self, arrays: dict, out_ids: np.ndarray, in_ids: np.ndarray):
+    def __init__(self, arrays: dict, out_ids: np.ndarray, in_ids: np.ndarray, storage):
         one = np.zeros(1, np.int32)
         pieces = [(arrays["W"], out_ids), (arrays["b"].reshape(-1, 1), out_ids),
                   (arrays["W0"], in_ids), (arrays["b0"].reshape(1, -1), one)]
@@ -121,7 +121,7 @@ class _Parts:
                 pieces.append((arrays[k].reshape(1, -1), one))
         self.pieces, self.views = pieces, []
         sizes = [ids.size * a.shape[1] for a, ids in pieces]
-        self.buffer = np.empty(int(sum(sizes)), np.float32)
+        self.buffer = storage(int(sum(sizes)))
         lo = 0
         for (a, ids), s in zip(pieces, sizes):
             self.views.append(self.buffer[lo:lo + s].reshape(ids.size, a.shape[1]))
@@ -175,7 +175,8 @@ class DataParallel:
 
     Attributes after training: ``bytes_sent_`` (float32 payload this rank put into collectives,
     masks included), ``steps_``, ``rounds_`` (averages done), ``wait_seconds_`` (time blocked
-    on the network), ``pack_seconds_`` (packing, unpacking, merging).
+    on the network), ``pack_seconds_`` (packing, unpacking, merging), ``exchanged_rows_``
+    (list of (output rows, input rows) each gradient or parameter exchange carried).
     """
 
     def __init__(self, comm=None, mode: str = "sync", every: int | None = None,
@@ -203,6 +204,7 @@ class DataParallel:
         self.mode, self.every, self.delay, self.timeout = mode, int(every), int(delay), float(timeout)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self._round = None
+        self._storage = {}
         self.reset_counters()
 
     def __repr__(self):
@@ -212,6 +214,7 @@ class DataParallel:
     def reset_counters(self):
         self.bytes_sent_, self.steps_, self.rounds_ = 0, 0, 0
         self.wait_seconds_, self.pack_seconds_ = 0.0, 0.0
+        self.exchanged_rows_ = []
 
     # -- collectives with a deadline ----------------------------------------------------------
     def abort(self, message: str):
@@ -321,6 +324,16 @@ class DataParallel:
         self._changed = np.zeros(self._n_out + self._n_in, bool)
         self._step = 0
 
+    def _buffer(self, name: str):
+        """A function giving a float32 buffer of n values, kept between steps: a round can
+        carry hundreds of MB, and fresh pages each time would cost the kernel's zero-filling."""
+        def get(n: int) -> np.ndarray:
+            a = self._storage.get(name)
+            if a is None or a.size < n:
+                a = self._storage[name] = np.empty(max(n, int(1.25 * (0 if a is None else a.size))), np.float32)
+            return a[:n]
+        return get
+
     def _union(self, mask: np.ndarray):
         """Row ids (output, input) marked on any rank."""
         bits = self.allreduce(np.packbits(mask), "bor")
@@ -340,8 +353,9 @@ class DataParallel:
         if self.mode != "sync" or self.size == 1:
             return out_rows, in_rows
         out_ids, in_ids = self._union(self._mark(out_rows, in_rows))
+        self.exchanged_rows_.append((out_ids.size, in_ids.size))
         t0 = time.perf_counter()
-        parts = _Parts(model.grads_, out_ids, in_ids)
+        parts = _Parts(model.grads_, out_ids, in_ids, self._buffer("gradients"))
         buf = parts.gather()
         self.pack_seconds_ += time.perf_counter() - t0
         self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM),
@@ -354,13 +368,16 @@ class DataParallel:
         self.pack_seconds_ += time.perf_counter() - t0
         return out_ids, in_ids
 
-    def after_update(self, model, out_rows, in_rows, n_rows: int) -> None:
-        """Count the step of ``n_rows`` rows; ``local``/``delayed``: mark the rows it changed,
-        finish the average in flight when its delay is up and start the next one every
-        ``every`` steps."""
+    def after_update(self, model, out_rows, in_rows) -> None:
+        """Count the step; ``local``/``delayed``: mark the rows it changed, finish the average
+        in flight when its delay is up and start the next one every ``every`` steps.
+
+        The model's ``samples_seen_``, and with it the tables' rehash schedule, counts this
+        rank's rows: a rehash costs every rank the whole table, so counting all ranks' rows
+        would make it N times as frequent per step on N ranks. Per step the weights move about
+        as far as on one rank (Adam's step does not grow with the batch), so the tables stay as
+        fresh as a single process's."""
         self.steps_ += 1
-        # the model has seen every rank's rows (the tables' rehash schedule counts them)
-        model.samples_seen_ += (self.size - 1) * n_rows
         if self.mode == "sync" or self.size == 1:
             return
         self._mark(out_rows, in_rows, self._changed)
@@ -385,12 +402,13 @@ class DataParallel:
 
     def _start_round(self, model):
         out_ids, in_ids = self._union(self._changed)
+        self.exchanged_rows_.append((out_ids.size, in_ids.size))
         self._changed[:] = False
         t0 = time.perf_counter()
-        parts = _Parts(model.params_, out_ids, in_ids)
+        parts = _Parts(model.params_, out_ids, in_ids, self._buffer("sent"))
         sent = parts.gather()
+        total = self._buffer("total")(sent.size)
         self.pack_seconds_ += time.perf_counter() - t0
-        total = np.empty_like(sent)
         request = self.comm.Iallreduce(sent, total, op=self._MPI.SUM)
         self.bytes_sent_ += sent.nbytes
         self._round = _Round(parts, request, self._step + self.delay)

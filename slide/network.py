@@ -25,7 +25,7 @@ from slide.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, hidden_block, hidden_blocks,
                           init_parameters, parameter_shapes, resolve)
 from slide.data import check_xy
-from slide.metrics import check_k, topk
+from slide.metrics import check_k, topk, topk_product
 from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
 from slide.sampling import shared_negatives
@@ -33,6 +33,8 @@ from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
 #: queries of fewer rows than this run on one thread (see ``SlideClassifier._serving``)
 SMALL_QUERY_ROWS = 16
+#: rows per block of exact top-k (its kernel holds a tile of scores, not a block's matrix)
+EXACT_BLOCK_ROWS = 1024
 
 __all__ = ["SlideClassifier"]
 
@@ -369,7 +371,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         t0 = self._tick("adam", t0)
         self.samples_seen_ += n
         if dp is not None:  # local/delayed: parameter averages on their schedule
-            dp.after_update(self, out_rows, in_rows, n)
+            dp.after_update(self, out_rows, in_rows)
             t0 = self._tick("exchange", t0)
         self._maybe_rehash()
         self._tick("rehash", t0)
@@ -529,12 +531,13 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             raise ValueError(f"mode must be 'exact' or 'lsh', got {mode!r}")
         ids = np.empty((X.shape[0], k), np.int64)
         scores = np.empty((X.shape[0], k), np.float32)
-        if mode == "exact" or self.tables_ is None:
-            for lo, hi, s in self.score_blocks(X, block):
-                with self._serving(hi - lo):
-                    ids[lo:hi], scores[lo:hi] = topk(s, k)
-            return ids, scores
         W, b = self.params_["W"], self.params_["b"]
+        if mode == "exact" or self.tables_ is None:
+            # the fused kernel never forms a block's score matrix, so blocks can be larger
+            for lo, hi, h in self._last_hidden_blocks(X, block or EXACT_BLOCK_ROWS):
+                with self._serving(hi - lo):
+                    ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k)
+            return ids, scores
         tables = self.tables_ if self.serving_tables_ is None else self.serving_tables_
         for lo, hi, h in self._last_hidden_blocks(X, block):
             with self._serving(hi - lo):

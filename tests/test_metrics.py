@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from slide.metrics import evaluate, ndcg_at_k, precision_at_k, propensities, psp_at_k, topk
+from slide.metrics import (evaluate, ndcg_at_k, precision_at_k, propensities, psp_at_k, topk,
+                           topk_product)
 
 Y = sp.csr_matrix(np.array([[1, 0, 1, 0, 0], [0, 0, 0, 0, 1], [0, 1, 1, 1, 0]], np.float32))
 TOP = np.array([[2, 1, 0], [0, 1, 2], [3, 4, 1]])
@@ -87,3 +88,36 @@ def test_k_must_be_a_positive_integer(k):
     with pytest.raises(ValueError, match="positive integer"):
         topk(np.zeros((2, 3), np.float32), k)
     assert check_k(3.0) == 3 and check_k(np.int64(2)) == 2
+
+
+def test_topk_product_hand_computed():
+    H = np.array([[1, 0], [0, 2]], np.float32)
+    W = np.array([[3, 1], [0, 0], [1, 4], [2, 2]], np.float32)
+    b = np.array([0, 5, 0, -1], np.float32)
+    # scores: row 0 = [3, 5, 1, 1], row 1 = [2, 5, 8, 3]
+    ids, vals = topk_product(H, W, b, 3, tile=1)
+    assert ids.tolist() == [[1, 0, 2], [2, 1, 3]]
+    assert vals.tolist() == [[5, 3, 1], [8, 5, 3]]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tile", [1, 7, 64, None])
+def test_topk_product_equals_topk_of_the_score_matrix(rng, threads, tile):
+    import numba
+    # small integers: every score is exact whatever the summation order, and many are equal
+    # across tiles and threads (ties go to the lower id)
+    H = rng.integers(-3, 4, (23, 6)).astype(np.float32)
+    W = rng.integers(-3, 4, (301, 6)).astype(np.float32)
+    b = rng.integers(-2, 3, 301).astype(np.float32)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for k in (1, 5, 40):
+            ids, vals = topk_product(H, W, b, k, tile=tile)
+            ref_ids, ref_vals = topk(H @ W.T + b, k)
+            np.testing.assert_array_equal(ids, ref_ids)
+            np.testing.assert_array_equal(vals, ref_vals)
+    finally:
+        numba.set_num_threads(previous)
+    ids, vals = topk_product(H[:2], W[:3], b[:3], 5)  # fewer labels than k: padded
+    assert (ids[:, 3:] == -1).all() and np.isneginf(vals[:, 3:]).all()

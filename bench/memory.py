@@ -1,0 +1,57 @@
+"""Peak memory of training with the defaults, at a preset's full size or a slice of it.
+
+    python -m bench.memory --preset amazon-670k --n-train 100000 --epochs 1
+
+Generates the preset (train rows and a 2,000-row test sample), fits the engine with its defaults
+for ``--epochs`` epochs (early stopping on, so the validation slice and the best-weights copy
+are counted) and reports the process's peak resident set size (``ru_maxrss``, which includes
+the data) beside the engine's own estimate of the model's bytes
+(:func:`slide.resources.model_memory_bytes`) and the data's. Writes ``OUT.json`` with ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import numba
+
+from bench.common import dataset, machine, write_json
+
+
+def main(argv=None):
+    from slide.network import SlideClassifier
+    from slide.resources import model_memory_bytes
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="amazon-670k")
+    p.add_argument("--n-train", type=int, default=100000)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    X, Y, Xte, Yte = dataset(args.preset, args.n_train, 2000)
+    data_bytes = sum(a.nbytes for M in (X, Y) for a in (M.data, M.indices, M.indptr))
+    gen = time.perf_counter() - t0
+    rss_data = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = SlideClassifier(epochs=args.epochs, threads=args.threads)
+    t0 = time.perf_counter()
+    model.fit(X, Y)
+    fit = time.perf_counter() - t0
+    p1 = model.evaluate(Xte, Yte)["P@1"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    estimate = model_memory_bytes(model.resolved_, X.shape[1], Y.shape[1],
+                                  args.threads or numba.config.NUMBA_NUM_THREADS)["total"]
+    doc = {"machine": machine(), "args": vars(args), "n_train": X.shape[0],
+           "peak_rss_bytes": peak, "rss_after_data_bytes": rss_data, "data_bytes": data_bytes,
+           "model_estimate_bytes": estimate, "generate_seconds": gen, "fit_seconds": fit,
+           "test_P@1": p1, "samples_per_second": model.history_[-1]["samples_per_second"]}
+    print(f"{args.preset}, {X.shape[0]} train rows: peak RSS {peak / 2**30:.2f} GiB (data "
+          f"{data_bytes / 2**30:.2f} GiB, model estimate {estimate / 2**30:.2f} GiB); fit "
+          f"{fit:.0f} s for {args.epochs} epoch(s), P@1 {p1:.4f}")
+    if args.out:
+        write_json(args.out, doc)
+
+
+if __name__ == "__main__":
+    main()
