@@ -10,7 +10,7 @@ delayed), each rank on 1 thread, train the engine with its defaults on the Amazo
 all ranks wait at a barrier before the clock runs again). Each run records samples/s over all
 ranks, compute and exchange seconds per step, the bytes each rank put into collectives per step
 and the rows each exchange carried; the 2-rank runs also time blocking allreduces of 4-256 MB
-(the link as the model sees it). Compile and initialisation are excluded (a warm-up chunk).
+(the link as the model sees it, through the engine's own non-blocking allreduce and wait). Compile and initialisation are excluded (a warm-up chunk).
 
 **Modelled.** Throughput on N hosts, each computing a step in ``c`` seconds (the 1-rank run's
 compute per step: one host = one rank like the measured one), linked at bandwidth ``B`` with
@@ -119,25 +119,24 @@ def _worker(args):
                    # per exchange, what is neither waiting nor packing: masks, ids, bookkeeping
                    fixed_per_exchange=max(0.0, exchange - dp.wait_seconds_ - dp.pack_seconds_)
                    / max(len(dp.exchanged_rows_), 1))
-        out["allreduce"] = _allreduce_bandwidth(comm) if args.mode == "sync" else None
+        out["allreduce"] = _allreduce_bandwidth(dp) if args.mode == "sync" else None
     if rank == 0:
         write_json(args.result, out)
 
 
-def _allreduce_bandwidth(comm, sizes=(4 << 20, 64 << 20, 256 << 20)):
-    """Seconds of a blocking float32 allreduce of each size (median of 3), and the ring's
-    bus bandwidth ``2 (N-1) / N * bytes / seconds``."""
-    from mpi4py import MPI
-    n = comm.Get_size()
+def _allreduce_bandwidth(dp, sizes=(4 << 20, 64 << 20, 256 << 20)):
+    """Seconds of a float32 sum over the ranks of each size (median of 3), through the same
+    non-blocking allreduce and wait the engine's exchanges use, and the ring's bus bandwidth
+    ``2 (N-1) / N * bytes / seconds``."""
+    n = dp.size
     out = []
     for b in sizes:
         a = np.ones(b // 4, np.float32)
-        r = np.empty_like(a)
         times = []
         for _ in range(3):
-            comm.Barrier()
+            dp.comm.Barrier()
             t0 = time.perf_counter()
-            comm.Allreduce(a, r, op=MPI.SUM)
+            dp.allreduce(a)
             times.append(time.perf_counter() - t0)
         t = float(np.median(times))
         out.append({"bytes": b, "seconds": t, "bus_bytes_per_second": 2 * (n - 1) / n * b / t})

@@ -83,8 +83,13 @@ def _heap_sorted(n, k, out_ids, out_scores):
 def _topk_row(row, k, out_ids, out_scores):
     """Top-k of one score row by a k-sized min-heap; ties go to the lower index."""
     n = 0
+    floor = -np.inf  # the heap's root once it is full (see _heaps_offer)
     for j in range(row.size):
-        n = _heap_push(row[j], j, k, n, out_ids, out_scores)
+        v = row[j]
+        if v > floor or n < k:
+            n = _heap_push(v, j, k, n, out_ids, out_scores)
+            if n >= k:
+                floor = out_scores[0]
     _heap_sorted(n, k, out_ids, out_scores)
 
 
@@ -96,8 +101,14 @@ def _heaps_offer(S, bias, offset, heap_ids, heap_scores, sizes):
     for r in range(S.shape[0]):
         row, ids, vals = S[r], heap_ids[r], heap_scores[r]
         m = sizes[r]
+        # the heap's root, kept in a register: almost every score fails this one comparison
+        floor = vals[0] if m >= k else -np.inf
         for j in range(row.size):
-            m = _heap_push(row[j] + bias[j], offset + j, k, m, ids, vals)
+            v = row[j] + bias[j]
+            if v > floor or m < k:
+                m = _heap_push(v, offset + j, k, m, ids, vals)
+                if m >= k:
+                    floor = vals[0]
         sizes[r] = m
 
 

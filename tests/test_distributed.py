@@ -101,6 +101,11 @@ def test_cli_two_ranks_checkpoint_loads_and_resumes_in_one_process(tmp_path):
     assert main(["train", str(train), "--test", str(test), "--resume", "--save", str(model),
                  "--epochs", "3", "--no-progress"]) == 0
     assert SlideClassifier.load(model).epoch_ == 3
+    # and back to 2 ranks, in sync mode this time
+    out, _ = _mpiexec("-m", "slide.cli", "train", str(train), "--distributed", "sync", "--resume",
+                      "--save", str(model), "--epochs", "4", "--no-progress")
+    assert out.returncode == 0 and "resuming from" in out.stdout, out.stdout + out.stderr
+    assert SlideClassifier.load(model).epoch_ == 4
 
 
 @needs_mpi
