@@ -479,8 +479,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         return np.ascontiguousarray(self._last(self._forward(X)))
 
     def _block_rows(self, block):
-        # about 256 MB of float32 scores per block
-        return block or max(1, min(4096, (1 << 26) // self.n_labels_))
+        # about 64 MB of float32 scores per block: the loss's temporaries (shifted scores, their
+        # exponentials) are as large again, and at 670K labels a larger block set the peak
+        # memory of a whole training run
+        return block or max(1, min(4096, (1 << 24) // self.n_labels_))
 
     def _serving(self, n_rows: int):
         """Threads for answering ``n_rows`` queries: a few rows run on the calling thread alone
