@@ -227,23 +227,21 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, Wh, h_off, sizes,
 @njit(cache=True, nogil=True)
 def unique_rows(extra, lists, lengths, mark, out):
     """Distinct ids of ``extra`` [m] and of ragged ``lists`` [n, w] (first ``lengths[i]`` of each
-    row) into ``out``; ``mark`` uint8 [n_ids] is all zero on entry and on exit. Returns the
-    count."""
-    n = 0
+    row) into ``out``, in increasing order; ``mark`` uint8 [n_ids] is all zero on entry and on
+    exit. Returns the count. The order is Adam's: walking the parameter rows forward lets the
+    prefetcher follow (a third faster than in discovery order at 670K rows), and reading the
+    marks back costs one pass over ``n_ids`` bytes."""
     for i in extra:
-        if mark[i] == 0:
-            mark[i] = 1
-            out[n] = i
-            n += 1
+        mark[i] = 1
     for r in range(lists.shape[0]):
         for a in range(lengths[r]):
-            i = lists[r, a]
-            if mark[i] == 0:
-                mark[i] = 1
-                out[n] = i
-                n += 1
-    for t in range(n):
-        mark[out[t]] = 0
+            mark[lists[r, a]] = 1
+    n = 0
+    for i in range(mark.size):
+        if mark[i]:
+            mark[i] = 0
+            out[n] = i
+            n += 1
     return n
 
 
