@@ -20,6 +20,21 @@ from numba import njit, prange
 
 from lsh.tables import query_one
 
+#: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
+#: left-to-right float sum cannot be), 3-4x faster over rows scattered in a 670K-row layer. The
+#: order is fixed by the compiled code, so one thread still repeats exactly.
+_REASSOC = {"reassoc", "contract"}
+
+
+@njit(cache=True, nogil=True, fastmath=_REASSOC)
+def _dot(a, b):
+    """Σ a[j]·b[j] over two float32 vectors of equal length (float32 result)."""
+    s = np.float32(0.0)
+    for j in range(a.size):
+        s += a[j] * b[j]
+    return s
+
+
 # --------------------------------------------------------------------------------------------
 # Forward through the hidden layers
 # --------------------------------------------------------------------------------------------
@@ -56,11 +71,7 @@ def forward_layer(acts, lo_in, lo_out, W, b, active, n_active):
             out[:] = 0.0
         for a in range(k):
             i = a if active.shape[1] == 0 else active[r, a]
-            s = b[i]
-            wi = W[i]
-            for j in range(n_in):
-                s += wi[j] * prev[j]
-            out[i] = max(s, np.float32(0.0))
+            out[i] = max(b[i] + _dot(W[i], prev), np.float32(0.0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,10 +130,7 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
             zp = zpool[r]
             zmax = np.float32(-np.inf)
             for a in range(k):
-                wa = W[own[a]]
-                s = b[own[a]]
-                for j in range(H):
-                    s += wa[j] * h[j]
+                s = b[own[a]] + _dot(W[own[a]], h)
                 logits[a] = s
                 zmax = max(zmax, s)
             for j in range(P):
@@ -307,7 +315,6 @@ def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
 @njit(cache=True, nogil=True, parallel=True)
 def score_candidates(acts_last, W, b, cand, lengths, out):
     """out[r, a] = W[cand[r, a]] · h_r + b for the first lengths[r] candidates, -inf after."""
-    H = W.shape[1]
     for r in prange(cand.shape[0]):
         h = acts_last[r]
         for a in range(cand.shape[1]):
@@ -315,8 +322,4 @@ def score_candidates(acts_last, W, b, cand, lengths, out):
                 out[r, a] = -np.inf
                 continue
             i = cand[r, a]
-            wa = W[i]
-            s = b[i]
-            for j in range(H):
-                s += wa[j] * h[j]
-            out[r, a] = s
+            out[r, a] = b[i] + _dot(W[i], h)
