@@ -146,9 +146,8 @@ class _Round:
     drives MPI's progress engine while the rank computes (MPICH moves a large message only
     while some thread calls into MPI)."""
 
-    def __init__(self, parts: _Parts, request, apply_at: int):
-        self.parts, self.request, self.apply_at = parts, request, apply_at
-        self.total = None
+    def __init__(self, parts: _Parts, total: np.ndarray, request, apply_at: int):
+        self.parts, self.total, self.request, self.apply_at = parts, total, request, apply_at
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._progress, daemon=True)
         self.thread.start()
@@ -282,10 +281,13 @@ class DataParallel:
         return int(self.allreduce(np.array([-(-n_local // batch)], np.int64), "max")[0])
 
     def epoch_order(self, order: np.ndarray, batch: int) -> np.ndarray:
-        """This rank's epoch order, repeated from its start to fill the common number of full
-        batches (shards differ by a few rows; a collective step needs every rank)."""
+        """This rank's epoch order, taking as many steps as the longest shard's (a collective
+        step needs every rank): a shorter shard repeats its first rows to fill that many full
+        batches; a shard that already takes them keeps its order."""
         steps = self.steps_per_epoch(order.size, batch)
-        return np.resize(order, steps * batch) if order.size else order
+        if order.size and -(-order.size // batch) < steps:
+            return np.resize(order, steps * batch)
+        return order
 
     def mean(self, values: dict, weight: float) -> dict:
         """Weighted mean over the ranks of a dict's float values (a shard's metrics, ``weight``
@@ -411,8 +413,7 @@ class DataParallel:
         self.pack_seconds_ += time.perf_counter() - t0
         request = self.comm.Iallreduce(sent, total, op=self._MPI.SUM)
         self.bytes_sent_ += sent.nbytes
-        self._round = _Round(parts, request, self._step + self.delay)
-        self._round.total = total
+        self._round = _Round(parts, total, request, self._step + self.delay)
 
     def _finish_round(self, model):
         r, self._round = self._round, None

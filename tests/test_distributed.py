@@ -136,3 +136,26 @@ def test_shards_partition_the_file_and_errors_name_the_file_line(tmp_path):
     one.write_text("1 3 2\n0 1:1\n")
     with pytest.raises(DataFormatError, match="shard 1 of 2 holds no rows"):
         read_shard(one, 1, 2)
+
+
+@needs_mpi
+def test_settings_are_checked_and_one_rank_trains_like_no_mpi():
+    from slide.distributed import DataParallel
+    for kw, says in [({"mode": "allreduce"}, "mode must be one of"),
+                     ({"mode": "sync", "every": 4}, "sync averages every step"),
+                     ({"mode": "local", "delay": 2}, "delay applies to the delayed mode"),
+                     ({"mode": "delayed", "every": 4, "delay": 5}, "delay must be an integer from 1"),
+                     ({"mode": "local", "every": 0}, "every must be a positive integer"),
+                     ({"timeout": 0}, "timeout must be positive")]:
+        with pytest.raises(ValueError, match=says):
+            DataParallel(**kw)
+    rng = np.random.default_rng(0)
+    X = sp.random(150, 40, density=0.1, format="csr", random_state=0, dtype=np.float32)
+    Y = sp.csr_matrix((np.ones(150, np.float32), (np.arange(150), rng.integers(0, 6, 150))), shape=(150, 6))
+    settings = dict(hidden=(8,), threads=1, batch_size=16, epochs=2, seed=1)
+    alone = SlideClassifier(**settings).fit(X, Y)
+    for mode in ("sync", "local", "delayed"):
+        dp = DataParallel(mode=mode, every=None if mode == "sync" else 2)
+        one = SlideClassifier(**settings).fit(X, Y, distributed=dp)
+        for k in alone.params_:
+            np.testing.assert_array_equal(one.params_[k], alone.params_[k])
