@@ -522,7 +522,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     def predict_topk(self, X, k: int = 5, mode: str = "exact", block: int | None = None):
         """Top-k labels per row: ``(ids int64 [n, k], scores float32 [n, k])``, best first.
 
-        ``mode="exact"`` scores every output (blocked matrix product + parallel partial sort);
+        ``mode="exact"`` scores every output without forming the score matrix
+        (:func:`slide.metrics.topk_product`, ``block`` rows per call, default 1024);
         ``mode="lsh"`` scores only the hash-table candidates of each row (sub-linear serving;
         rows with fewer than k candidates are padded with id -1).
         """
