@@ -90,7 +90,6 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
 
 
 def main(argv=None):
-    from lsh import engine_threads
     from slide.network import SlideClassifier
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="amazon-670k")

@@ -21,7 +21,7 @@ from sklearn.exceptions import NotFittedError
 from lsh import HashTables, TableConfig, engine_threads, set_num_threads, thread_chunks
 from lsh.tables import QueryScratch
 from slide import kernels
-from slide.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, hidden_block, hidden_blocks,
                           init_parameters, parameter_shapes, resolve)
 from slide.data import check_xy

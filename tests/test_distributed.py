@@ -40,7 +40,7 @@ def _mpiexec(*args, timeout=120):
 
 def _case(name, *args):
     out, _ = _mpiexec("-m", "tests.mpi_cases", name, *args)
-    assert out.returncode == 0 and f"OK " in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "OK " in out.stdout, out.stdout + out.stderr
     return out.stdout
 
 
