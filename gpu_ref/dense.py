@@ -15,7 +15,7 @@ import scipy.sparse as sp
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
-from slide.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
                           parameter_shapes, resolve)
 from slide.data import check_xy

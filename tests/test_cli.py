@@ -51,7 +51,7 @@ def test_train_eval_predict_round_trip(synth, capsys):
 
 
 def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_path):
-    d, train = synth, str(synth / "eur_train.txt")
+    train = str(synth / "eur_train.txt")
     base = ["train", train, "--epochs", "1", "--hidden", "16", "--no-progress"]
     (tmp_path / "afile").write_text("x")
     cases = [(["--save", str(tmp_path / "afile")], "not a directory"),
