@@ -57,6 +57,7 @@ def _run(engine, args, queue):
     budget = args.minutes * 60
     order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
     pos = 0
+    halve_at = sorted(float(t) for t in args.lr_halve_at.split(",") if t) if engine == "slide" else []
     while True:
         if pos >= Xtr.shape[0]:
             epoch += 1
@@ -74,6 +75,11 @@ def _run(engine, args, queue):
                 for k in workers[w]:
                     workers[w][k] += s[k]
         samples += idx.size
+        while halve_at and train_seconds >= halve_at[0]:  # a fixed schedule (no validation here)
+            halve_at.pop(0)
+            lr = model.learning_rate_ / 2
+            model.set_params(lr=lr)  # in force from the next partial_fit
+            print(f"[{engine}] {train_seconds:7.1f}s  learning rate halved to {lr:.2e}", flush=True)
         if train_seconds >= next_eval or train_seconds >= budget:
             res = evaluated.evaluate(Xte, Yte, k=5)
             points.append({"seconds": train_seconds, "samples": samples, "epoch": samples / Xtr.shape[0], **res})
@@ -128,6 +134,8 @@ def main(argv=None):
                    help="random output rows per batch of dense-gpu-sampled and of hetero's GPU worker")
     p.add_argument("--chunk-batches", type=int, default=10, help="batches between clock checks")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lr-halve-at", default="", metavar="SECONDS,...",
+                   help="slide engine: halve its learning rate at these training seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/tta")
     p.add_argument("--replot", action="store_true", help="only redraw OUT.png from OUT.json")

@@ -202,6 +202,8 @@ class DataParallel:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         self.mode, self.every, self.delay, self.timeout = mode, int(every), int(delay), float(timeout)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        #: training threads of a model whose ``threads`` is None: the host's cores over its ranks
+        self.threads = cores_per_rank(self.comm)
         self._round = None
         self._storage = {}
         self.reset_counters()
@@ -320,8 +322,6 @@ class DataParallel:
         self.broadcast(lr)
         model.learning_rate_ = float(lr[0])
         model.epoch_position_ = 0  # a shard's position in its epoch means nothing to other shards
-        if model.config_.threads is None:  # the host's cores shared among its ranks
-            model.config_ = model.config_.replace(threads=cores_per_rank(self.comm))
         self._n_out, self._n_in = model.n_labels_, model.n_features_in_
         self._changed = np.zeros(self._n_out + self._n_in, bool)
         self._step = 0

@@ -315,7 +315,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     def train_rows(self, Xp, Y, order, progress=None) -> dict:
         """One pass in ``order`` over preprocessed rows, in batches of ``batch_size_``, on the
         model's threads; the tables rehash on their schedule only."""
-        with engine_threads(self.config_.threads):
+        threads = self.config_.threads
+        if threads is None and self.distributed_ is not None:
+            threads = self.distributed_.threads  # ranks on one host share its cores
+        with engine_threads(threads):
             return super().train_epoch(Xp, Y, order, progress)
 
     def train_step(self, Xb: sp.csr_matrix, Yb: sp.csr_matrix) -> float:

@@ -96,6 +96,7 @@ def test_cli_two_ranks_checkpoint_loads_and_resumes_in_one_process(tmp_path):
     m = SlideClassifier.load(model)
     Xte, Yte = read_dataset(test)
     assert m.epoch_ == 2
+    assert m.threads is None  # the ranks' share of the cores is not saved as the model's setting
     assert abs(m.evaluate(Xte, Yte)["P@1"] - doc["test"]["P@1"]) < 1e-6
     from slide.cli import main
     assert main(["train", str(train), "--test", str(test), "--resume", "--save", str(model),
