@@ -11,6 +11,8 @@ on the same fixed shuffled test sample; evaluation time is not counted in the bu
 ``--negatives`` shared random rows), ``hetero-hogbatch`` and ``hetero-adaptive`` (``hetero`` is the
 latter): the engine's CPU threads with a GPU worker (on numpy without a GPU), whose per-worker
 samples, busy seconds and utilisation are recorded. Each engine runs in its own process.
+``--lr-halve-at 300,450`` halves the engine's learning rate at those training seconds (the
+harness has no validation slice, so the plateau drops ``fit`` makes cannot happen here).
 """
 from __future__ import annotations
 
