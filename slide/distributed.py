@@ -204,7 +204,7 @@ class DataParallel:
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         #: training threads of a model whose ``threads`` is None: the host's cores over its ranks
         self.threads = cores_per_rank(self.comm)
-        self._round = None
+        self._model, self._round = None, None
         self._storage = {}
         self.reset_counters()
 
@@ -306,7 +306,7 @@ class DataParallel:
 
     def ensure_started(self, model) -> None:
         """:meth:`start` unless this model is the one last started (``partial_fit`` calls)."""
-        if getattr(self, "_model", None) is not model:
+        if self._model is not model:
             self.start(model)
 
     def start(self, model) -> None:

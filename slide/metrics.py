@@ -79,37 +79,29 @@ def _heap_sorted(n, k, out_ids, out_scores):
         out_scores[a] = -np.inf
 
 
-@njit(cache=True, nogil=True)
-def _topk_row(row, k, out_ids, out_scores):
-    """Top-k of one score row by a k-sized min-heap; ties go to the lower index."""
-    n = 0
-    floor = -np.inf  # the heap's root once it is full (see _heaps_offer)
+@njit(cache=True, nogil=True, inline="always")
+def _offer_row(row, bias, offset, n, out_ids, out_scores):
+    """Offer ``row[j]`` (plus ``bias[j]`` unless ``bias`` is empty) as id ``offset + j`` to a
+    k-sized min-heap holding n entries, ids in increasing order; returns the new size. The
+    heap's root is kept in a register: almost every score fails this one comparison."""
+    k = out_ids.size
+    floor = out_scores[0] if n >= k else -np.inf
+    biased = bias.size > 0
     for j in range(row.size):
-        v = row[j]
+        v = row[j] + bias[j] if biased else row[j]
         if v > floor or n < k:
-            n = _heap_push(v, j, k, n, out_ids, out_scores)
+            n = _heap_push(v, offset + j, k, n, out_ids, out_scores)
             if n >= k:
                 floor = out_scores[0]
-    _heap_sorted(n, k, out_ids, out_scores)
+    return n
 
 
 @njit(cache=True, nogil=True)
 def _heaps_offer(S, bias, offset, heap_ids, heap_scores, sizes):
     """Offer ``S[r, j] + bias[j]`` (label ``offset + j``) to row r's k-heap, for a tile of
     labels (one thread's; the caller runs several on their own heaps)."""
-    k = heap_ids.shape[1]
     for r in range(S.shape[0]):
-        row, ids, vals = S[r], heap_ids[r], heap_scores[r]
-        m = sizes[r]
-        # the heap's root, kept in a register: almost every score fails this one comparison
-        floor = vals[0] if m >= k else -np.inf
-        for j in range(row.size):
-            v = row[j] + bias[j]
-            if v > floor or m < k:
-                m = _heap_push(v, offset + j, k, m, ids, vals)
-                if m >= k:
-                    floor = vals[0]
-        sizes[r] = m
+        sizes[r] = _offer_row(S[r], bias, offset, sizes[r], heap_ids[r], heap_scores[r])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -181,9 +173,12 @@ def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, 
 
 @njit(cache=True, nogil=True, parallel=True)
 def topk_kernel(scores, k, out_ids, out_scores):
-    """Row-wise top-k of ``scores`` [n, L] into ``out_ids`` [n, k] int64 / ``out_scores`` [n, k]."""
+    """Row-wise top-k of ``scores`` [n, L] into ``out_ids`` [n, k] int64 / ``out_scores`` [n, k]
+    (ties go to the lower index)."""
+    no_bias = np.empty(0, scores.dtype)
     for r in prange(scores.shape[0]):
-        _topk_row(scores[r], k, out_ids[r], out_scores[r])
+        n = _offer_row(scores[r], no_bias, 0, 0, out_ids[r], out_scores[r])
+        _heap_sorted(n, k, out_ids[r], out_scores[r])
 
 
 def check_k(k) -> int:
