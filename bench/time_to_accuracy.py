@@ -12,7 +12,8 @@ on the same fixed shuffled test sample; evaluation time is not counted in the bu
 latter): the engine's CPU threads with a GPU worker (on numpy without a GPU), whose per-worker
 samples, busy seconds and utilisation are recorded. Each engine runs in its own process.
 ``--lr-halve-at 300,450`` halves the engine's learning rate at those training seconds (the
-harness has no validation slice, so the plateau drops ``fit`` makes cannot happen here).
+harness trains through ``partial_fit``, which keeps the rate it is given: ``fit``'s schedule
+and plateau drops run over its planned epochs and its validation slice).
 """
 from __future__ import annotations
 

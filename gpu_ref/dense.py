@@ -195,6 +195,11 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                 "validation_fraction": c.validation_fraction,
                 "n_iter_no_change": c.n_iter_no_change, "seed": c.seed}
 
+    def validation_metric(self) -> str:
+        """The early-stopping score: the loss for the full softmax, nDCG@5 with sampled
+        ``negatives`` (:class:`slide.train.EarlyStopping`)."""
+        return "loss" if self.negatives is None else "nDCG@5"
+
     def _use_device(self):
         """Move the parameters when ``device`` now names another array module."""
         xp, sparse = get_array_module(self.device)

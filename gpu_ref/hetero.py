@@ -179,6 +179,9 @@ class HeteroTrainer:
     def fit_settings(self):
         return self.model.fit_settings()
 
+    def validation_metric(self):
+        return self.model.validation_metric()
+
     def check_data(self, X, Y=None, where="input", fitted=True):
         return self.model.check_data(X, Y, where=where, fitted=fitted)
 

@@ -66,10 +66,12 @@ class SlideConfig:
     Optimisation
         lr, beta1, beta2, eps : Adam. weight_decay : decoupled (AdamW) decay, as a multiple of
         the learning rate, applied to the weight rows a step touches. batch_size. epochs : the
-        number of epochs (the most, with early stopping).
+        number of epochs (the most, with early stopping); ``fit`` lowers ``lr`` over them in
+        steps (:func:`slide.train.epoch_learning_rate`).
     Early stopping (as scikit-learn's)
         early_stopping : hold out ``validation_fraction`` of the training rows (at most 5,000),
-        score them after every epoch, lower the learning rate when the score stalls, stop after
+        score them after every epoch (the loss, or nDCG@5 for a sampled output layer: see
+        :class:`slide.train.EarlyStopping`), lower the learning rate when the score stalls, stop after
         ``n_iter_no_change`` epochs without improvement and keep the best weights.
     Run
         threads : numba threads (None: all cores). seed : fixes initialisation, data order and
@@ -163,6 +165,10 @@ FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
 # --------------------------------------------------------------------------------------------
 # The defaults rule
 # --------------------------------------------------------------------------------------------
+#: optimizer steps the planned epochs cover, at most, when early stopping may end the run sooner
+EARLY_STOPPING_STEPS = 10_000
+
+
 def default_batch_size(n_train: int) -> int:
     """Small data needs more, smaller steps: 32 below ~14K samples, 128 above ~56K."""
     return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
@@ -174,8 +180,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
 
     * batch_size: :func:`default_batch_size` (32 to 128 by rows).
     * epochs: enough for about 3,000 optimizer steps, between 5 and 30; with early stopping,
-      which ends the run when the validation loss stops improving, the most for about 10,000
-      steps, between 5 and 100.
+      which ends the run when the validation score stops improving, the most for about
+      :data:`EARLY_STOPPING_STEPS` steps, between 5 and 100. ``fit``'s learning-rate schedule
+      is laid over these epochs.
     * output active set: ``max(1024, 0.005 · labels)`` neurons (all of them for fewer labels);
       a quarter of it the sample's LSH hard negatives, the rest random negatives shared by the
       batch, to which every label of the batch is added (so the other samples' labels are
@@ -186,7 +193,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     out = {}
     batch_size = c.batch_size or default_batch_size(n_train)
     steps = math.ceil(n_train / batch_size)
-    epochs = c.epochs or (int(np.clip(math.ceil(10_000 / steps), 5, 100)) if c.early_stopping
+    epochs = c.epochs or (int(np.clip(math.ceil(EARLY_STOPPING_STEPS / steps), 5, 100)) if c.early_stopping
                           else int(np.clip(math.ceil(3000 / steps), 5, 30)))
     out.update(batch_size=batch_size, epochs=epochs)
     if c.sparsity is None:

@@ -114,6 +114,11 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 "validation_fraction": c.validation_fraction,
                 "n_iter_no_change": c.n_iter_no_change, "seed": c.seed}
 
+    def validation_metric(self) -> str:
+        """The early-stopping score: the full softmax's loss where the output layer is trained
+        whole, nDCG@5 where it is sampled (:class:`slide.train.EarlyStopping`)."""
+        return "nDCG@5" if self.resolved_["sampled"] else "loss"
+
     def _refresh_config(self):
         """Settings that may change between calls on a fitted model (lr, threads, epochs...)."""
         config = self._current_config()

@@ -14,10 +14,13 @@ that is not engine-specific):
   with the epoch's mean ``loss`` and anything else worth recording;
 * ``train_step(Xp_batch, Y_batch) -> float``: one optimizer step on a preprocessed batch;
 * ``snapshot()`` / ``restore(state)``: copy the parameters out and put them back;
+* ``validation_metric()``: after ``initialize``, the early-stopping score, ``"loss"`` or
+  ``"nDCG@5"`` (see :class:`EarlyStopping`);
 * ``evaluate(X, Y, k)``; attributes ``learning_rate_``, ``epoch_``, ``history_``.
 
-:func:`fit_loop` holds the rest: the validation slice, the per-epoch record, early stopping
-with the best weights kept, the learning rate lowered on a plateau, progress bars, callbacks.
+:func:`fit_loop` holds the rest: the validation slice, the per-epoch record, the learning-rate
+schedule (:func:`epoch_learning_rate`), early stopping with the best weights kept, the learning
+rate lowered on a plateau, progress bars, callbacks.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from slide.resources import peak_rss_mb
 from slide.synthetic import load_default
 
 __all__ = ["fit_loop", "EarlyStopping", "TrainableMixin", "run_training", "validation_split",
-           "load_train_test", "softmax_loss", "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS"]
+           "load_train_test", "softmax_loss", "epoch_learning_rate", "PLATEAU_FACTOR",
+           "MAX_VALIDATION_ROWS"]
 
 # After half the patience without improvement the learning rate is multiplied by this
 # (ReduceLROnPlateau): the plateau is usually Adam's noise floor, which a lower rate gets under.
@@ -55,23 +59,30 @@ MAX_VALIDATION_ROWS = 5000
 class EarlyStopping:
     """Validation bookkeeping: best score and epoch, evaluations without improvement.
 
-    The score is the validation loss (cross-entropy against uniform targets over each row's
-    labels), negated: on small validation slices it picked better epochs than P@k, which moves
-    in steps of one row (bench/results/accuracy_experiments.md). ``patience`` evaluations
-    without an improvement larger than ``tol`` (relative) stop the run; after every
-    ``max(1, patience // 2)`` of them the learning rate is lowered.
+    ``metric`` names the score (the engine's ``validation_metric()``): ``"loss"``, the
+    validation cross-entropy against uniform targets over each row's labels, negated, for an
+    output layer trained whole: on small validation slices it picked better epochs than P@k,
+    which moves in steps of one row (bench/results/accuracy_experiments.md); or ``"nDCG@5"``
+    for a sampled output layer, whose training never sees the full softmax's normaliser (at
+    Amazon-670K shape the full loss rose while P@1 went from 0.07 to 0.19), and whose
+    validation slices are large. ``patience`` evaluations without an improvement larger than
+    ``tol`` (relative) stop the run; after every ``max(1, patience // 2)`` of them the
+    learning rate is lowered.
     """
     patience: int = 5
+    metric: str = "loss"
     tol: float = 1e-4
     best_score: float = -math.inf
     best_epoch: int = 0
     bad_epochs: int = 0
+    lowered: int = 0
     stopped: str = ""
     scores: list = field(default_factory=list)
 
-    @staticmethod
-    def score(metrics: dict) -> float:
-        return -float(metrics["val_loss"])
+    def score(self, metrics: dict) -> float:
+        if self.metric == "loss":
+            return -float(metrics["val_loss"])
+        return float(metrics[f"val_{self.metric}"])
 
     def update(self, epoch: int, metrics: dict) -> tuple[bool, bool]:
         """Record epoch ``epoch``'s metrics; returns ``(improved, lower_learning_rate)``."""
@@ -84,7 +95,9 @@ class EarlyStopping:
         if self.bad_epochs >= self.patience:
             self.stopped = (f"no improvement of the validation score for {self.patience} epochs "
                             f"(best {self.best_score:.4f} at epoch {self.best_epoch})")
-        return False, not self.stopped and self.bad_epochs % max(1, self.patience // 2) == 0
+        lower = not self.stopped and self.bad_epochs % max(1, self.patience // 2) == 0
+        self.lowered += lower
+        return False, lower
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -113,6 +126,22 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
+def epoch_learning_rate(base: float, epoch: int, planned: int, lowered: int = 0) -> float:
+    """The learning rate of epoch ``epoch`` (0-based) of a run planned for ``planned`` epochs
+    after ``lowered`` plateau drops: ``base`` for the first third of the plan, then halved at
+    1/3, 1/2, 2/3 and 5/6 of it (a multi-step schedule), times ``PLATEAU_FACTOR ** lowered``.
+
+    At a constant rate, Adam's lazily updated output rows settle at a noise floor that the
+    rate sets: at Amazon-670K shape P@1 stalled near 0.2 at 2e-3 and rose within an epoch of
+    each halving. Gradual decays (linear, cosine) spent the early epochs, where the full rate
+    learns fastest, at lower rates and were 0.01-0.03 P@1 behind at every point of a ten-minute
+    run; on the small real sets, which stop early, the schedule changed nothing beyond noise
+    (bench/results/accuracy_experiments.md).
+    """
+    halvings = min(4, max(0, int(6 * epoch / max(planned, 1)) - 1))  # epochs past the plan: the last
+    return base * 0.5 ** halvings * PLATEAU_FACTOR ** lowered
+
+
 # --------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------
@@ -132,7 +161,9 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         the model is initialised afresh from the training rows.
     until_epoch : train until ``model.epoch_`` reaches it (``slide train --epochs`` counts the
         total); default: the model's planned epochs more (``resolved_["epochs"]``). With early
-        stopping this is the most.
+        stopping this is the most. The learning rate of each epoch follows
+        :func:`epoch_learning_rate` over these planned epochs (a run resumed with the same plan
+        continues the same schedule).
     on_epoch : ``on_epoch(model, record)`` after each epoch (metrics files, checkpoints).
     save_every, on_save : ``on_save(model)`` also after every ``save_every`` batches inside an
         epoch, with ``model.epoch_position_`` set to the samples of the epoch done so far; a run
@@ -176,16 +207,19 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
     if s["early_stopping"] and validation is not None:
         previous = model.early_stopping_ if continue_training else None
         stopper = previous if previous is not None and not previous.stopped else \
-            EarlyStopping(patience=s["n_iter_no_change"])
+            EarlyStopping(patience=s["n_iter_no_change"], metric=model.validation_metric())
         if stopper is not previous:
             model.best_params_ = None
     model.early_stopping_ = stopper
+    metric = model.validation_metric() if stopper is None else stopper.metric
     Xp = model.preprocess(X)
     first = model.epoch_
     epochs = max(0, (first + model.resolved_["epochs"] if until_epoch is None else int(until_epoch)) - first)
     for _ in range(epochs):
         if stopper is not None and stopper.stopped:
             break
+        model.learning_rate_ = epoch_learning_rate(model.resolved_["lr"], model.epoch_, first + epochs,
+                                                   stopper.lowered if stopper is not None else 0)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -225,7 +259,8 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             record["ranks"] = ranks
         if validation is not None:
             t0 = time.perf_counter()
-            scores = model.evaluate(*validation, k=eval_k, loss=True)
+            # the full softmax's loss costs an exp per label and row: only where it is the score
+            scores = model.evaluate(*validation, k=eval_k, loss=metric == "loss")
             if distributed is not None:  # every shard's slice: the same decision on every rank
                 scores = distributed.mean(scores, validation[0].shape[0])
             record.update({f"val_{k}": v for k, v in scores.items()})
@@ -235,8 +270,6 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             if improved:
                 # copied now because training moves on; restored at the end if nothing beats it
                 model.best_params_ = model.snapshot()
-            elif lower:
-                model.learning_rate_ *= PLATEAU_FACTOR
             record["best_epoch"] = stopper.best_epoch
         model.history_.append(record)
         if on_epoch is not None:
@@ -516,7 +549,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         if getattr(m, "timings_", None):
             doc["timings"] = dict(m.timings_)
         shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
-                 "val_P@1": "val_P@1", "test_P@1": "test_P@1", "test_P@5": "test_P@5",
+                 "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr", "test_P@1": "test_P@1", "test_P@5": "test_P@5",
                  "samples_per_second": "samples/s"}
         log("  ".join(f"{name}={round(record[k], 4) if isinstance(record[k], float) else record[k]}"
                       for k, name in shown.items() if k in record))

@@ -106,7 +106,7 @@ def delayed_learns_like_one_process(mode="delayed"):
     replicas end equal."""
     X, Y = _data(3000, seed=1)
     Xte, Yte = _data(1000, seed=2)
-    settings = dict(hidden=(32,), sparsity=0.5, batch_size=16, epochs=4, lr=3e-3)
+    settings = dict(hidden=(32,), sparsity=0.5, batch_size=16, epochs=8, lr=3e-3)
     dp = DataParallel(mode=mode, **({} if mode == "sync" else {"every": 4}))
     m = _model(**settings).fit(X[RANK::SIZE], Y[RANK::SIZE], distributed=dp)
     assert _same_on_all_ranks(m.params_), "replicas differ after fit"

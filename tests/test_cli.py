@@ -24,7 +24,7 @@ def test_train_eval_predict_round_trip(synth, capsys):
     assert "final: P@1=" in out
     doc = json.loads((d / "m.json").read_text())
     assert len(doc["epochs"]) == 3
-    for key in ("epoch", "train_seconds", "samples_per_second", "loss", "val_loss", "val_P@1",
+    for key in ("epoch", "train_seconds", "samples_per_second", "loss", "val_nDCG@5", "val_P@1",
                 "test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "peak_rss_mb"):
         assert key in doc["epochs"][-1]
     assert doc["config"]["hidden"] == [32] and doc["peak_rss_mb"] > 0

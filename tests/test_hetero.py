@@ -19,7 +19,7 @@ def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
 @pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
 def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     Xtr, Ytr, Xte, Yte = tiny_data
-    h = _trainer(policy, epochs=4, min_speed=0.0).fit(Xtr, Ytr, validation=(Xte, Yte))
+    h = _trainer(policy, epochs=6, min_speed=0.0).fit(Xtr, Ytr, validation=(Xte, Yte))
     seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
     np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
     rec = h.history_[-1]

@@ -7,7 +7,7 @@ from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier
 from slide.config import SlideConfig, resolve
-from slide.train import PLATEAU_FACTOR, EarlyStopping, fit_loop, validation_split
+from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
 
 def test_validation_split_is_seeded_disjoint_and_bounded():
@@ -26,8 +26,38 @@ def test_early_stopping_decisions():
     assert [d[0] for d in decisions] == [True, True, False, False, False, False]
     # the rate drops after every patience // 2 epochs without improvement, not when stopping
     assert [d[1] for d in decisions] == [False, False, False, True, False, False]
-    assert es.best_epoch == 2 and es.stopped.startswith("no improvement")
+    assert es.best_epoch == 2 and es.stopped.startswith("no improvement") and es.lowered == 1
     assert EarlyStopping.from_json(es.to_json()) == es
+    ranked = EarlyStopping(patience=4, metric="nDCG@5")  # higher is better
+    assert [ranked.update(e + 1, {"val_nDCG@5": s})[0] for e, s in enumerate(scores)] == \
+        [True, True, False, False, False, False]
+
+
+def test_learning_rate_schedule_halves_after_each_sixth_from_a_third():
+    rates = [epoch_learning_rate(1.0, e, 12) for e in range(12)]
+    assert rates == [1, 1, 1, 1, .5, .5, .25, .25, .125, .125, .0625, .0625]
+    assert [epoch_learning_rate(2.0, e, 5) for e in range(5)] == [2, 2, 1, .5, .25]
+    assert epoch_learning_rate(1.0, 0, 12, lowered=2) == pytest.approx(PLATEAU_FACTOR ** 2)
+    assert epoch_learning_rate(1.0, 30, 12) == 0.0625  # past the plan: the last rate
+
+
+def test_schedule_runs_in_fit_and_a_checkpoint_resumes_it(tmp_path, tiny_data):
+    X, Y = tiny_data[0][:300], tiny_data[1][:300]
+    kw = dict(hidden=(8,), sparsity=1.0, epochs=6, early_stopping=False, seed=0, threads=1, lr=1e-3)
+    straight = SlideClassifier(**kw).fit(X, Y)
+    assert [h["learning_rate"] for h in straight.history_] == \
+        pytest.approx([1e-3, 1e-3, 5e-4, 2.5e-4, 1.25e-4, 6.25e-5])
+    def save_then_die(model, record):
+        if record["epoch"] == 3:
+            model.save(tmp_path / "ck")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        SlideClassifier(**kw).fit(X, Y, on_epoch=save_then_die)
+    resumed = SlideClassifier.load(tmp_path / "ck")
+    fit_loop(resumed, X, Y, until_epoch=6, continue_training=True)
+    assert [h["learning_rate"] for h in resumed.history_] == [h["learning_rate"] for h in straight.history_]
+    np.testing.assert_array_equal(resumed.params_["W"], straight.params_["W"])
 
 
 class _Scripted(SlideClassifier):
@@ -38,7 +68,7 @@ class _Scripted(SlideClassifier):
 
     def evaluate(self, X, Y, k=5, **kw):
         s = self.script[min(self.epoch_, len(self.script)) - 1]
-        return {"P@1": s, "loss": 1 - s}
+        return {"P@1": s, "nDCG@5": s, "loss": 1 - s}
 
 
 def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
@@ -50,8 +80,10 @@ def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
     assert m.epoch_ == 6 and m.stopping_["kept_epoch"] == 2
     assert "no improvement" in m.stopping_["reason"] and m.stopping_["validation"].startswith("held out")
     np.testing.assert_array_equal(m.params_["W"], weights[2])
+    # still in the first third of the planned 20 epochs: only the plateau drop after epoch 4
     rates = [h["learning_rate"] for h in m.history_]
-    assert rates[:4] == [1e-3] * 4 and rates[4] == pytest.approx(1e-3 * PLATEAU_FACTOR)
+    assert rates == pytest.approx([1e-3] * 4 + [1e-3 * PLATEAU_FACTOR] * 2)
+    assert m.early_stopping_.metric == "nDCG@5"  # a sampled output layer
     assert [h["best_epoch"] for h in m.history_] == [1, 2, 2, 2, 2, 2]
 
 
@@ -66,7 +98,8 @@ def test_held_out_rows_are_not_trained_on(tiny_data):
 
     m = Recording(hidden=(8,), sparsity=0.5, epochs=1, validation_fraction=0.2, seed=0).fit(X, Y)
     assert sum(seen) == 400 and m.n_train_ == 400
-    assert "val_P@1" in m.history_[0] and "val_loss" in m.history_[0]
+    # a sampled output layer: ranked by nDCG@5, without the full softmax's loss
+    assert "val_nDCG@5" in m.history_[0] and "val_loss" not in m.history_[0]
     seen.clear()
     Recording(hidden=(8,), sparsity=0.5, epochs=1, early_stopping=False).fit(X, Y)
     assert sum(seen) == 500
@@ -109,7 +142,8 @@ def test_resume_during_early_stopping_equals_straight_run(tmp_path, tiny_data):
     assert resumed.best_params_ is not None  # the checkpoint holds the best epoch's weights too
     fit_loop(resumed, X, Y, until_epoch=12, continue_training=True)
     assert resumed.stopping_["kept_epoch"] == straight.stopping_["kept_epoch"]
-    assert [h["val_loss"] for h in resumed.history_] == [h["val_loss"] for h in straight.history_]
+    assert [h["val_nDCG@5"] for h in resumed.history_] == [h["val_nDCG@5"] for h in straight.history_]
+    assert [h["learning_rate"] for h in resumed.history_] == [h["learning_rate"] for h in straight.history_]
     for k in straight.params_:
         np.testing.assert_array_equal(resumed.params_[k], straight.params_[k], err_msg=k)
 
@@ -154,9 +188,11 @@ def test_every_engine_runs_the_same_loop(tiny_data, make):
     m = make().fit(X, Y)
     assert len(m.history_) == 3 and m.stopping_["validation"].startswith("held out")
     for rec in m.history_:
-        for key in ("epoch", "loss", "val_loss", "val_P@1", "learning_rate", "best_epoch",
+        for key in ("epoch", "loss", "val_P@1", "val_nDCG@5", "learning_rate", "best_epoch",
                     "samples_per_second"):
             assert key in rec, key
+        # the full softmax's loss is the dense reference's score, not the sampled engine's
+        assert ("val_loss" in rec) == isinstance(m, DenseClassifier)
 
 
 def test_defaults_follow_the_data_shape():
