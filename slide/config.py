@@ -202,8 +202,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
         target = min(n_labels, max(1, math.ceil(c.sparsity * n_labels)))
     sampled = target < n_labels
     hidden = c.hidden or ((128,) if sampled else (512,))
-    # a sampled output row is updated only in the steps that select it: it gets a larger step
-    out.update(hidden=list(hidden), lr=c.lr or (2e-3 if sampled else 1e-3),
+    # a sampled output row is updated only in the steps that select it: it gets a larger step,
+    # which fit's schedule and plateau drops bring down once it stops paying
+    out.update(hidden=list(hidden), lr=c.lr or (4e-3 if sampled else 1e-3),
                weight_decay=1.0 if c.weight_decay is None else c.weight_decay)
     # a quarter of the active set is each sample's own LSH candidates (hard negatives), the
     # rest a random pool shared by the batch (dense matrix products, few distinct rows to
