@@ -551,8 +551,10 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
                  "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr", "test_P@1": "test_P@1", "test_P@5": "test_P@5",
                  "samples_per_second": "samples/s"}
-        log("  ".join(f"{name}={round(record[k], 4) if isinstance(record[k], float) else record[k]}"
-                      for k, name in shown.items() if k in record))
+        def show(k):  # the rate in significant digits: late in a schedule it is below 1e-4
+            v = record[k]
+            return f"{v:.3g}" if k == "learning_rate" else round(v, 4) if isinstance(v, float) else v
+        log("  ".join(f"{name}={show(k)}" for k, name in shown.items() if k in record))
         if metrics_json:
             _write_json(metrics_json, doc)
         if checkpoint_dir:
