@@ -64,7 +64,7 @@ class EarlyStopping:
     output layer trained whole: on small validation slices it picked better epochs than P@k,
     which moves in steps of one row (bench/results/accuracy_experiments.md); or ``"nDCG@5"``
     for a sampled output layer, whose training never sees the full softmax's normaliser (at
-    Amazon-670K shape the full loss rose while P@1 went from 0.07 to 0.19), and whose
+    Amazon-670K shape the full loss rose while P@1 went from 0.07 to 0.25), and whose
     validation slices are large. ``patience`` evaluations without an improvement larger than
     ``tol`` (relative) stop the run; after every ``max(1, patience // 2)`` of them the
     learning rate is lowered.
@@ -266,7 +266,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             record.update({f"val_{k}": v for k, v in scores.items()})
             record["eval_seconds"] = time.perf_counter() - t0
         if stopper is not None:
-            improved, lower = stopper.update(model.epoch_, record)
+            improved, _ = stopper.update(model.epoch_, record)  # drops: stopper.lowered
             if improved:
                 # copied now because training moves on; restored at the end if nothing beats it
                 model.best_params_ = model.snapshot()
@@ -506,6 +506,14 @@ def load_train_test(train=None, test=None, seed=0, log=print):
     return Xtr, Ytr, Xte, Yte
 
 
+def _shown_value(key, value):
+    """A record's value as ``slide train`` prints it: floats to 4 decimals, the learning rate
+    to 3 significant digits (late in the schedule it is below 1e-4)."""
+    if key == "learning_rate":
+        return f"{value:.3g}"
+    return round(value, 4) if isinstance(value, float) else value
+
+
 def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=None,
                  checkpoint_dir=None, progress=True, log=print, resume=False, save_every=None,
                  distributed=None):
@@ -549,12 +557,9 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         if getattr(m, "timings_", None):
             doc["timings"] = dict(m.timings_)
         shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
-                 "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr", "test_P@1": "test_P@1", "test_P@5": "test_P@5",
-                 "samples_per_second": "samples/s"}
-        def show(k):  # the rate in significant digits: late in a schedule it is below 1e-4
-            v = record[k]
-            return f"{v:.3g}" if k == "learning_rate" else round(v, 4) if isinstance(v, float) else v
-        log("  ".join(f"{name}={show(k)}" for k, name in shown.items() if k in record))
+                 "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr",
+                 "test_P@1": "test_P@1", "test_P@5": "test_P@5", "samples_per_second": "samples/s"}
+        log("  ".join(f"{name}={_shown_value(k, record[k])}" for k, name in shown.items() if k in record))
         if metrics_json:
             _write_json(metrics_json, doc)
         if checkpoint_dir:
