@@ -31,6 +31,7 @@ Writes ``OUT.json`` with ``--out``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
@@ -97,6 +98,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=40, help="timed batches")
     p.add_argument("--stream-mb", type=int, default=512)
+    p.add_argument("--config", default="{}", help="JSON overrides of the engine's settings")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -105,7 +107,8 @@ def main(argv=None):
     print(f"triad bandwidth: {bw1 / 1e9:.1f} GB/s on 1 thread, {bw / 1e9:.1f} GB/s on {args.threads}")
 
     X, Y, _, _ = dataset(args.preset, args.n_train, 10)
-    model = SlideClassifier(threads=args.threads, early_stopping=False, seed=0)
+    model = SlideClassifier(threads=args.threads, early_stopping=False, seed=0,
+                            **json.loads(args.config))
     model.initialize(X, Y)
     B = model.batch_size_
     order = np.random.default_rng(0).permutation(X.shape[0])

@@ -58,6 +58,8 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hidden", type=_hidden, default=None,
                    help="hidden sizes, e.g. 512 or 256,128 (default: from the data's shape)")
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
+    t.add_argument("--hard-negatives", type=int, default=None,
+                   help="most LSH candidates per sample in the output's active set (default: auto)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
@@ -155,7 +157,7 @@ def _load_model(path):
 #: ``slide train`` flags that fix the model's architecture or preprocessing: a resumed run keeps
 #: the checkpoint's, so giving another value is an error rather than silently ignored
 _FIXED_ON_RESUME = {"hidden": "hidden", "sparsity": "sparsity", "hidden_sparsity": "hidden_sparsity",
-                    "hash_family": "hash_family", "tfidf": "tfidf", "no_norm": "norm"}
+                    "hard_negatives": "hard_negatives", "hash_family": "hash_family", "tfidf": "tfidf", "no_norm": "norm"}
 
 
 def _check_outputs(a):
@@ -266,7 +268,8 @@ def _cmd_train(a):
         if a.engine == "slide":
             from slide.network import SlideClassifier
             model = SlideClassifier(sparsity=a.sparsity, hidden_sparsity=a.hidden_sparsity,
-                                    hash_family=a.hash_family, threads=a.threads, **common)
+                                    hard_negatives=a.hard_negatives, hash_family=a.hash_family,
+                                    threads=a.threads, **common)
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier(device=a.device, **common)

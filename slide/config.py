@@ -56,6 +56,8 @@ class SlideConfig:
             (1.0 dense; None all dense). The first layer reads the sparse input: always dense.
         sparsity : fraction of output neurons active per sample while training (labels, LSH
             hard negatives and random negatives shared by the batch); 1.0 is the exact softmax.
+        hard_negatives : the most LSH candidates (hard negatives) in a sample's active set; the
+            rest of the active set is the batch's shared random negatives. 0: none.
     LSH tables of the sampled layers
         hash_family, K, L, range_pow, bucket_size, bucket_policy; rehash_every (samples
         between rehashes, growing by ``rehash_growth`` after each), rebuild_every (samples
@@ -81,6 +83,7 @@ class SlideConfig:
     hidden: tuple | None = None
     hidden_sparsity: tuple | None = None
     sparsity: float | None = None
+    hard_negatives: int | None = None
     hash_family: str = "dwta"
     K: int | None = None
     L: int | None = None
@@ -136,6 +139,7 @@ class SlideConfig:
             set_(name, bool(getattr(self, name)))
         checks = {
             "sparsity": dict(lo=0, hi=1, lo_open=True),
+            "hard_negatives": dict(lo=0, hi=1 << 20, integer=True),
             "K": dict(lo=1, hi=32, integer=True), "L": dict(lo=1, hi=4096, integer=True),
             "range_pow": dict(lo=1, hi=30, integer=True), "bucket_size": dict(lo=1, hi=1 << 16, integer=True),
             "rehash_every": dict(lo=1, integer=True), "rebuild_every": dict(lo=1, integer=True),
@@ -165,6 +169,13 @@ FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
 # --------------------------------------------------------------------------------------------
 # The defaults rule
 # --------------------------------------------------------------------------------------------
+#: the most LSH candidates per sample by default. Each sample's candidates are rows of its own,
+#: so a batch touches about batch_size x this many distinct output rows, through the scattered
+#: reads of the forward and backward passes and Adam's updates: at Amazon-670K shape a quarter of
+#: the active set (837) cost 1.7x the step time of 209 for the same P@1 after the same epochs
+#: (bench/results/accuracy_experiments.md)
+HARD_NEGATIVES = 256
+
 #: optimizer steps the planned epochs cover, at most, when early stopping may end the run sooner
 EARLY_STOPPING_STEPS = 10_000
 
@@ -184,8 +195,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
       :data:`EARLY_STOPPING_STEPS` steps, between 5 and 100. ``fit``'s learning-rate schedule
       is laid over these epochs.
     * output active set: ``max(1024, 0.005 · labels)`` neurons (all of them for fewer labels);
-      a quarter of it the sample's LSH hard negatives, the rest random negatives shared by the
-      batch, to which every label of the batch is added (so the other samples' labels are
+      a quarter of it, at most :data:`HARD_NEGATIVES`, the sample's LSH hard negatives, the
+      rest random negatives shared by the batch, to which every label of the batch is added (so the other samples' labels are
       negatives too, in proportion to how often labels occur).
     * hidden, lr, weight_decay: see the README's "Defaults" section.
     """
@@ -206,11 +217,16 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     # which fit's schedule and plateau drops bring down once it stops paying
     out.update(hidden=list(hidden), lr=c.lr or (4e-3 if sampled else 1e-3),
                weight_decay=1.0 if c.weight_decay is None else c.weight_decay)
-    # a quarter of the active set is each sample's own LSH candidates (hard negatives), the
-    # rest a random pool shared by the batch (dense matrix products, few distinct rows to
-    # update), which the engine extends by the batch's labels; without sampling the pool is
-    # every neuron
-    lsh_cap = target // 4 if sampled else 0
+    # a quarter of the active set, at most HARD_NEGATIVES, is each sample's own LSH candidates
+    # (hard negatives), the rest a random pool shared by the batch (dense matrix products, few
+    # distinct rows to update), which the engine extends by the batch's labels; without
+    # sampling the pool is every neuron
+    if not sampled:
+        lsh_cap = 0
+    elif c.hard_negatives is not None:
+        lsh_cap = min(c.hard_negatives, target)
+    else:
+        lsh_cap = min(target // 4, HARD_NEGATIVES)
     out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap)
     if sampled:
         over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}

@@ -52,15 +52,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     ``timings_`` (seconds per phase).
     """
 
-    def __init__(self, hidden=None, hidden_sparsity=None, sparsity=None, hash_family="dwta", K=None,
-                 L=None, range_pow=None, bucket_size=None, bucket_policy="reservoir",
-                 rehash_every=None, rehash_growth=1.25, rebuild_every=None, norm="l2", tfidf=False,
-                 lr=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=None, batch_size=None,
+    def __init__(self, hidden=None, hidden_sparsity=None, sparsity=None, hard_negatives=None,
+                 hash_family="dwta", K=None, L=None, range_pow=None, bucket_size=None,
+                 bucket_policy="reservoir", rehash_every=None, rehash_growth=1.25,
+                 rebuild_every=None, norm="l2", tfidf=False, lr=None, beta1=0.9, beta2=0.999,
+                 eps=1e-8, weight_decay=None, batch_size=None,
                  epochs=None, early_stopping=True, validation_fraction=0.1, n_iter_no_change=5,
                  threads=None, seed=0, warm_start=False):
         self.hidden = hidden
         self.hidden_sparsity = hidden_sparsity
         self.sparsity = sparsity
+        self.hard_negatives = hard_negatives
         self.hash_family = hash_family
         self.K = K
         self.L = L

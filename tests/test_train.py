@@ -6,7 +6,7 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier
-from slide.config import SlideConfig, resolve
+from slide.config import HARD_NEGATIVES, SlideConfig, resolve
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
 
@@ -200,6 +200,14 @@ def test_defaults_follow_the_data_shape():
     wide = resolve(SlideConfig(), n_features=135_909, n_labels=670_091, n_train=100_000)
     assert not small["sampled"] and wide["sampled"]
     assert wide["active_target"] == 3351
+    # a sample's LSH candidates are its own rows: their count per sample is capped, whatever the
+    # label count; the shared pool takes the rest of the active set
+    assert wide["lsh_cap"] == HARD_NEGATIVES and wide["pool"] == 3351 - HARD_NEGATIVES
+    assert small["lsh_cap"] == 0 and small["pool"] == small["active_target"] == 300
+    mid = resolve(SlideConfig(), n_features=5000, n_labels=4000, n_train=10_000)
+    assert mid["lsh_cap"] == min(1024 // 4, HARD_NEGATIVES) and mid["pool"] == 1024 - mid["lsh_cap"]
+    own = resolve(SlideConfig(hard_negatives=0), 135_909, 670_091, 100_000)
+    assert own["lsh_cap"] == 0 and own["pool"] == 3351
     assert small["batch_size"] == 32 and wide["batch_size"] == 128
     assert resolve(SlideConfig(hidden=(64,), lr=0.01, epochs=3), 10, 5, 100)["hidden"] == [64]
     for r in (small, wide):
@@ -212,6 +220,8 @@ def test_settings_are_validated_at_fit(tiny_data):
                        (dict(K=0), "K"), (dict(L=0), "L"), (dict(bucket_size=0), "bucket_size"),
                        (dict(epochs=2.7), "epochs must be an integer"), (dict(lr=float("inf")), "lr"),
                        (dict(validation_fraction=0.9), "validation_fraction"),
-                       (dict(norm="l1"), "norm"), (dict(early_stopping="yes"), "early_stopping")]:
+                       (dict(norm="l1"), "norm"), (dict(early_stopping="yes"), "early_stopping"),
+                       (dict(hard_negatives=-1), "hard_negatives"),
+                       (dict(hard_negatives=2.5), "hard_negatives must be an integer")]:
         with pytest.raises((ValueError, TypeError), match=match):
             SlideClassifier(**bad).fit(X, Y)
