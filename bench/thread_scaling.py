@@ -7,7 +7,7 @@ For each threading layer (its own process, since numba fixes the layer at the fi
 call) and thread count: the median samples/s of windows of ``--window`` training batches
 (the engine's own epoch loop over a seeded order, after a warm-up call that compiles; the first
 window, which holds the epoch's opening rehash, is left out), and
-the exact top-5 of 512 rows. Prints the machine's affinity and OpenMP settings too, since
+the exact top-5 of 512 rows (median of 3 calls after a warm-up call). Prints the machine's affinity and OpenMP settings too, since
 thread placement decides these figures.
 """
 from __future__ import annotations
@@ -64,9 +64,13 @@ def _measure(layer, args, queue):
         clock = _Clock(128 * args.window)
         model.train_epoch(Xp, Ytr, np.random.default_rng(0).permutation(Xtr.shape[0]), progress=clock)
         rates = clock.rates[1:]  # the first window holds the epoch's opening rehash
-        t0 = time.perf_counter()
-        model.predict_topk(Xte, 5)
-        infer = 512 / (time.perf_counter() - t0)
+        model.predict_topk(Xte, 5)  # compile (or load the cached kernels)
+        seconds = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            model.predict_topk(Xte, 5)
+            seconds.append(time.perf_counter() - t0)
+        infer = 512 / float(np.median(seconds))
         out["rows"].append({"threads": threads, "train_samples_per_second": float(np.median(rates)),
                             "windows": len(rates), "predict_rows_per_second": infer})
         out["threading_layer"] = numba.threading_layer()
