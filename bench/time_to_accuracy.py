@@ -11,9 +11,11 @@ on the same fixed shuffled test sample; evaluation time is not counted in the bu
 ``--negatives`` shared random rows), ``hetero-hogbatch`` and ``hetero-adaptive`` (``hetero`` is the
 latter): the engine's CPU threads with a GPU worker (on numpy without a GPU), whose per-worker
 samples, busy seconds and utilisation are recorded. Each engine runs in its own process.
-``--lr-halve-at 300,450`` halves the engine's learning rate at those training seconds (the
-harness trains through ``partial_fit``, which keeps the rate it is given: ``fit``'s schedule
-and plateau drops run over its planned epochs and its validation slice).
+The learning rate follows ``fit``'s schedule (``--schedule fit``, the default): at each epoch
+of the harness, :func:`slide.train.epoch_learning_rate` over the epochs ``fit`` would plan for
+this training set (:func:`slide.config.resolve`), set through the step API's
+``learning_rate_`` for every engine alike. There are no plateau drops (no validation slice
+here). ``--schedule constant`` keeps the engine's initial rate.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import time
 import numpy as np
 
 from bench.common import dataset, machine, run_isolated, write_json
+from slide.config import SlideConfig, resolve
+from slide.train import epoch_learning_rate
 
 
 def _make(engine, args):
@@ -60,12 +64,18 @@ def _run(engine, args, queue):
     budget = args.minutes * 60
     order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
     pos = 0
-    halve_at = sorted(float(t) for t in args.lr_halve_at.split(",") if t) if engine == "slide" else []
+    planned = resolve(SlideConfig(hidden=(args.hidden,), sparsity=args.sparsity,
+                                  batch_size=args.batch_size), Xtr.shape[1], Ytr.shape[1],
+                      Xtr.shape[0])["epochs"]
+    base_lr = None  # the engine's initial rate, once the first call has resolved it
     while True:
         if pos >= Xtr.shape[0]:
             epoch += 1
             order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
             pos = 0
+            if args.schedule == "fit":
+                base_lr = base_lr or model.learning_rate_
+                model.learning_rate_ = epoch_learning_rate(base_lr, epoch, planned)
         idx = np.sort(order[pos:pos + chunk])
         pos += idx.size
         t0 = time.perf_counter()
@@ -78,14 +88,10 @@ def _run(engine, args, queue):
                 for k in workers[w]:
                     workers[w][k] += s[k]
         samples += idx.size
-        while halve_at and train_seconds >= halve_at[0]:  # a fixed schedule (no validation here)
-            halve_at.pop(0)
-            lr = model.learning_rate_ / 2
-            model.set_params(lr=lr)  # in force from the next partial_fit
-            print(f"[{engine}] {train_seconds:7.1f}s  learning rate halved to {lr:.2e}", flush=True)
         if train_seconds >= next_eval or train_seconds >= budget:
             res = evaluated.evaluate(Xte, Yte, k=5)
-            points.append({"seconds": train_seconds, "samples": samples, "epoch": samples / Xtr.shape[0], **res})
+            points.append({"seconds": train_seconds, "samples": samples, "epoch": samples / Xtr.shape[0],
+                           "learning_rate": float(model.learning_rate_), **res})
             print(f"[{engine}] {train_seconds:7.1f}s  {samples:8d} samples  P@1={res['P@1']:.4f}", flush=True)
             next_eval = train_seconds + args.eval_every
             if train_seconds >= budget:
@@ -137,8 +143,8 @@ def main(argv=None):
                    help="random output rows per batch of dense-gpu-sampled and of hetero's GPU worker")
     p.add_argument("--chunk-batches", type=int, default=10, help="batches between clock checks")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lr-halve-at", default="", metavar="SECONDS,...",
-                   help="slide engine: halve its learning rate at these training seconds")
+    p.add_argument("--schedule", choices=["fit", "constant"], default="fit",
+                   help="learning rate per epoch: fit's schedule over its planned epochs, or constant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/tta")
     p.add_argument("--replot", action="store_true", help="only redraw OUT.png from OUT.json")
