@@ -6,9 +6,9 @@
 For each threading layer (its own process, since numba fixes the layer at the first parallel
 call) and thread count: the median samples/s of windows of ``--window`` training batches
 (the engine's own epoch loop over a seeded order, after a warm-up call that compiles; the first
-window, which holds the epoch's opening rehash, is left out), and
-the exact top-5 of 512 rows (median of 3 calls after a warm-up call). Prints the machine's affinity and OpenMP settings too, since
-thread placement decides these figures.
+window, which holds the epoch's opening rehash, is left out), and the exact top-5 of 512 rows
+(median of 3 calls after a warm-up call). Prints the machine's affinity and OpenMP settings
+too, since thread placement decides these figures.
 """
 from __future__ import annotations
 

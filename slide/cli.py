@@ -154,10 +154,11 @@ def _load_model(path):
     return SlideClassifier.load(path)
 
 
-#: ``slide train`` flags that fix the model's architecture or preprocessing: a resumed run keeps
-#: the checkpoint's, so giving another value is an error rather than silently ignored
+#: ``slide train`` flags that fix the model's architecture, sampling or preprocessing: a resumed
+#: run keeps the checkpoint's, so giving another value is an error rather than silently ignored
 _FIXED_ON_RESUME = {"hidden": "hidden", "sparsity": "sparsity", "hidden_sparsity": "hidden_sparsity",
-                    "hard_negatives": "hard_negatives", "hash_family": "hash_family", "tfidf": "tfidf", "no_norm": "norm"}
+                    "hard_negatives": "hard_negatives", "hash_family": "hash_family",
+                    "tfidf": "tfidf", "no_norm": "norm"}
 
 
 def _check_outputs(a):

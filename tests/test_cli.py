@@ -70,6 +70,8 @@ def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_pat
     resume = ["train", train, "--epochs", "2", "--no-progress", "--save", str(tmp_path / "m"), "--resume"]
     assert main(resume + ["--hidden", "64"]) == 2
     assert "differs from the checkpoint" in capsys.readouterr().err
+    assert main(resume + ["--hard-negatives", "8"]) == 2  # a sampling setting is kept too
+    assert "--hard-negatives 8 differs" in capsys.readouterr().err
     assert main(resume + ["--hidden", "16"]) == 0  # the same value is fine
     assert main(base) == 0
     assert "model not saved" in capsys.readouterr().out
