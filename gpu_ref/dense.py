@@ -243,7 +243,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                    f"{self.resolved_['hidden']} and {self.n_labels_} labels")
         self._xp = None
         params = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
-                                 self.config_.seed, self.preprocessor_.seen_features())
+                                 self.config_.seed, self.preprocessor_.seen_features(),
+                                 self.resolved_["input_init"])
         self._set_arrays(params, None)
         self.learning_rate_ = self.resolved_["lr"]
         self.step_, self.epoch_, self.epoch_position_ = 0, 0, 0

@@ -176,9 +176,6 @@ FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
 #: (bench/results/accuracy_experiments.md)
 HARD_NEGATIVES = 256
 
-#: standard deviation of the input layer's initial weights
-INPUT_INIT_SCALE = 0.1
-
 #: optimizer steps the planned epochs cover, at most, when early stopping may end the run sooner
 EARLY_STOPPING_STEPS = 10_000
 
@@ -201,7 +198,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
       a quarter of it, at most :data:`HARD_NEGATIVES`, the sample's LSH hard negatives, the
       rest random negatives shared by the batch, to which every label of the batch is added (so the other samples' labels are
       negatives too, in proportion to how often labels occur).
-    * hidden, lr, weight_decay: see the README's "Defaults" section.
+    * hidden, lr, weight_decay, input_init (the input layer's initial standard deviation):
+      see the README's "Defaults" section.
     """
     c = config
     out = {}
@@ -220,6 +218,12 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     # which fit's schedule and plateau drops bring down once it stops paying
     out.update(hidden=list(hidden), lr=c.lr or (4e-3 if sampled else 1e-3),
                weight_decay=1.0 if c.weight_decay is None else c.weight_decay)
+    # an input row is trained only in the steps whose samples hold its feature, and a rare
+    # feature's random start stays noise in every row holding it: at Amazon-670K shape (136K
+    # features, half of them in fewer than 25 rows) 0.1 instead of 0.5 took P@1 after 6 epochs
+    # from 0.24 to 0.30; the small sets (a few hundred frequent features) lost 0.006-0.011 on
+    # two of them with 0.1 (bench/results/accuracy_experiments.md)
+    out["input_init"] = 0.1 if sampled else 0.5
     # a quarter of the active set, at most HARD_NEGATIVES, is each sample's own LSH candidates
     # (hard negatives), the rest a random pool shared by the batch (dense matrix products, few
     # distinct rows to update), which the engine extends by the batch's labels; without
@@ -281,8 +285,11 @@ def parameter_shapes(hidden, n_features: int, n_labels: int) -> dict:
             "bh": (sum(sizes[1:]),), "W": (n_labels, sizes[-1]), "b": (n_labels,)}
 
 
-def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_features=None) -> dict:
+def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_features=None,
+                    input_scale: float = 0.5) -> dict:
     """Initial float32 parameters (``W0, b0, Wh, bh, W, b``) for a seed; shared with gpu_ref.
+    ``input_scale``: the standard deviation of the input layer's weights (``resolve``'s
+    ``input_init``).
 
     ``seen_features`` (bool [n_features]) marks the features the training rows contain: the
     others' input rows start at zero. They would never be trained, and random rows would add
@@ -292,11 +299,8 @@ def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_feat
     sizes = [int(h) for h in hidden]
     p = {}
     # input rows are L2-normalised sparse vectors, so a row's pre-activations have the spread
-    # of one input row whatever its length. Small (0.1): an input row is trained only in the
-    # steps whose samples hold its feature, and a rare feature's random start stays noise in
-    # every row that holds it; at Amazon-670K shape 0.1 instead of 0.5 took P@1 after 6 epochs
-    # from 0.24 to 0.30, and was even on the small real sets (bench/results/accuracy_experiments.md)
-    p["W0"] = rng.standard_normal((n_features, sizes[0]), np.float32) * np.float32(INPUT_INIT_SCALE)
+    # of one input row (input_scale) whatever its length
+    p["W0"] = rng.standard_normal((n_features, sizes[0]), np.float32) * np.float32(input_scale)
     if seen_features is not None:
         p["W0"][~np.asarray(seen_features, bool)] = 0.0
     p["b0"] = np.zeros(sizes[0], np.float32)

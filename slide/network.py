@@ -215,7 +215,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                    f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "
                    f"and {self.n_labels_} labels")
         self.params_ = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
-                                       self.config_.seed, self.preprocessor_.seen_features())
+                                       self.config_.seed, self.preprocessor_.seen_features(),
+                                       self.resolved_["input_init"])
         self.moments_ = {f"{k}.{s}": np.zeros_like(v) for k, v in self.params_.items() for s in "mv"}
         self.learning_rate_ = self.resolved_["lr"]
         self.step_, self.epoch_, self.samples_seen_ = 0, 0, 0

@@ -206,6 +206,8 @@ def test_defaults_follow_the_data_shape():
     assert small["lsh_cap"] == 0 and small["pool"] == small["active_target"] == 300
     mid = resolve(SlideConfig(), n_features=5000, n_labels=4000, n_train=10_000)
     assert mid["lsh_cap"] == min(1024 // 4, HARD_NEGATIVES) and mid["pool"] == 1024 - mid["lsh_cap"]
+    # a wide, sparse input with a sampled output starts its input rows small
+    assert wide["input_init"] == 0.1 and small["input_init"] == 0.5
     own = resolve(SlideConfig(hard_negatives=0), 135_909, 670_091, 100_000)
     assert own["lsh_cap"] == 0 and own["pool"] == 3351
     assert small["batch_size"] == 32 and wide["batch_size"] == 128
