@@ -196,8 +196,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
       is laid over these epochs.
     * output active set: ``max(1024, 0.005 · labels)`` neurons (all of them for fewer labels);
       a quarter of it, at most :data:`HARD_NEGATIVES`, the sample's LSH hard negatives, the
-      rest random negatives shared by the batch, to which every label of the batch is added (so the other samples' labels are
-      negatives too, in proportion to how often labels occur).
+      rest random negatives shared by the batch, to which every label of the batch is added
+      (so the other samples' labels are negatives too, in proportion to how often labels occur).
     * hidden, lr, weight_decay, input_init (the input layer's initial standard deviation):
       see the README's "Defaults" section.
     """
@@ -221,8 +221,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     # an input row is trained only in the steps whose samples hold its feature, and a rare
     # feature's random start stays noise in every row holding it: at Amazon-670K shape (136K
     # features, half of them in fewer than 25 rows) 0.1 instead of 0.5 took P@1 after 6 epochs
-    # from 0.24 to 0.30; the small sets (a few hundred frequent features) lost 0.006-0.011 on
-    # two of them with 0.1 (bench/results/accuracy_experiments.md)
+    # from 0.24 to 0.28-0.30 and at the end from 0.296 to 0.33; with 0.1 two small real sets (a
+    # few hundred frequent features) lost 0.006-0.011 and the demo preset 0.006
+    # (bench/results/accuracy_experiments.md)
     out["input_init"] = 0.1 if sampled else 0.5
     # a quarter of the active set, at most HARD_NEGATIVES, is each sample's own LSH candidates
     # (hard negatives), the rest a random pool shared by the batch (dense matrix products, few
@@ -285,8 +286,8 @@ def parameter_shapes(hidden, n_features: int, n_labels: int) -> dict:
             "bh": (sum(sizes[1:]),), "W": (n_labels, sizes[-1]), "b": (n_labels,)}
 
 
-def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_features=None,
-                    input_scale: float = 0.5) -> dict:
+def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_features,
+                    input_scale: float) -> dict:
     """Initial float32 parameters (``W0, b0, Wh, bh, W, b``) for a seed; shared with gpu_ref.
     ``input_scale``: the standard deviation of the input layer's weights (``resolve``'s
     ``input_init``).
