@@ -1,0 +1,358 @@
+"""Exact top-k over a wide output layer through an int8 screen.
+
+The exact top-k of ``H @ W.T + b`` is bound by the product's arithmetic: 171 MFLOP per row at
+670K labels and hidden 128, which float32 on one core does at ~70 GFLOP/s at best. Most of
+those scores only need to be known to be too small. Here every score is first computed from
+int8 copies of ``H`` and ``W`` with the CPU's int8 dot-product instruction (AVX-512 VNNI's
+``vpdpbusd``: 64 multiply-adds per instruction, four times float32's FMA), together with a
+rigorous bound on the quantisation error; only the labels whose upper bound reaches the k-th
+best lower bound of their row are then scored in float32. The result is the exact top-k (the
+candidates always contain every label that can be in it), at a quarter of the arithmetic.
+
+Bound, per row ``h`` and label ``w`` (``ĥ``, ``ŵ``: the dequantised copies)::
+
+    |h·w - ĥ·ŵ| = |(h - ĥ)·w + ĥ·(w - ŵ)| <= |h - ĥ| |w| + |ĥ| |w - ŵ|
+
+(Cauchy-Schwarz on both terms), plus a float32 rounding allowance. ``h`` is a ReLU output,
+so it is quantised to uint8 (``vpdpbusd`` multiplies unsigned by signed bytes); rows with a
+negative entry, and machines without VNNI, take :func:`slide.metrics.topk_product`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from slide.metrics import _heap_push, _heap_sorted, check_k, topk_product
+
+__all__ = ["Int8Rows", "quantize_rows", "screened_topk", "has_int8_dot", "SCREEN_MIN_LABELS"]
+
+#: label rows per micro-tile (4 vectors of 16 int32 lanes) and batch rows per micro-tile
+TILE_LABELS, TILE_ROWS = 64, 4
+#: below this many labels the float32 kernel is as fast (the screen's fixed costs dominate)
+SCREEN_MIN_LABELS = 1 << 15
+#: batch rows screened per pass over the labels: their int8 rows (128 bytes each at hidden
+#: 128) stay in a core's L1 cache while every label tile meets them
+ROW_BLOCK = 128
+
+
+def rounding_allowance(d: int) -> np.float32:
+    """Relative allowance for float32 rounding in the screened and the rescored scores: a
+    d-term float32 dot product is within d * 2^-24 of its exact value relative to |h||w|
+    (twice that, and at least 1e-4)."""
+    return np.float32(max(1e-4, 2 * d * 2.0 ** -24))
+
+
+def has_int8_dot() -> bool:
+    """Whether this CPU has AVX-512 VNNI (the screen's instruction); numba compiles for the host."""
+    from llvmlite import binding
+    return bool(binding.get_host_cpu_features().get("avx512vnni", False))
+
+
+@intrinsic
+def _dot_tile(typingctx, hq, r0, wq, j0, acc):
+    """``acc[r0 + a, 16 g:16 g + 16] = sum_d dpbusd(hq[r0 + a, d], wq[d, 4 (j0 + 16 g):...])`` for
+    a < TILE_ROWS, g < TILE_LABELS / 16: int32 dot products of 4 uint8 rows ``hq`` (int32
+    [rows, D4], four bytes each) with 64 int8 label rows packed as ``wq`` (int8 [D4, 4 L]: the
+    4 bytes of label j at depth d sit at ``wq[d, 4 j:4 j + 4]``). The 16 accumulators stay in
+    registers over the depth loop; only AVX-512 VNNI machines may compile it."""
+    sig = types.void(hq, r0, wq, j0, acc)
+
+    def codegen(context, builder, signature, args):
+        H = context.make_array(signature.args[0])(context, builder, args[0])
+        Wq = context.make_array(signature.args[2])(context, builder, args[2])
+        A = context.make_array(signature.args[4])(context, builder, args[4])
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        v16 = ir.VectorType(i32, 16)
+        groups = TILE_LABELS // 16
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
+        depth = cgutils.unpack_tuple(builder, H.shape, 2)[1]
+        h_stride = cgutils.unpack_tuple(builder, H.strides, 2)[0]
+        w_stride = cgutils.unpack_tuple(builder, Wq.strides, 2)[0]
+        a_stride = cgutils.unpack_tuple(builder, A.strides, 2)[0]
+        four = ir.Constant(i64, 4)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None))
+                for _ in range(TILE_ROWS * groups)]  # promoted to registers by LLVM
+        h_base = builder.add(builder.ptrtoint(H.data, i64), builder.mul(args[1], h_stride))
+        w_base = builder.add(builder.ptrtoint(Wq.data, i64), builder.mul(args[3], four))
+        splat = ir.Constant(v16, [0] * 16)
+        with cgutils.for_range(builder, depth) as loop:
+            hv = []
+            for a in range(TILE_ROWS):
+                p = builder.add(h_base, builder.add(builder.mul(ir.Constant(i64, a), h_stride),
+                                                    builder.mul(loop.index, four)))
+                x = builder.load(builder.inttoptr(p, i32.as_pointer()), align=4)
+                x = builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0))
+                hv.append(builder.shuffle_vector(x, ir.Constant(v16, ir.Undefined), splat))
+            row = builder.add(w_base, builder.mul(loop.index, w_stride))
+            for g in range(groups):
+                p = builder.add(row, ir.Constant(i64, 64 * g))
+                wv = builder.load(builder.inttoptr(p, v16.as_pointer()), align=1)
+                for a in range(TILE_ROWS):
+                    slot = accs[a * groups + g]
+                    builder.store(builder.call(dpbusd, [builder.load(slot), hv[a], wv]), slot)
+        a_base = builder.add(builder.ptrtoint(A.data, i64), builder.mul(args[1], a_stride))
+        for a in range(TILE_ROWS):
+            for g in range(groups):
+                p = builder.add(a_base, builder.add(builder.mul(ir.Constant(i64, a), a_stride),
+                                                    ir.Constant(i64, 64 * g)))
+                builder.store(builder.load(accs[a * groups + g]),
+                              builder.inttoptr(p, v16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@dataclass(frozen=True)
+class Int8Rows:
+    """Int8 copy of a weight matrix W [L, d] for :func:`screened_topk`.
+
+    packed : int8 [ceil(d / 4), 4 * L'] (L' = L rounded up to 64; padding rows are zero), the
+        layout the dot-product instruction reads (see ``_dot_tile``).
+    scale : float32 [L']: w_j ~ scale_j * q_j (symmetric, per label: max |w_j| / 127).
+    norm, error : float32 [L']: |w_j| and |w_j - scale_j q_j|, rounded up.
+    n_rows, dim : L and d.
+    """
+    packed: np.ndarray
+    scale: np.ndarray
+    norm: np.ndarray
+    error: np.ndarray
+    n_rows: int
+    dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + self.norm.nbytes + self.error.nbytes
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _quantize_rows(W, packed, scale, norm, error):
+    L, d = W.shape
+    for j in prange(L):
+        m = 0.0
+        for i in range(d):
+            m = max(m, abs(W[j, i]))
+        s = m / 127.0
+        nw = 0.0
+        ne = 0.0
+        for i in range(d):
+            q = 0 if s == 0.0 else min(127, max(-127, round(W[j, i] / s)))
+            packed[i // 4, 4 * j + i % 4] = q
+            w = np.float64(W[j, i])
+            nw += w * w
+            ne += (w - q * np.float64(np.float32(s))) ** 2
+        scale[j] = s
+        # one float32 step up: the bounds must not round below their float64 values
+        norm[j] = np.nextafter(np.float32(np.sqrt(nw)), np.float32(np.inf))
+        error[j] = np.nextafter(np.float32(np.sqrt(ne)), np.float32(np.inf))
+
+
+def quantize_rows(W) -> Int8Rows:
+    """:class:`Int8Rows` of ``W`` float32 [L, d] (C-contiguous); 0.25 bytes per weight extra."""
+    W = np.ascontiguousarray(W, dtype=np.float32)
+    L, d = W.shape
+    Lp = -(-L // TILE_LABELS) * TILE_LABELS
+    packed = np.zeros((-(-d // 4), 4 * Lp), np.int8)
+    scale, norm, error = (np.zeros(Lp, np.float32) for _ in range(3))
+    _quantize_rows(W, packed, scale, norm, error)
+    return Int8Rows(packed, scale, norm, error, L, d)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _quantize_queries(H, rounding, hq_bytes, t, slack, nh):
+    """uint8 rows of ``H`` [n, d] (>= 0) into ``hq_bytes`` [n', 4 D4]; per row the scale ``t``,
+    ``slack`` = |h - t q| + ``rounding`` |h| (multiplies |w_j|), ``nh`` = |t q| (multiplies
+    |w_j - ŵ_j|)."""
+    n, d = H.shape
+    for r in prange(n):
+        m = 0.0
+        for i in range(d):
+            m = max(m, H[r, i])
+        s = m / 255.0
+        e = 0.0
+        nq = 0.0
+        nx = 0.0
+        for i in range(d):
+            x = np.float64(H[r, i])
+            q = 0 if s == 0.0 else min(255, round(x / s))
+            hq_bytes[r, i] = q
+            v = q * np.float64(np.float32(s))
+            e += (x - v) ** 2
+            nq += v * v
+            nx += x * x
+        t[r] = s
+        slack[r] = np.nextafter(np.float32(np.sqrt(e) + rounding * np.sqrt(nx)), np.float32(np.inf))
+        nh[r] = np.nextafter(np.float32(np.sqrt(nq)), np.float32(np.inf))
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
+def _bounds(acc, a, j, jj, t, slack, nh, rounding, scale, norm, error, bias):
+    """Lower and upper bound of the score of label ``j`` (tile column ``jj``) for tile row ``a``
+    of the int32 dots ``acc`` (the row's scale ``t``, ``slack`` and ``nh``)."""
+    v = np.float32(acc[a, jj]) * (t * scale[j]) + bias[j]
+    e = slack * norm[j] + nh * error[j] + rounding * abs(bias[j])
+    return v - e, v + e
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
+def _count_reaching(acc, a, g, t, slack, nh, rounding, floor, scale, norm, error, bias):
+    """How many of labels g..g+63 have an upper bound that reaches ``floor`` (tile row ``a``).
+
+    A vectorised loop: unsigned indices, so numba emits no negative-index wraparound, which
+    would turn every load into a gather (10x slower), and a count rather than a float max,
+    whose NaN-aware form LLVM does not vectorise."""
+    hits = np.int32(0)
+    g = np.uint64(g)
+    a = np.uint64(a)
+    for jj in range(np.uint64(TILE_LABELS)):
+        lo, up = _bounds(acc, a, g + jj, jj, t, slack, nh, rounding, scale, norm, error, bias)
+        hits += np.int32(up >= floor)
+    return hits
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _screen(hq, n, t, slack, nh, rounding, packed, scale, norm, error, bias, L, bounds,
+            heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow):
+    """For each chunk c of labels ``bounds[c]..bounds[c + 1]`` (in parallel): every row's k
+    best lower bounds (``heap_*`` [C, n, k]) and the labels whose upper bound reached the
+    running k-th best lower bound (``cand_*`` [C, n, cap], in label order)."""
+    C = bounds.size - 1
+    rows = hq.shape[0]
+    k = heap_ids.shape[2]
+    cap = cand_ids.shape[2]
+    for c in prange(C):
+        acc = np.empty((rows, TILE_LABELS), np.int32)
+        for g in range(bounds[c], bounds[c + 1], TILE_LABELS):
+            # every row's dots first, then their bounds: reading a tile right after the
+            # instruction's 64-byte stores would stall on store forwarding
+            for r0 in range(0, rows, TILE_ROWS):
+                _dot_tile(hq, r0, packed, g, acc)
+            for r in range(n):
+                full = sizes[c, r] >= k
+                floor = heap_lows[c, r, 0] if full else -np.inf
+                if _count_reaching(acc, r, g, t[r], slack[r], nh[r], rounding, floor, scale, norm,
+                                   error, bias) == 0:
+                    continue  # the common case: no label of the tile can enter
+                for jj in range(min(TILE_LABELS, L - g)):
+                    j = g + jj
+                    low, up = _bounds(acc, r, j, jj, t[r], slack[r], nh[r], rounding, scale, norm,
+                                      error, bias)
+                    if up < floor and full:
+                        continue
+                    if not full or low > floor:
+                        sizes[c, r] = _heap_push(low, j, k, sizes[c, r], heap_ids[c, r],
+                                                 heap_lows[c, r])
+                        full = sizes[c, r] >= k
+                        if full:
+                            floor = heap_lows[c, r, 0]
+                    m = n_cand[c, r]
+                    if m == cap:  # drop what the risen floor has ruled out since
+                        m = 0
+                        for i in range(cap):
+                            if cand_ups[c, r, i] >= floor or not full:
+                                cand_ids[c, r, m] = cand_ids[c, r, i]
+                                cand_ups[c, r, m] = cand_ups[c, r, i]
+                                m += 1
+                        if m == cap:
+                            overflow[r] = True  # this row goes to the float32 kernel
+                            m = 0
+                    cand_ids[c, r, m] = j
+                    cand_ups[c, r, m] = up
+                    n_cand[c, r] = m + 1
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _rescore(H, W, b, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow,
+             out_ids, out_scores):
+    """Per row: the k-th best lower bound over all chunks, then the float32 scores of the
+    candidates whose upper bound reaches it, into a k-heap (label order: ties to the lower id)."""
+    C, n, k = heap_ids.shape
+    d = H.shape[1]
+    for r in prange(n):
+        if overflow[r]:
+            continue
+        lows = np.full(k, -np.inf, np.float32)
+        ids = np.full(k, -1, np.int64)
+        m = 0
+        for c in range(C):
+            for a in range(sizes[c, r]):
+                m = _heap_push(heap_lows[c, r, a], heap_ids[c, r, a], k, m, ids, lows)
+        theta = lows[0] if m >= k else -np.inf
+        m = 0
+        for c in range(C):
+            for i in range(n_cand[c, r]):
+                if cand_ups[c, r, i] >= theta:
+                    j = cand_ids[c, r, i]
+                    s = np.float32(0.0)
+                    for x in range(d):
+                        s += H[r, x] * W[j, x]
+                    m = _heap_push(s + b[j], j, k, m, out_ids[r], out_scores[r])
+        _heap_sorted(m, k, out_ids[r], out_scores[r])
+
+
+def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
+                  capacity: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise top-k of ``H @ W.T + b``, exactly, through the int8 screen of ``rows``
+    (``quantize_rows(W)``; rebuild it whenever W changes).
+
+    H float32 [n, d] (a ReLU output: rows with a negative entry, or a CPU without the int8
+    dot product, go to :func:`slide.metrics.topk_product`), W float32 [L, d], b float32 [L].
+    ``chunks``: label ranges scored in parallel (default 4 per numba thread); ``capacity``:
+    candidates kept per row and chunk before a row falls back to the float32 kernel. Returns
+    ids int64 [n, k] and scores float32 [n, k], best first, ties to the lower id, -1 / -inf
+    padding when L < k; scores are float32 dot products (the same values as
+    :func:`slide.metrics.topk_product`'s up to float32 rounding).
+    """
+    k = check_k(k)
+    H = np.ascontiguousarray(H, dtype=np.float32)
+    W, b = np.ascontiguousarray(W, dtype=np.float32), np.ascontiguousarray(b, dtype=np.float32)
+    n, d = H.shape
+    if rows.n_rows != W.shape[0] or rows.dim != d or W.shape[1] != d:
+        raise ValueError(f"the int8 rows are of a [{rows.n_rows}, {rows.dim}] matrix; "
+                         f"W is {list(W.shape)} and H has {d} columns: quantize W again")
+    if n == 0 or not has_int8_dot() or (H < 0).any():
+        return topk_product(H, W, b, k)
+    ids = np.full((n, k), -1, np.int64)
+    scores = np.full((n, k), -np.inf, np.float32)
+    for lo in range(0, n, ROW_BLOCK):
+        hi = min(n, lo + ROW_BLOCK)
+        ids[lo:hi], scores[lo:hi] = _screened_block(H[lo:hi], W, b, k, rows, chunks, capacity)
+    return ids, scores
+
+
+def _screened_block(H, W, b, k, rows, chunks, capacity):
+    n = H.shape[0]
+    L = W.shape[0]
+    Lp = rows.scale.size
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
+    hq_bytes = np.zeros((n_pad, 4 * rows.packed.shape[0]), np.uint8)
+    t, slack, nh = (np.zeros(n_pad, np.float32) for _ in range(3))
+    rounding = rounding_allowance(H.shape[1])
+    _quantize_queries(H, rounding, hq_bytes, t, slack, nh)
+    hq = hq_bytes.view(np.int32)
+    bias = np.full(Lp, -np.finfo(np.float32).max, np.float32)
+    bias[:L] = b
+    groups = Lp // TILE_LABELS
+    C = max(1, min(groups, int(chunks or 4 * numba.get_num_threads())))
+    bounds = (np.arange(C + 1) * groups // C * TILE_LABELS).astype(np.int64)
+    heap_ids = np.full((C, n, k), -1, np.int64)
+    heap_lows = np.full((C, n, k), -np.inf, np.float32)
+    sizes = np.zeros((C, n), np.int64)
+    cand_ids = np.empty((C, n, capacity), np.int64)
+    cand_ups = np.empty((C, n, capacity), np.float32)
+    n_cand = np.zeros((C, n), np.int64)
+    overflow = np.zeros(n, np.bool_)
+    _screen(hq, n, t, slack, nh, rounding, rows.packed, rows.scale, rows.norm, rows.error, bias, L, bounds,
+            heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow)
+    ids = np.full((n, k), -1, np.int64)
+    scores = np.full((n, k), -np.inf, np.float32)
+    _rescore(H, W, b, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow, ids, scores)
+    if overflow.any():
+        ids[overflow], scores[overflow] = topk_product(H[overflow], W, b, k)
+    return ids, scores

@@ -1,0 +1,112 @@
+import numba
+import numpy as np
+import pytest
+
+from slide import screen
+from slide.metrics import topk
+from slide.screen import has_int8_dot, quantize_rows, screened_topk
+
+needs_vnni = pytest.mark.skipif(not has_int8_dot(), reason="the CPU has no AVX-512 VNNI")
+
+
+def _threads(n):
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    return previous
+
+
+def test_quantized_rows_and_their_bounds(rng):
+    W = rng.standard_normal((70, 9)).astype(np.float32)
+    W[3] = 0  # a zero row: scale 0, no error
+    q = quantize_rows(W)
+    assert q.packed.shape == (3, 4 * 128) and q.scale.shape == (128,) and (q.n_rows, q.dim) == (70, 9)
+    # unpack: label j's byte at depth i is packed[i // 4, 4 j + i % 4]
+    Q = q.packed.reshape(3, 128, 4).transpose(1, 0, 2).reshape(128, 12)[:70, :9].astype(np.float64)
+    assert np.abs(Q).max() == 127 and (Q[3] == 0).all() and (q.packed.reshape(3, 128, 4)[:, 70:] == 0).all()
+    deq = Q * q.scale[:70, None].astype(np.float64)
+    assert np.all(np.abs(deq - W) <= q.scale[:70, None] / 2 + 1e-7)
+    assert np.all(q.norm[:70] >= np.linalg.norm(W.astype(np.float64), axis=1))
+    assert np.all(q.error[:70] >= np.linalg.norm(deq - W, axis=1))
+    assert q.error[3] < 1e-30  # zero, one float32 step up
+
+
+@needs_vnni
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(23, 301, 6), (130, 1000, 130), (5, 64, 8), (3, 2, 4)])
+def test_screened_topk_equals_topk_of_the_score_matrix(rng, threads, shape):
+    n, L, d = shape
+    # small integers: every score is exact whatever the order of summation, and many are
+    # equal (ties go to the lower id), while their int8 copies are not exact
+    H = rng.integers(0, 4, (n, d)).astype(np.float32)
+    W = rng.integers(-3, 4, (L, d)).astype(np.float32)
+    b = rng.integers(-2, 3, L).astype(np.float32)
+    q = quantize_rows(W)
+    previous = _threads(threads)
+    try:
+        for k in (1, 5, 40):
+            ids, vals = screened_topk(H, W, b, k, q)
+            ref_ids, ref_vals = topk(H @ W.T + b, k)
+            np.testing.assert_array_equal(ids, ref_ids)
+            np.testing.assert_array_equal(vals, ref_vals)
+    finally:
+        numba.set_num_threads(previous)
+
+
+@needs_vnni
+def test_screened_topk_separates_scores_closer_than_the_int8_step(rng):
+    # labels whose scores differ by far less than the int8 quantisation error: the bound must
+    # send them all to the float32 rescoring, which orders them exactly
+    base = rng.standard_normal(32).astype(np.float32)
+    W = np.repeat(base[None], 300, axis=0) + rng.standard_normal((300, 32)).astype(np.float32) * 1e-3
+    W = np.vstack([W, rng.standard_normal((5000, 32)).astype(np.float32)])
+    b = np.zeros(W.shape[0], np.float32)
+    H = np.maximum(rng.standard_normal((17, 32)), 0).astype(np.float32)
+    H[:, :] += np.maximum(base, 0) * 3  # rows that prefer the near-identical labels
+    ids, vals = screened_topk(H, W, b, 10, quantize_rows(W))
+    S = H.astype(np.float64) @ W.T.astype(np.float64)
+    got = np.take_along_axis(S, ids, 1)
+    # the 10 best scores, in order, up to float32 rounding (~4e-6 at these scores of ~60;
+    # the near-identical labels' scores are ~1e-3 apart, the int8 bound ~1e-1 wide)
+    np.testing.assert_allclose(got, -np.sort(-S, axis=1)[:, :10], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(vals, got, rtol=1e-6, atol=0)
+    assert (ids < 300).sum() > 100  # the test is about the near-identical labels
+
+
+@needs_vnni
+def test_screened_topk_falls_back_where_the_screen_cannot_serve(rng):
+    H = rng.standard_normal((9, 12)).astype(np.float32)  # negative entries: float32 kernel
+    W = rng.standard_normal((500, 12)).astype(np.float32)
+    b = rng.standard_normal(500).astype(np.float32)
+    q = quantize_rows(W)
+    ref = topk(H @ W.T + b, 5)
+    np.testing.assert_array_equal(screened_topk(H, W, b, 5, q)[0], ref[0])
+    H = np.abs(H)
+    ref = topk(H @ W.T + b, 5)
+    # a candidate list of 2 per row and chunk overflows: those rows take the float32 kernel
+    np.testing.assert_array_equal(screened_topk(H, W, b, 5, q, capacity=2)[0], ref[0])
+    assert screened_topk(H[:0], W, b, 5, q)[0].shape == (0, 5)
+    with pytest.raises(ValueError, match="quantize W again"):
+        screened_topk(H, W[:400], b[:400], 5, q)
+
+
+@needs_vnni
+def test_exact_predictions_go_through_the_screen_and_follow_training(monkeypatch, tiny_data):
+    from slide import SlideClassifier, network
+    calls = []
+    real = network.screened_topk
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(network, "SCREEN_MIN_LABELS", 1)
+    monkeypatch.setattr(network, "screened_topk", counted)
+    X, Y = tiny_data[0], tiny_data[1]
+    m = SlideClassifier(hidden=16, epochs=1, early_stopping=False, seed=0, threads=1).fit(X, Y)
+    for _ in range(2):  # the int8 copy is rebuilt after the weights move
+        ids, vals = m.predict_topk(X[:50], 5)
+        ref_ids, ref_vals = topk(m.decision_function(X[:50]), 5)
+        np.testing.assert_array_equal(ids, ref_ids)
+        np.testing.assert_allclose(vals, ref_vals, rtol=1e-5, atol=1e-6)
+        m.partial_fit(X[:64], Y[:64])
+    assert len(calls) == 2
