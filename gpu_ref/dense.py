@@ -149,7 +149,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
 
     def __init__(self, hidden=None, norm="l2", tfidf=False, lr=None, beta1=0.9, beta2=0.999,
                  eps=1e-8, weight_decay=None, batch_size=None, epochs=None, early_stopping=True,
-                 validation_fraction=0.1, n_iter_no_change=5, seed=0, warm_start=False,
+                 validation_fraction=0.1, n_iter_no_change=5, refit=None, seed=0, warm_start=False,
                  device="auto", negatives=None, precision="tf32"):
         self.hidden = hidden
         self.norm = norm
@@ -164,6 +164,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.early_stopping = early_stopping
         self.validation_fraction = validation_fraction
         self.n_iter_no_change = n_iter_no_change
+        self.refit = refit
         self.seed = seed
         self.warm_start = warm_start
         self.device = device
@@ -193,7 +194,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         c = self._config()
         return {"early_stopping": c.early_stopping,
                 "validation_fraction": c.validation_fraction,
-                "n_iter_no_change": c.n_iter_no_change, "seed": c.seed}
+                "n_iter_no_change": c.n_iter_no_change, "refit": c.refit, "seed": c.seed}
 
     def validation_metric(self) -> str:
         """The early-stopping score: the loss for the full softmax, nDCG@5 with sampled

@@ -72,6 +72,9 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-early-stopping", action="store_true",
                    help="train every epoch on all rows (default: hold out a validation slice, "
                         "stop when it stops improving, keep the best epoch)")
+    t.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
+                   help="after early stopping, train again on every row for the kept epochs "
+                        "(a fresh run; default: below 10,000 training rows)")
     t.add_argument("--validation-fraction", type=float, default=0.1,
                    help="share of the training rows held out for early stopping (at most 5,000)")
     t.add_argument("--batch-size", type=_positive, default=None,
@@ -265,7 +268,7 @@ def _cmd_train(a):
         common = dict(hidden=a.hidden, batch_size=a.batch_size, seed=a.seed, lr=a.lr,
                       weight_decay=a.weight_decay, tfidf=a.tfidf, norm=None if a.no_norm else "l2",
                       early_stopping=not a.no_early_stopping,
-                      validation_fraction=a.validation_fraction, epochs=a.epochs)
+                      validation_fraction=a.validation_fraction, refit=a.refit, epochs=a.epochs)
         if a.engine == "slide":
             from slide.network import SlideClassifier
             model = SlideClassifier(sparsity=a.sparsity, hidden_sparsity=a.hidden_sparsity,
@@ -289,11 +292,16 @@ def _cmd_train(a):
         return 0
     stop = doc["stopping"]
     print(f"kept epoch {stop['kept_epoch']}: {stop['reason']}")
+    if stop.get("refit"):
+        r = stop["refit"]
+        print(f"then trained again on all {r['rows']} rows for {r['epochs']} epochs "
+              f"({r['seconds']:.1f}s)")
     if "test" in doc:
         t = doc["test"]
         print(f"final: P@1={t['P@1']:.4f}  P@3={t['P@3']:.4f}  P@5={t['P@5']:.4f}  "
               f"nDCG@5={t['nDCG@5']:.4f}  ({doc['wall_seconds']:.1f}s, peak RSS {doc.get('peak_rss_mb', 0):.0f} MiB)")
-    print(f"model saved to {a.save} (epoch {stop['kept_epoch']}'s weights)" if a.save else
+    kept = "the refit's" if stop.get("refit") else f"epoch {stop['kept_epoch']}'s"
+    print(f"model saved to {a.save} ({kept} weights)" if a.save else
           "model not saved: pass --save DIR to keep it")
     if a.plot:
         from slide.plot import plot_metrics

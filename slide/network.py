@@ -59,7 +59,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                  rebuild_every=None, norm="l2", tfidf=False, lr=None, beta1=0.9, beta2=0.999,
                  eps=1e-8, weight_decay=None, batch_size=None,
                  epochs=None, early_stopping=True, validation_fraction=0.1, n_iter_no_change=5,
-                 threads=None, seed=0, warm_start=False):
+                 refit=None, threads=None, seed=0, warm_start=False):
         self.hidden = hidden
         self.hidden_sparsity = hidden_sparsity
         self.sparsity = sparsity
@@ -85,6 +85,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.early_stopping = early_stopping
         self.validation_fraction = validation_fraction
         self.n_iter_no_change = n_iter_no_change
+        self.refit = refit
         self.threads = threads
         self.seed = seed
         self.warm_start = warm_start
@@ -115,7 +116,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         c = SlideConfig(**self.get_params())
         return {"early_stopping": c.early_stopping,
                 "validation_fraction": c.validation_fraction,
-                "n_iter_no_change": c.n_iter_no_change, "seed": c.seed}
+                "n_iter_no_change": c.n_iter_no_change, "refit": c.refit, "seed": c.seed}
 
     def validation_metric(self) -> str:
         """The early-stopping score: the full softmax's loss where the output layer is trained

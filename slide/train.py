@@ -176,7 +176,11 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         mid-epoch checkpoint position is not used (a resumed run starts its next epoch).
 
     On return the model holds the best weights seen on the validation slice (when early
-    stopping), and ``model.stopping_`` says which epoch it kept and why training stopped.
+    stopping), and ``model.stopping_`` says which epoch it kept and why training stopped. Where
+    ``resolved_["refit"]`` holds (small training sets, see :func:`slide.config.resolve`), a
+    fresh fit that held its validation slice out of ``X`` then trains again from the start on
+    every row for the kept epochs, at their learning rates (``stopping_["refit"]``); not with
+    ``continue_training`` or ``distributed``.
     """
     s = model.fit_settings()
     if Y is None:
@@ -184,8 +188,12 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
     single_label = _is_label_vector(Y)
     X, Y = model.check_data(X, Y, where="fit", fitted=continue_training)
     if distributed is not None:
+        if s.get("refit"):
+            raise ValueError("refit=True needs every row in one process; distributed training "
+                             "holds shards (set refit=False or leave it to the rule)")
         X, Y = distributed.agree_shapes(X, Y)
     held_out = False
+    X_all, Y_all = X, Y
     if s["early_stopping"] and validation is None and X.shape[0] > 1:
         tr, va = validation_split(X.shape[0], s["validation_fraction"], s["seed"])
         validation, X, Y = (X[va], Y[va]), X[tr], Y[tr]
@@ -220,11 +228,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             break
         model.learning_rate_ = epoch_learning_rate(model.resolved_["lr"], model.epoch_, first + epochs,
                                                    stopper.lowered if stopper is not None else 0)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=X.shape[0], unit="samples", unit_scale=True, leave=True,
-                       desc=f"epoch {model.epoch_ + 1}/{first + epochs}")
+        bar = _progress_bar(progress, X.shape[0], f"epoch {model.epoch_ + 1}/{first + epochs}")
         order = np.random.default_rng([s["seed"], 2, model.epoch_]).permutation(X.shape[0])
         start = min(getattr(model, "epoch_position_", 0), order.size) if continue_training else 0
         order = order[start:]  # a checkpoint taken inside this epoch already holds these rows
@@ -275,7 +279,49 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         if on_epoch is not None:
             on_epoch(model, record)
     model.stopping_ = _outcome(model, stopper, held_out, first + epochs)
+    if held_out and stopper.scores and model.resolved_["refit"] and not continue_training \
+            and distributed is None:
+        _refit(model, X_all, Y_all, s["seed"], progress, on_epoch)
     return model
+
+
+def _progress_bar(progress: bool, total: int, desc: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit="samples", unit_scale=True, leave=True, desc=desc)
+
+
+def _refit(model, X, Y, seed, progress, on_epoch):
+    """Train ``model`` again from its initialisation on every row ``X, Y`` (the held-out slice
+    too) for the epochs early stopping kept, each at the learning rate it had then. The run
+    adds one record to ``history_`` (and to ``on_epoch``), and ``stopping_["refit"]``. Not
+    checkpointed on the way: a run interrupted here resumes as the early-stopped model."""
+    kept = model.stopping_["kept_epoch"]
+    rates = [r["learning_rate"] for r in model.history_[:kept]]
+    history, stopping, single_label = model.history_, model.stopping_, model.single_label_
+    t0 = time.perf_counter()
+    model.initialize(X, Y)
+    model.single_label_ = single_label
+    Xp = model.preprocess(X)
+    loss = float("nan")
+    for rate in rates:
+        model.learning_rate_ = rate
+        bar = _progress_bar(progress, X.shape[0], f"refit {model.epoch_ + 1}/{kept}")
+        order = np.random.default_rng([seed, 2, model.epoch_]).permutation(X.shape[0])
+        loss = model.train_epoch(Xp, Y, order, bar)["loss"]
+        if bar is not None:
+            bar.close()
+        model.epoch_ += 1
+    seconds = time.perf_counter() - t0
+    record = {"epoch": model.epoch_, "refit": True, "train_seconds": seconds,
+              "samples_per_second": kept * X.shape[0] / max(seconds, 1e-9), "loss": loss,
+              "learning_rate": float(model.learning_rate_)}
+    model.history_ = history + [record]
+    model.stopping_ = {**stopping, "refit": {"epochs": kept, "rows": int(X.shape[0]),
+                                             "seconds": seconds}}
+    if on_epoch is not None:
+        on_epoch(model, record)
 
 
 class _SavingProgress:
@@ -558,7 +604,8 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
             doc["timings"] = dict(m.timings_)
         shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
                  "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr",
-                 "test_P@1": "test_P@1", "test_P@5": "test_P@5", "samples_per_second": "samples/s"}
+                 "test_P@1": "test_P@1", "test_P@5": "test_P@5", "samples_per_second": "samples/s",
+                 "refit": "refit"}
         log("  ".join(f"{name}={_shown_value(k, record[k])}" for k, name in shown.items() if k in record))
         if metrics_json:
             _write_json(metrics_json, doc)

@@ -18,10 +18,10 @@ def test_train_eval_predict_round_trip(synth, capsys):
     d = synth
     rc = main(["train", str(d / "eur_train.txt"), "--test", str(d / "eur_test.txt"), "--epochs", "3",
                "--hidden", "32", "--metrics-json", str(d / "m.json"), "--save", str(d / "model"),
-               "--no-progress", "--seed", "1"])
+               "--no-progress", "--seed", "1", "--no-refit"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "final: P@1=" in out
+    assert "final: P@1=" in out and "trained again" not in out
     doc = json.loads((d / "m.json").read_text())
     assert len(doc["epochs"]) == 3
     for key in ("epoch", "train_seconds", "samples_per_second", "loss", "val_nDCG@5", "val_P@1",
@@ -48,6 +48,19 @@ def test_train_eval_predict_round_trip(synth, capsys):
     assert json.loads((d / "model" / "config.json").read_text())["epoch"] == 4
     assert [r["epoch"] for r in json.loads((d / "m.json").read_text())["epochs"]] == [1, 2, 3, 4]
     assert f"model saved to {d / 'model'}" in capsys.readouterr().out
+
+
+def test_train_refits_small_sets_on_every_row(synth, capsys):
+    d = synth
+    assert main(["train", str(d / "eur_train.txt"), "--epochs", "2", "--hidden", "16", "--no-progress",
+                 "--metrics-json", str(d / "r.json"), "--save", str(d / "refit")]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((d / "r.json").read_text())
+    rows = doc["n_train"]
+    kept = doc["stopping"]["kept_epoch"]
+    assert rows < 10_000 and f"then trained again on all {rows} rows for {kept} epochs" in out
+    assert doc["epochs"][-1]["refit"]
+    assert doc["stopping"]["refit"]["rows"] == rows and "(the refit's weights)" in out
 
 
 def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_path):

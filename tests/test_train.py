@@ -6,7 +6,7 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier
-from slide.config import HARD_NEGATIVES, SlideConfig, resolve
+from slide.config import HARD_NEGATIVES, REFIT_ROWS, SlideConfig, resolve
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
 
@@ -73,7 +73,8 @@ class _Scripted(SlideClassifier):
 
 def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
     X, Y = tiny_data[0][:400], tiny_data[1][:400]
-    m = _Scripted(hidden=(8,), sparsity=0.5, epochs=20, n_iter_no_change=4, seed=0, lr=1e-3)
+    m = _Scripted(hidden=(8,), sparsity=0.5, epochs=20, n_iter_no_change=4, seed=0, lr=1e-3,
+                  refit=False)
     m.script = [0.1, 0.3, 0.2, 0.25, 0.2, 0.1, 0.1, 0.1]
     weights = {}
     m.fit(X, Y, on_epoch=lambda model, rec: weights.__setitem__(rec["epoch"], model.params_["W"].copy()))
@@ -96,7 +97,8 @@ def test_held_out_rows_are_not_trained_on(tiny_data):
             seen.append(Xb.shape[0])
             return super().train_step(Xb, Yb)
 
-    m = Recording(hidden=(8,), sparsity=0.5, epochs=1, validation_fraction=0.2, seed=0).fit(X, Y)
+    m = Recording(hidden=(8,), sparsity=0.5, epochs=1, validation_fraction=0.2, seed=0,
+                  refit=False).fit(X, Y)
     assert sum(seen) == 400 and m.n_train_ == 400
     # a sampled output layer: ranked by nDCG@5, without the full softmax's loss
     assert "val_nDCG@5" in m.history_[0] and "val_loss" not in m.history_[0]
@@ -127,7 +129,7 @@ def test_fit_restarts_and_warm_start_continues(tiny_data):
 def test_resume_during_early_stopping_equals_straight_run(tmp_path, tiny_data):
     X, Y = tiny_data[0][:600], tiny_data[1][:600]
     kw = dict(hidden=(16,), sparsity=0.25, threads=1, seed=5, rehash_every=300, epochs=12,
-              n_iter_no_change=3, lr=0.05, weight_decay=0.0)
+              n_iter_no_change=3, lr=0.05, weight_decay=0.0, refit=False)
 
     def save_then_die(model, record):  # a checkpoint per epoch, then the process is killed
         model.save(tmp_path / f"ck{record['epoch']}")
@@ -186,13 +188,48 @@ def test_kill_inside_an_epoch_loses_at_most_save_every(tmp_path, tiny_data, engi
 def test_every_engine_runs_the_same_loop(tiny_data, make):
     X, Y = tiny_data[0][:500], tiny_data[1][:500]
     m = make().fit(X, Y)
-    assert len(m.history_) == 3 and m.stopping_["validation"].startswith("held out")
-    for rec in m.history_:
+    assert len(m.history_) == 4 and m.stopping_["validation"].startswith("held out")
+    # 500 rows: every engine then trains again on all of them for the kept epochs
+    assert m.history_[-1]["refit"] and m.stopping_["refit"]["rows"] == 500
+    for rec in m.history_[:-1]:
         for key in ("epoch", "loss", "val_P@1", "val_nDCG@5", "learning_rate", "best_epoch",
                     "samples_per_second"):
             assert key in rec, key
         # the full softmax's loss is the dense reference's score, not the sampled engine's
         assert ("val_loss" in rec) == isinstance(m, DenseClassifier)
+
+
+def test_refit_trains_again_on_every_row_for_the_kept_epochs(tiny_data):
+    X, Y = tiny_data[0][:600], tiny_data[1][:600]
+    kw = dict(hidden=(8,), sparsity=0.5, epochs=20, seed=3, lr=1e-3, threads=1)
+    m = _Scripted(n_iter_no_change=4, **kw)
+    # best at epoch 5, after a plateau drop at epoch 4; stops after epoch 9
+    m.script = [0.1, 0.3, 0.2, 0.25, 0.4, 0.1, 0.1, 0.1, 0.1, 0.1]
+    m.fit(X, Y)
+    kept = m.stopping_["kept_epoch"]
+    rates = [h["learning_rate"] for h in m.history_[:kept]]
+    assert kept == 5 and len(set(rates)) == 2 and len(m.history_) == 10
+    assert m.stopping_["refit"]["epochs"] == 5 and m.stopping_["refit"]["rows"] == 600
+    assert m.history_[-1]["refit"] and m.epoch_ == 5 and m.n_train_ == 600
+    # the same as a fresh run on every row for those epochs, at those rates (one thread repeats)
+    ref = SlideClassifier(early_stopping=False, **kw)
+    X, Y = ref.check_data(X, Y, where="fit", fitted=False)
+    ref.initialize(X, Y)
+    Xp = ref.preprocess(X)
+    for e, rate in enumerate(rates):
+        ref.learning_rate_ = rate
+        ref.train_epoch(Xp, Y, np.random.default_rng([3, 2, e]).permutation(600))
+        ref.epoch_ += 1
+    for k in ref.params_:
+        np.testing.assert_array_equal(m.params_[k], ref.params_[k], err_msg=k)
+    # the rule: training rows after the held-out slice, below REFIT_ROWS; never without it
+    assert resolve(SlideConfig(), 100, 10, REFIT_ROWS - 1)["refit"]
+    assert not resolve(SlideConfig(), 100, 10, REFIT_ROWS)["refit"]
+    assert resolve(SlideConfig(refit=True), 100, 10, 10 * REFIT_ROWS)["refit"]
+    assert not resolve(SlideConfig(refit=False), 100, 10, 100)["refit"]
+    assert not resolve(SlideConfig(refit=True, early_stopping=False), 100, 10, 100)["refit"]
+    with pytest.raises(TypeError, match="refit must be True, False or None"):
+        SlideConfig(refit="yes")
 
 
 def test_defaults_follow_the_data_shape():
