@@ -77,7 +77,8 @@ def _run_network(engine, spec, args, queue):
     top, _ = model.predict_topk(Xte, 5)
     queue.put({"dataset": name, "engine": engine, **_scores(top, Ytr, Yte, name),
                "train_seconds": seconds, "peak_rss_mb": peak_rss_mb(),
-               "epochs": model.epoch_, "kept_epoch": model.stopping_["kept_epoch"],
+               "epochs": sum(1 for h in model.history_ if not h.get("refit")),
+               "kept_epoch": model.stopping_["kept_epoch"], "refit": "refit" in model.stopping_,
                "settings": {k: model.resolved_[k] for k in ("hidden", "lr", "weight_decay", "batch_size")}})
 
 
@@ -167,7 +168,8 @@ def table(rows, engines) -> str:
     for r in rows:
         settings = r.get("settings")
         extra = "" if not settings else ", ".join(f"{k} {v}" for k, v in settings.items()) + \
-            f"; epoch {r['kept_epoch']} of {r['epochs']}"
+            f"; epoch {r['kept_epoch']} of {r['epochs']}" + \
+            (", then refit on every row" if r.get("refit") else "")
         lines.append(f"| {r['dataset']} | {r['engine']} | {r['P@1']:.3f} | {r['P@3']:.3f} | "
                      f"{r['P@5']:.3f} | {r['PSP@5']:.3f} | {r['train_seconds']:.1f} | "
                      f"{r['peak_rss_mb']:.0f} | {extra} |")

@@ -487,6 +487,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if self.n_labels_ < SCREEN_MIN_LABELS or not has_int8_dot():
             return None
         if self._int8_rows is None:
+            # the full-size output gradient holds zeros between steps: a fresh zeroed array
+            # gives its pages back (they are mapped again only as steps write rows), so the int8
+            # copy built here keeps evaluation during training inside training's peak memory
+            self.grads_["W"] = np.zeros(self.grads_["W"].shape, np.float32)  # calloc: untouched
             set_num_threads(self.config_.threads)
             self._int8_rows = quantize_rows(self.params_["W"])
         return self._int8_rows
