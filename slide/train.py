@@ -193,7 +193,8 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
                              "holds shards (set refit=False or leave it to the rule)")
         X, Y = distributed.agree_shapes(X, Y)
     held_out = False
-    X_all, Y_all = X, Y
+    every_row = (X, Y)  # for the refit; let go below when there is none (a checked copy of X
+    # would otherwise stay in memory beside the training rows for the whole run)
     if s["early_stopping"] and validation is None and X.shape[0] > 1:
         tr, va = validation_split(X.shape[0], s["validation_fraction"], s["seed"])
         validation, X, Y = (X[va], Y[va]), X[tr], Y[tr]
@@ -204,6 +205,9 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         else:
             model.initialize(X, Y, distributed=distributed)
         model.single_label_ = single_label
+    refit = held_out and model.resolved_["refit"] and not continue_training and distributed is None
+    if not refit:
+        every_row = None
     if distributed is not None:
         distributed.start(model)
     if validation is not None:
@@ -279,9 +283,8 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         if on_epoch is not None:
             on_epoch(model, record)
     model.stopping_ = _outcome(model, stopper, held_out, first + epochs)
-    if held_out and stopper.scores and model.resolved_["refit"] and not continue_training \
-            and distributed is None:
-        _refit(model, X_all, Y_all, s["seed"], progress, on_epoch)
+    if refit and stopper.scores:
+        _refit(model, *every_row, s["seed"], progress, on_epoch)
     return model
 
 
