@@ -20,6 +20,7 @@ negative entry, and machines without VNNI, take :func:`slide.metrics.topk_produc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numba
 import numpy as np
@@ -48,8 +49,11 @@ def rounding_allowance(d: int) -> np.float32:
     return np.float32(max(1e-4, 2 * d * 2.0 ** -24))
 
 
+@lru_cache(maxsize=None)
 def has_int8_dot() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the screen's instruction); numba compiles for the host."""
+    """Whether this CPU has AVX-512 VNNI (the screen's instruction); numba compiles for the host.
+    Asked once per process (LLVM's answer costs a quarter of a millisecond, a single-row query's
+    budget)."""
     from llvmlite import binding
     return bool(binding.get_host_cpu_features().get("avx512vnni", False))
 
