@@ -14,7 +14,7 @@ Bound, per row ``h`` and label ``w`` (``ĥ``, ``ŵ``: the dequantised copies)::
     |h·w - ĥ·ŵ| = |(h - ĥ)·w + ĥ·(w - ŵ)| <= |h - ĥ| |w| + |ĥ| |w - ŵ|
 
 (Cauchy-Schwarz on both terms), plus a float32 rounding allowance. ``h`` is a ReLU output,
-so it is quantised to uint8 (``vpdpbusd`` multiplies unsigned by signed bytes); rows with a
+so it is quantised to uint8 (``vpdpbusd`` multiplies unsigned by signed bytes); a batch with a
 negative entry, and machines without VNNI, take :func:`slide.metrics.topk_product`.
 """
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _count_reaching(acc, a, g, t, slack, nh, rounding, floor, scale, norm, error
     g = np.uint64(g)
     a = np.uint64(a)
     for jj in range(np.uint64(TILE_LABELS)):
-        lo, up = _bounds(acc, a, g + jj, jj, t, slack, nh, rounding, scale, norm, error, bias)
+        up = _bounds(acc, a, g + jj, jj, t, slack, nh, rounding, scale, norm, error, bias)[1]
         hits += np.int32(up >= floor)
     return hits
 
@@ -305,8 +305,8 @@ def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
     """Row-wise top-k of ``H @ W.T + b``, exactly, through the int8 screen of ``rows``
     (``quantize_rows(W)``; rebuild it whenever W changes).
 
-    H float32 [n, d] (a ReLU output: rows with a negative entry, or a CPU without the int8
-    dot product, go to :func:`slide.metrics.topk_product`), W float32 [L, d], b float32 [L].
+    H float32 [n, d] (a ReLU output: a batch with a negative entry, or a CPU without the int8
+    dot product, goes to :func:`slide.metrics.topk_product`), W float32 [L, d], b float32 [L].
     ``chunks``: label ranges scored in parallel (default 4 per numba thread); ``capacity``:
     candidates kept per row and chunk before a row falls back to the float32 kernel. Returns
     ids int64 [n, k] and scores float32 [n, k], best first, ties to the lower id, -1 / -inf
