@@ -1,5 +1,6 @@
 """Locality-sensitive hash families and hash tables as parallel numba kernels."""
-from lsh._threading import configure_threading_layer, engine_threads, set_num_threads, thread_chunks
+from lsh._threading import (blas_threads, configure_threading_layer, engine_threads, set_num_threads,
+                            thread_chunks)
 
 configure_threading_layer()
 
@@ -7,4 +8,4 @@ from lsh.families import DWTA, WTA, SimHash, make_family  # noqa: E402
 from lsh.tables import HashTables, TableConfig, autotune  # noqa: E402
 
 __all__ = ["SimHash", "WTA", "DWTA", "make_family", "HashTables", "TableConfig", "autotune",
-           "set_num_threads", "engine_threads", "thread_chunks"]
+           "set_num_threads", "engine_threads", "blas_threads", "thread_chunks"]

@@ -10,11 +10,12 @@ each small matrix product and take the cores from numba's threads (on 2 cores th
 training throughput).
 """
 import contextlib
+import functools
 import os
 
 import numba
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 
 def configure_threading_layer() -> None:
@@ -32,13 +33,26 @@ def set_num_threads(threads: int | None) -> int:
     return n
 
 
+@functools.lru_cache(maxsize=None)
+def _blas_controller() -> ThreadpoolController:
+    # one for the process: building one scans every loaded library (1-2 ms), which a
+    # single-row query entered twice would pay on every call (a quarter of its latency)
+    return ThreadpoolController()
+
+
+def blas_threads(threads: int):
+    """Context manager: BLAS (the libraries loaded by the first call) on ``threads`` threads
+    inside the block."""
+    return _blas_controller().limit(limits=threads, user_api="blas")
+
+
 @contextlib.contextmanager
 def engine_threads(threads: int | None):
     """numba threads for the engine's kernels, and a single-threaded BLAS, inside the block."""
     previous = numba.get_num_threads()
     n = set_num_threads(threads)
     try:
-        with threadpool_limits(limits=1, user_api="blas"):
+        with blas_threads(1):
             yield n
     finally:
         numba.set_num_threads(previous)

@@ -14,7 +14,8 @@ import numba
 import numpy as np
 import scipy.sparse as sp
 from numba import njit, prange
-from threadpoolctl import ThreadpoolController
+
+from lsh import blas_threads
 
 __all__ = ["topk", "topk_product", "precision_at_k", "ndcg_at_k", "psp_at_k", "propensities", "evaluate",
            "PROPENSITY_AB"]
@@ -119,17 +120,6 @@ def _heaps_merge(heap_ids, heap_scores, sizes, out_ids, out_scores):
         _heap_sorted(m, k, out_ids[r], out_scores[r])
 
 
-_CONTROLLER = []
-
-
-def _blas() -> ThreadpoolController:
-    """One controller for the process: building one scans the loaded libraries (0.3 ms), which
-    a single-row query would pay every call."""
-    if not _CONTROLLER:
-        _CONTROLLER.append(ThreadpoolController())
-    return _CONTROLLER[0]
-
-
 def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Row-wise top-k of ``H @ W.T + b`` without the [n, L] score matrix.
 
@@ -159,7 +149,7 @@ def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, 
             lo, hi = t * tile, min((t + 1) * tile, L)
             _heaps_offer(H @ W[lo:hi].T, b[lo:hi], lo, heap_ids[c], heap_scores[c], sizes[c])
 
-    with _blas().limit(limits=1, user_api="blas"):  # the threads below share the cores
+    with blas_threads(1):  # the threads below share the cores
         if T == 1:
             scan(0)
         else:
