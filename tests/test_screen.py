@@ -19,10 +19,12 @@ def test_quantized_rows_and_their_bounds(rng):
     W = rng.standard_normal((70, 9)).astype(np.float32)
     W[3] = 0  # a zero row: scale 0, no error
     q = quantize_rows(W)
-    assert q.packed.shape == (3, 4 * 128) and q.scale.shape == (128,) and (q.n_rows, q.dim) == (70, 9)
-    # unpack: label j's byte at depth i is packed[i // 4, 4 j + i % 4]
-    Q = q.packed.reshape(3, 128, 4).transpose(1, 0, 2).reshape(128, 12)[:70, :9].astype(np.float64)
-    assert np.abs(Q).max() == 127 and (Q[3] == 0).all() and (q.packed.reshape(3, 128, 4)[:, 70:] == 0).all()
+    assert q.packed.shape == (2, 3, 256) and q.scale.shape == (128,) and (q.n_rows, q.dim) == (70, 9)
+    # unpack: label j's byte at depth i is packed[j // 64, i // 4, 4 (j % 64) + i % 4]
+    Q = q.packed.reshape(2, 3, 64, 4).transpose(0, 2, 1, 3).reshape(128, 12)
+    assert (Q[70:] == 0).all() and (Q[:, 9:] == 0).all()  # padding labels and depths
+    Q = Q[:70, :9].astype(np.float64)
+    assert np.abs(Q).max() == 127 and (Q[3] == 0).all()
     deq = Q * q.scale[:70, None].astype(np.float64)
     assert np.all(np.abs(deq - W) <= q.scale[:70, None] / 2 + 1e-7)
     assert np.all(q.norm[:70] >= np.linalg.norm(W.astype(np.float64), axis=1))
