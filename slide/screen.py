@@ -326,29 +326,32 @@ def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
                          f"W is {list(W.shape)} and H has {d} columns: quantize W again")
     if n == 0 or not has_int8_dot() or (H < 0).any():
         return topk_product(H, W, b, k)
-    ids = np.full((n, k), -1, np.int64)
-    scores = np.full((n, k), -np.inf, np.float32)
-    for lo in range(0, n, ROW_BLOCK):
-        hi = min(n, lo + ROW_BLOCK)
-        ids[lo:hi], scores[lo:hi] = _screened_block(H[lo:hi], W, b, k, rows, chunks, capacity)
-    return ids, scores
-
-
-def _screened_block(H, W, b, k, rows, chunks, capacity):
-    n = H.shape[0]
-    L = W.shape[0]
-    Lp = rows.scale.size
-    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
-    hq_bytes = np.zeros((n_pad, 4 * rows.packed.shape[1]), np.uint8)
-    t, slack, nh = (np.zeros(n_pad, np.float32) for _ in range(3))
-    rounding = rounding_allowance(H.shape[1])
-    _quantize_queries(H, rounding, hq_bytes, t, slack, nh)
-    hq = hq_bytes.view(np.int32)
+    # per call, shared by the row blocks: padding labels get a bias no bound can lift to a
+    # candidate; the label chunks scored in parallel
+    L, Lp = W.shape[0], rows.scale.size
     bias = np.full(Lp, -np.finfo(np.float32).max, np.float32)
     bias[:L] = b
     groups = Lp // TILE_LABELS
     C = max(1, min(groups, int(chunks or 4 * numba.get_num_threads())))
     bounds = (np.arange(C + 1) * groups // C * TILE_LABELS).astype(np.int64)
+    rounding = rounding_allowance(d)
+    ids = np.full((n, k), -1, np.int64)
+    scores = np.full((n, k), -np.inf, np.float32)
+    for lo in range(0, n, ROW_BLOCK):
+        hi = min(n, lo + ROW_BLOCK)
+        _screened_block(H[lo:hi], W, b, rows, bias, bounds, rounding, capacity,
+                        ids[lo:hi], scores[lo:hi])
+    return ids, scores
+
+
+def _screened_block(H, W, b, rows, bias, bounds, rounding, capacity, ids, scores):
+    """Top-k of one block of rows into ``ids``/``scores`` [n, k] (filled with -1 / -inf)."""
+    n, k = ids.shape
+    C = bounds.size - 1
+    n_pad = -(-n // TILE_ROWS) * TILE_ROWS
+    hq_bytes = np.zeros((n_pad, 4 * rows.packed.shape[1]), np.uint8)
+    t, slack, nh = (np.zeros(n_pad, np.float32) for _ in range(3))
+    _quantize_queries(H, rounding, hq_bytes, t, slack, nh)
     heap_ids = np.full((C, n, k), -1, np.int64)
     heap_lows = np.full((C, n, k), -np.inf, np.float32)
     sizes = np.zeros((C, n), np.int64)
@@ -356,11 +359,9 @@ def _screened_block(H, W, b, k, rows, chunks, capacity):
     cand_ups = np.empty((C, n, capacity), np.float32)
     n_cand = np.zeros((C, n), np.int64)
     overflow = np.zeros(n, np.bool_)
-    _screen(hq, n, t, slack, nh, rounding, rows.packed, rows.scale, rows.norm, rows.error, bias, L, bounds,
-            heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow)
-    ids = np.full((n, k), -1, np.int64)
-    scores = np.full((n, k), -np.inf, np.float32)
+    _screen(hq_bytes.view(np.int32), n, t, slack, nh, rounding, rows.packed, rows.scale, rows.norm,
+            rows.error, bias, W.shape[0], bounds, heap_ids, heap_lows, sizes, cand_ids, cand_ups,
+            n_cand, overflow)
     _rescore(H, W, b, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow, ids, scores)
     if overflow.any():
         ids[overflow], scores[overflow] = topk_product(H[overflow], W, b, k)
-    return ids, scores

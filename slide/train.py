@@ -193,8 +193,9 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
                              "holds shards (set refit=False or leave it to the rule)")
         X, Y = distributed.agree_shapes(X, Y)
     held_out = False
-    every_row = (X, Y)  # for the refit; let go below when there is none (a checked copy of X
-    # would otherwise stay in memory beside the training rows for the whole run)
+    # every row, for the refit; let go below where there is none (a checked copy of X would
+    # otherwise stay in memory beside the training rows for the whole run)
+    every_row = (X, Y)
     if s["early_stopping"] and validation is None and X.shape[0] > 1:
         tr, va = validation_split(X.shape[0], s["validation_fraction"], s["seed"])
         validation, X, Y = (X[va], Y[va]), X[tr], Y[tr]
@@ -233,7 +234,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         model.learning_rate_ = epoch_learning_rate(model.resolved_["lr"], model.epoch_, first + epochs,
                                                    stopper.lowered if stopper is not None else 0)
         bar = _progress_bar(progress, X.shape[0], f"epoch {model.epoch_ + 1}/{first + epochs}")
-        order = np.random.default_rng([s["seed"], 2, model.epoch_]).permutation(X.shape[0])
+        order = _epoch_order(s["seed"], model.epoch_, X.shape[0])
         start = min(getattr(model, "epoch_position_", 0), order.size) if continue_training else 0
         order = order[start:]  # a checkpoint taken inside this epoch already holds these rows
         if distributed is not None:
@@ -288,6 +289,12 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
     return model
 
 
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The rows' order in epoch ``epoch``: a function of the seed and the epoch alone, so a
+    resumed run and the refit see what an uninterrupted run would."""
+    return np.random.default_rng([seed, 2, epoch]).permutation(n)
+
+
 def _progress_bar(progress: bool, total: int, desc: str):
     if not progress:
         return None
@@ -311,7 +318,7 @@ def _refit(model, X, Y, seed, progress, on_epoch):
     for rate in rates:
         model.learning_rate_ = rate
         bar = _progress_bar(progress, X.shape[0], f"refit {model.epoch_ + 1}/{kept}")
-        order = np.random.default_rng([seed, 2, model.epoch_]).permutation(X.shape[0])
+        order = _epoch_order(seed, model.epoch_, X.shape[0])
         loss = model.train_epoch(Xp, Y, order, bar)["loss"]
         if bar is not None:
             bar.close()
