@@ -167,7 +167,8 @@ def table(rows, engines) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         settings = r.get("settings")
-        extra = "" if not settings else ", ".join(f"{k} {v}" for k, v in settings.items()) + \
+        extra = "" if not settings else ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in settings.items()) + \
             f"; epoch {r['kept_epoch']} of {r['epochs']}" + \
             (", then refit on every row" if r.get("refit") else "")
         lines.append(f"| {r['dataset']} | {r['engine']} | {r['P@1']:.3f} | {r['P@3']:.3f} | "

@@ -1,4 +1,4 @@
-"""A memory roofline for the engine's training step: how fast could it go, and how far is it.
+"""A roofline for the engine's training step: how fast could it go, and how far is it.
 
     python -m bench.roofline --preset amazon-670k --n-train 20000 --threads 2
 
@@ -22,9 +22,16 @@
 
    Distinct rows per batch are estimated as draws without overlap structure:
    ``n · (1 - exp(-draws / n))`` for n rows and the batch's draws.
-3. **The engine's measured time per phase** (its own ``timings_``, steady state after a warm-up
+3. **This machine's arithmetic rate**: a 2,048-square float32 matrix product through numpy's
+   BLAS, 1 thread and ``--threads``, best of 3; and the floating-point operations a sample
+   needs per phase (its rows' dot and outer products, the pool's three matrix products,
+   Adam's ~10 per updated weight; hashing not counted, its arithmetic depends on the family).
+   A phase's least time is the larger of its memory time and its arithmetic time: the
+   classic roofline, where a phase is bound by whichever roof it meets first.
+4. **The engine's measured time per phase** (its own ``timings_``, steady state after a warm-up
    epoch slice, ``--steps`` batches), and the fraction of the roofline it reaches: per phase
-   ``(bytes / bandwidth) / measured seconds``, and overall ``measured samples/s / limit``.
+   ``least time / measured time``, and overall ``measured samples/s / limit``; the fraction of
+   the memory roof alone is reported beside it.
 
 Writes ``OUT.json`` with ``--out``.
 """
@@ -62,6 +69,22 @@ def stream_bandwidth(mb: int, threads: int, reps: int = 5) -> float:
     return 3 * n * 4 / best
 
 
+def matmul_flops(threads: int, n: int = 2048, reps: int = 3) -> float:
+    """float32 floating-point operations per second of an ``n``-square matrix product through
+    numpy's BLAS on ``threads`` threads (best of ``reps``)."""
+    from lsh import blas_threads
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
+    with blas_threads(threads):
+        a @ b  # warm-up: thread pool, page-in
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
 def _distinct(n: int, draws: float) -> float:
     return n * (1.0 - math.exp(-draws / max(n, 1)))
 
@@ -90,6 +113,32 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     return per
 
 
+def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
+                     labels: float) -> dict:
+    """The floating-point operations per training sample, by phase (multiply and add count
+    two): the phases of :func:`bytes_per_sample`, hashing not counted."""
+    B = resolved["batch_size"]
+    sizes = [int(h) for h in resolved["hidden"]]
+    H0, H = sizes[0], sizes[-1]
+    stack = sum(2 * a * b for a, b in zip(sizes[:-1], sizes[1:]))  # one pass through layers 1..
+    own = resolved["lsh_cap"] + labels
+    u_out = _distinct(n_labels, B * own + resolved["pool"])
+    u_in = _distinct(n_features, B * nnz)
+    per = {
+        "forward_hidden": 2 * nnz * H0 + stack,
+        # per own row: its logit (a dot product), its gradient row and its share of dH
+        "select+output": 3 * 2 * own * H,
+        # logits, dH and the gradient rows of the shared pool: three products over the batch
+        "pool_matmul": 3 * 2 * resolved["pool"] * H,
+        # the input rows' gradients (outer products) and the stack's two products per layer
+        "backward_hidden": 2 * nnz * H0 + 2 * stack,
+        "adam": 10 * (u_out * (H + 1) + u_in * H0) / B,
+        "rehash": 0.0,
+    }
+    per["total"] = sum(per.values())
+    return per
+
+
 def main(argv=None):
     from slide.network import SlideClassifier
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -104,7 +153,9 @@ def main(argv=None):
 
     bw1 = stream_bandwidth(args.stream_mb, 1)
     bw = stream_bandwidth(args.stream_mb, args.threads)
-    print(f"triad bandwidth: {bw1 / 1e9:.1f} GB/s on 1 thread, {bw / 1e9:.1f} GB/s on {args.threads}")
+    fl1, fl = matmul_flops(1), matmul_flops(args.threads)
+    print(f"triad bandwidth: {bw1 / 1e9:.1f} GB/s on 1 thread, {bw / 1e9:.1f} GB/s on {args.threads}; "
+          f"sgemm: {fl1 / 1e9:.0f} GFLOP/s on 1 thread, {fl / 1e9:.0f} GFLOP/s on {args.threads}")
 
     X, Y, _, _ = dataset(args.preset, args.n_train, 10)
     model = SlideClassifier(threads=args.threads, early_stopping=False, seed=0,
@@ -121,34 +172,50 @@ def main(argv=None):
     model.train_rows(Xp, Y, timed)
     seconds = time.perf_counter() - t0
     rate = timed.size / seconds
-    need = bytes_per_sample(model.resolved_, X.shape[1], Y.shape[1], X.nnz / X.shape[0],
-                            Y.nnz / Y.shape[0])
-    limit = bw / need["total"]
+    shape = (X.shape[1], Y.shape[1], X.nnz / X.shape[0], Y.nnz / Y.shape[0])
+    need = bytes_per_sample(model.resolved_, *shape)
+    work = flops_per_sample(model.resolved_, *shape)
+    # each phase's least time: the later of its two roofs
+    least = {k: max(need[k] / bw, work[k] / fl) for k in need if k != "total"}
+    memory_limit = bw / need["total"]
+    limit = 1.0 / sum(least.values())
     print(f"{args.preset}, {args.n_train} rows, batch {B}, hidden {model.resolved_['hidden']}, "
           f"active {model.resolved_['active_target']} ({model.resolved_['lsh_cap']} LSH + "
           f"{model.resolved_['pool']} shared), {args.threads} threads")
-    print(f"{'phase':16s} {'KB/sample':>10s} {'us/sample':>10s} {'GB/s':>7s} {'of roofline':>12s}")
+    print(f"{'phase':16s} {'KB/sample':>10s} {'MFLOP/sample':>13s} {'bound':>8s} {'least us':>9s} "
+          f"{'us/sample':>10s} {'GB/s':>7s} {'GFLOP/s':>8s} {'of roofline':>12s}")
     phases = []
-    for name, b in need.items():
-        if name == "total":
-            continue
+    for name, t_least in least.items():
+        b, f = need[name], work[name]
         sec = model.timings_.get(name, 0.0) / timed.size
-        phases.append({"phase": name, "bytes_per_sample": b, "seconds_per_sample": sec,
+        bound = "compute" if f / fl > b / bw else "memory"
+        phases.append({"phase": name, "bytes_per_sample": b, "flops_per_sample": f,
+                       "bound": bound, "least_seconds_per_sample": t_least,
+                       "seconds_per_sample": sec,
                        "bytes_per_second": b / sec if sec else None,
-                       "fraction_of_roofline": (b / bw) / sec if sec else None})
-        print(f"{name:16s} {b / 1e3:10.1f} {1e6 * sec:10.1f} {b / sec / 1e9 if sec else 0:7.2f} "
-              f"{(b / bw) / sec if sec else 0:12.1%}")
+                       "flops_per_second": f / sec if sec else None,
+                       "fraction_of_memory_roof": (b / bw) / sec if sec else None,
+                       "fraction_of_roofline": t_least / sec if sec else None})
+        print(f"{name:16s} {b / 1e3:10.1f} {f / 1e6:13.3f} {bound:>8s} {1e6 * t_least:9.1f} "
+              f"{1e6 * sec:10.1f} {b / sec / 1e9 if sec else 0:7.2f} {f / sec / 1e9 if sec else 0:8.1f} "
+              f"{t_least / sec if sec else 0:12.1%}")
     other = seconds - sum(model.timings_.values())
-    print(f"{'(outside phases)':16s} {'':10s} {1e6 * other / timed.size:10.1f}")
-    print(f"total: {need['total'] / 1e3:.1f} KB/sample; roofline {limit:.0f} samples/s at "
-          f"{bw / 1e9:.1f} GB/s; measured {rate:.0f} samples/s = {rate / limit:.1%} of it")
+    print(f"{'(outside phases)':16s} {'':10s} {'':13s} {'':8s} {'':9s} {1e6 * other / timed.size:10.1f}")
+    print(f"total: {need['total'] / 1e3:.1f} KB and {work['total'] / 1e6:.2f} MFLOP per sample; "
+          f"roofline {limit:.0f} samples/s (memory roof alone {memory_limit:.0f} at "
+          f"{bw / 1e9:.1f} GB/s); measured {rate:.0f} samples/s = {rate / limit:.1%} of it "
+          f"({rate / memory_limit:.1%} of the memory roof alone)")
     if args.out:
         write_json(args.out, {"machine": machine(), "args": vars(args),
                               "bandwidth": {"1": bw1, str(args.threads): bw},
+                              "matmul_flops": {"1": fl1, str(args.threads): fl},
                               "resolved": model.resolved_, "bytes_per_sample": need,
-                              "phases": phases, "measured_samples_per_second": rate,
+                              "flops_per_sample": work, "phases": phases,
+                              "measured_samples_per_second": rate,
                               "roofline_samples_per_second": limit,
-                              "fraction": rate / limit})
+                              "memory_roof_samples_per_second": memory_limit,
+                              "fraction": rate / limit,
+                              "fraction_of_memory_roof": rate / memory_limit})
 
 
 if __name__ == "__main__":

@@ -64,9 +64,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
                    help="LSH family of the output layer's tables (default: dwta, densified WTA)")
-    t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: 1e-3)")
+    t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: 1e-3, or 4e-3 when the output is sampled)")
     t.add_argument("--weight-decay", type=float, default=None,
-                   help="decoupled weight decay, a multiple of the learning rate (default: 1)")
+                   help="decoupled weight decay, a multiple of the learning rate (default: 1, or "
+                        "from the share of output rows a step touches when the output is sampled)")
     t.add_argument("--tfidf", action="store_true", help="weight features by idf (fitted on TRAIN)")
     t.add_argument("--no-norm", action="store_true", help="keep rows as given (default: L2-normalised)")
     t.add_argument("--no-early-stopping", action="store_true",

@@ -16,8 +16,9 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "init_parameters", "hidden_blocks", "hidden_block",
-           "ARCHITECTURE_FIELDS", "HASH_FAMILIES", "BUCKET_POLICIES"]
+__all__ = ["SlideConfig", "resolve", "sampled_width", "touched_share", "init_parameters",
+           "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS", "HASH_FAMILIES",
+           "BUCKET_POLICIES"]
 
 HASH_FAMILIES = ("dwta", "wta", "simhash")
 BUCKET_POLICIES = ("reservoir", "fifo")
@@ -195,6 +196,38 @@ EARLY_STOPPING_STEPS = 10_000
 REFIT_ROWS = 10_000
 
 
+#: a sampled output layer is as wide as its optimizer state (weights, two Adam moments and the
+#: gradient accumulator: 16 bytes a weight) allows within this budget, 512 at most, 128 at least.
+#: Width is what a few thousand labels lack (eurlex-4k preset, P@1 0.70 at 128, 0.82 at 512); at
+#: 670K labels 256 learned more per sample but trained at two thirds the samples/s, even in time,
+#: and its output layer alone would hold 2.7 GB (bench/results/accuracy_experiments.md)
+OUTPUT_STATE_BYTES = 1 << 30
+
+#: where the output is sampled, weight decay is set so that the mean output row decays by
+#: SAMPLED_DECAY x lr per step (at most 1 x lr per touch): a row decays only in the steps that
+#: touch it, and the share of rows a step touches runs from 5% at 670K labels to all of them at a
+#: few thousand. At 4K and 10K labels a decay of 1 (every row, every step, at the sampled rate)
+#: held P@1 at 0.47 / 0.33 against 0.70 / 0.36 with 0.1; at 670K labels 0.1 overfitted (0.22
+#: against 0.33) (bench/results/accuracy_experiments.md)
+SAMPLED_DECAY = 0.1
+
+
+def sampled_width(n_labels: int) -> int:
+    """Hidden width of a network whose output layer is sampled: the widest of 512, 256 and 128
+    whose output-layer state fits :data:`OUTPUT_STATE_BYTES` (128 when none does)."""
+    for width in (512, 256):
+        if 16 * width * n_labels <= OUTPUT_STATE_BYTES:
+            return width
+    return 128
+
+
+def touched_share(n_labels: int, batch_size: int, lsh_cap: int, pool: int) -> float:
+    """Expected share of a sampled output layer's rows that one step touches: the batch's
+    ``batch_size x lsh_cap`` candidates and the ``pool`` shared negatives taken as uniform
+    draws (``1 - exp(-draws / n_labels)``)."""
+    return 1.0 - math.exp(-(batch_size * lsh_cap + pool) / max(n_labels, 1))
+
+
 def default_batch_size(n_train: int) -> int:
     """Small data needs more, smaller steps: 32 below ~14K samples, 128 above ~56K."""
     return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
@@ -215,8 +248,12 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
       (so the other samples' labels are negatives too, in proportion to how often labels occur).
     * refit (with early stopping): train again on every row for the kept epochs where
       ``n_train`` (the rows left after the held-out slice) is below :data:`REFIT_ROWS`.
-    * hidden, lr, weight_decay, input_init (the input layer's initial standard deviation):
-      see the README's "Defaults" section.
+    * hidden: 512 where the output is computed whole, :func:`sampled_width` where it is
+      sampled (512 down to 128 as the label count grows).
+    * weight_decay: 1 where the output is computed whole; where it is sampled,
+      ``min(1, SAMPLED_DECAY / touched_share(...))`` (see :data:`SAMPLED_DECAY`).
+    * lr, input_init (the input layer's initial standard deviation): see the README's
+      "Defaults" section.
     """
     c = config
     out = {}
@@ -231,18 +268,6 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     else:
         target = min(n_labels, max(1, math.ceil(c.sparsity * n_labels)))
     sampled = target < n_labels
-    hidden = c.hidden or ((128,) if sampled else (512,))
-    # a sampled output row is updated only in the steps that select it: it gets a larger step,
-    # which fit's schedule and plateau drops bring down once it stops paying
-    out.update(hidden=list(hidden), lr=c.lr or (4e-3 if sampled else 1e-3),
-               weight_decay=1.0 if c.weight_decay is None else c.weight_decay)
-    # an input row is trained only in the steps whose samples hold its feature, and a rare
-    # feature's random start stays noise in every row holding it: at Amazon-670K shape (136K
-    # features, half of them in fewer than 25 rows) 0.1 instead of 0.5 took P@1 after 6 epochs
-    # from 0.24 to 0.28-0.30 and at the end from 0.296 to 0.33; with 0.1 two small real sets (a
-    # few hundred frequent features) lost 0.006-0.011 and the demo preset 0.006
-    # (bench/results/accuracy_experiments.md)
-    out["input_init"] = 0.1 if sampled else 0.5
     # a quarter of the active set, at most HARD_NEGATIVES, is each sample's own LSH candidates
     # (hard negatives), the rest a random pool shared by the batch (dense matrix products, few
     # distinct rows to update), which the engine extends by the batch's labels; without
@@ -254,6 +279,24 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     else:
         lsh_cap = min(target // 4, HARD_NEGATIVES)
     out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap)
+    hidden = c.hidden or ((sampled_width(n_labels),) if sampled else (512,))
+    # a sampled output row is updated only in the steps that select it: it gets a larger step,
+    # which fit's schedule and plateau drops bring down once it stops paying
+    out.update(hidden=list(hidden), lr=c.lr or (4e-3 if sampled else 1e-3))
+    if c.weight_decay is not None:
+        out["weight_decay"] = c.weight_decay
+    elif sampled:
+        share = touched_share(n_labels, batch_size, lsh_cap, target - lsh_cap)
+        out["weight_decay"] = min(1.0, SAMPLED_DECAY / share)
+    else:
+        out["weight_decay"] = 1.0
+    # an input row is trained only in the steps whose samples hold its feature, and a rare
+    # feature's random start stays noise in every row holding it: at Amazon-670K shape (136K
+    # features, half of them in fewer than 25 rows) 0.1 instead of 0.5 took P@1 after 6 epochs
+    # from 0.24 to 0.28-0.30 and at the end from 0.296 to 0.33; with 0.1 two small real sets (a
+    # few hundred frequent features) lost 0.006-0.011 and the demo preset 0.006
+    # (bench/results/accuracy_experiments.md)
+    out["input_init"] = 0.1 if sampled else 0.5
     if sampled:
         over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
         # the tables only supply lsh_cap candidates per sample, so fewer and smaller than

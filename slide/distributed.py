@@ -222,6 +222,9 @@ class DataParallel:
         """Print ``message`` for this rank and end every rank of the job."""
         sys.stderr.write(f"slide: rank {self.rank} of {self.size}: {message}\n")
         sys.stderr.flush()
+        # the launcher forwards a rank's output on its own schedule and Abort kills every rank
+        # at once: on a loaded machine the message could be lost with the process
+        time.sleep(0.5)
         self.comm.Abort(1)
 
     def _wait(self, request, what: str):

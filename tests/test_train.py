@@ -1,12 +1,15 @@
 """The training loop shared by every engine: validation slice, early stopping, best weights,
 learning-rate plateaus, warm starts and resumption."""
+import math
+
 import numpy as np
 import pytest
 
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier
-from slide.config import HARD_NEGATIVES, REFIT_ROWS, SlideConfig, resolve
+from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, REFIT_ROWS, SAMPLED_DECAY,
+                          SlideConfig, resolve, sampled_width, touched_share)
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
 
@@ -251,6 +254,31 @@ def test_defaults_follow_the_data_shape():
     assert resolve(SlideConfig(hidden=(64,), lr=0.01, epochs=3), 10, 5, 100)["hidden"] == [64]
     for r in (small, wide):
         assert r["epochs"] >= 5 and r["lr"] > 0
+
+
+def test_sampled_width_and_decay_follow_the_output_layer():
+    # width: the widest whose output state (16 bytes a weight) fits OUTPUT_STATE_BYTES
+    assert sampled_width(OUTPUT_STATE_BYTES // (16 * 512)) == 512
+    assert sampled_width(OUTPUT_STATE_BYTES // (16 * 512) + 1) == 256
+    assert sampled_width(OUTPUT_STATE_BYTES // (16 * 256) + 1) == 128
+    assert sampled_width(670_091) == 128
+    # the share of rows a step touches, by hand: 4 x 3 candidates + 8 shared draws of 100
+    assert touched_share(100, 4, 3, 8) == pytest.approx(1 - math.exp(-0.2))
+    wide = resolve(SlideConfig(), n_features=135_909, n_labels=670_091, n_train=90_000)
+    mid = resolve(SlideConfig(), n_features=5000, n_labels=4000, n_train=14_000)
+    small = resolve(SlideConfig(), n_features=1000, n_labels=300, n_train=5000)
+    # 670K labels: a step touches 5% of the rows; the decay per touch stays at its cap
+    share = touched_share(670_091, 128, HARD_NEGATIVES, 3351 - HARD_NEGATIVES)
+    assert 0.04 < share < 0.06 and SAMPLED_DECAY / share > 1
+    assert wide["hidden"] == [128] and wide["weight_decay"] == 1.0
+    # 4K labels: nearly every row every step, so the decay is nearly SAMPLED_DECAY
+    share = touched_share(4000, mid["batch_size"], mid["lsh_cap"], mid["pool"])
+    assert mid["weight_decay"] == pytest.approx(SAMPLED_DECAY / share) and share > 0.9
+    assert mid["hidden"] == [512]
+    # computed whole: every row every step at the small-set rate; the rule is not applied
+    assert small["weight_decay"] == 1.0 and small["hidden"] == [512]
+    # an explicit setting wins
+    assert resolve(SlideConfig(weight_decay=0.0), 5000, 4000, 14_000)["weight_decay"] == 0.0
 
 
 def test_settings_are_validated_at_fit(tiny_data):

@@ -1,0 +1,44 @@
+"""The roofline's counts of bytes and operations per sample, against hand-computed cases."""
+import math
+
+import pytest
+
+from bench.roofline import bytes_per_sample, flops_per_sample
+
+# a small sampled configuration: batch 4, one hidden layer of 8, 16 LSH + 32 shared outputs
+RESOLVED = {"batch_size": 4, "hidden": [8], "lsh_cap": 16, "pool": 32,
+            "tables": {"L": 3, "bucket_size": 5}, "rehash_every": 64}
+
+
+def distinct(n, draws):
+    return n * (1 - math.exp(-draws / n))
+
+
+def test_flops_by_phase_hand_computed():
+    f = flops_per_sample(RESOLVED, n_features=100, n_labels=1000, nnz=6, labels=2)
+    assert f["forward_hidden"] == 2 * 6 * 8
+    assert f["select+output"] == 3 * 2 * 18 * 8        # 16 candidates + 2 labels
+    assert f["pool_matmul"] == 3 * 2 * 32 * 8          # three products over the pool
+    assert f["backward_hidden"] == 2 * 6 * 8
+    u_out, u_in = distinct(1000, 4 * 18 + 32), distinct(100, 4 * 6)
+    assert f["adam"] == pytest.approx(10 * (u_out * 9 + u_in * 8) / 4)
+    assert f["rehash"] == 0.0
+    assert f["total"] == pytest.approx(sum(v for k, v in f.items() if k != "total"))
+
+
+def test_flops_count_the_hidden_stack_forward_once_and_backward_twice():
+    deep = dict(RESOLVED, hidden=[8, 4])
+    f0 = flops_per_sample(RESOLVED, 100, 1000, 6, 2)
+    f1 = flops_per_sample(deep, 100, 1000, 6, 2)
+    assert f1["forward_hidden"] - f0["forward_hidden"] == 2 * 8 * 4
+    assert f1["backward_hidden"] - f0["backward_hidden"] == 4 * 8 * 4
+    assert f1["pool_matmul"] == 3 * 2 * 32 * 4          # the output layer sees the last width
+
+
+def test_bytes_by_phase_hand_computed():
+    b = bytes_per_sample(RESOLVED, n_features=100, n_labels=1000, nnz=6, labels=2)
+    u_own = distinct(1000, 4 * 18)
+    assert b["forward_hidden"] == 6 * 8 * 4
+    assert b["select+output"] == pytest.approx(3 * 5 * 4 + u_own * 8 * 12 / 4)
+    assert b["pool_matmul"] == 32 * 8 * 12 / 4
+    assert b["rehash"] == pytest.approx((1000 * 8 * 4 + 3 * 1000 * 4) / 64)
