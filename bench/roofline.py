@@ -33,7 +33,7 @@
    ``least time / measured time``, and overall ``measured samples/s / limit``; the fraction of
    the memory roof alone is reported beside it.
 
-Writes ``OUT.json`` with ``--out``.
+Writes the figures as JSON to the path given with ``--out``.
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
                    help="LSH family of the output layer's tables (default: dwta, densified WTA)")
-    t.add_argument("--lr", type=float, default=None, help="Adam learning rate (default: 1e-3, or 4e-3 when the output is sampled)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="Adam learning rate (default: 1e-3, or 4e-3 when the output is sampled)")
     t.add_argument("--weight-decay", type=float, default=None,
                    help="decoupled weight decay, a multiple of the learning rate (default: 1, or "
                         "from the share of output rows a step touches when the output is sampled)")
