@@ -286,7 +286,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     if c.weight_decay is not None:
         out["weight_decay"] = c.weight_decay
     elif sampled:
-        share = touched_share(n_labels, batch_size, lsh_cap, target - lsh_cap)
+        share = touched_share(n_labels, batch_size, lsh_cap, out["pool"])
         out["weight_decay"] = min(1.0, SAMPLED_DECAY / share)
     else:
         out["weight_decay"] = 1.0
