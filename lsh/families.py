@@ -65,29 +65,34 @@ def _simhash_dense(proj_idx, proj_sign, V, K, L, range_pow, bounds, out):
 # WTA / DWTA: bins of m coordinates cut from concatenated random permutations
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _wta_dense_codes(bins, v, skip_zeros, codes):
+def _wta_dense_codes(bins, v, codes):
     """codes[h] = position of the largest coordinate of v in bin h (the first on ties), or -1
-    if the bin is empty (all of its coordinates zero when ``skip_zeros``).
+    if every coordinate of the bin is -inf (DWTA passes its zeros as -inf: see :func:`_drop_zeros`).
 
-    The max comes first and its position second: a running (max, argmax) pair is one long
-    chain of data-dependent selects, this is two short loops (about 2x faster).
+    One pass with a strict ``>``: compiled to selects, about twice as fast here as a max pass
+    followed by a search for its position, or as testing for zeros inside the loop.
     """
     neg = np.float32(-np.inf)
     m = bins.shape[1]
     for h in range(bins.shape[0]):
         row = bins[h]
         best = neg
+        arg = -1
         for j in range(m):
             x = v[row[j]]
-            if skip_zeros and x == 0:
-                x = neg
-            best = max(best, x)
-        arg = -1
-        if best > neg:
-            for j in range(m - 1, -1, -1):
-                if v[row[j]] == best:
-                    arg = j
+            if x > best:
+                best = x
+                arg = j
         codes[h] = arg
+
+
+@njit(cache=True, nogil=True)
+def _drop_zeros(v, out):
+    """out = v with its zeros as -inf, so that no bin's argmax lands on a zero: float32 [dim]."""
+    neg = np.float32(-np.inf)
+    for j in range(v.size):
+        out[j] = neg if v[j] == 0 else v[j]
+    return out
 
 
 @njit(cache=True, nogil=True)
@@ -146,10 +151,13 @@ def _densify(codes, seed):
 def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
     for c in prange(bounds.size - 1):
         codes = np.empty(K * L, np.int64)
+        nonzero = np.empty(V.shape[1], np.float32)
         for r in range(bounds[c], bounds[c + 1]):
-            _wta_dense_codes(bins, V[r], densify, codes)
             if densify:
+                _wta_dense_codes(bins, _drop_zeros(V[r], nonzero), codes)
                 _densify(codes, seed)
+            else:
+                _wta_dense_codes(bins, V[r], codes)
             combine_codes(codes, K, L, bits, range_pow, out[r])
 
 
@@ -179,7 +187,7 @@ def _scatter_csr(simhash, proj_idx, proj_sign, bins, dim, indptr, indices, data,
             if simhash:
                 _simhash_dense_codes(proj_idx, proj_sign, dense, codes)
             else:
-                _wta_dense_codes(bins, dense, False, codes)
+                _wta_dense_codes(bins, dense, codes)
             combine_codes(codes, K, L, bits, range_pow, out[r])
             for p in range(indptr[r], indptr[r + 1]):
                 dense[indices[p]] = 0.0

@@ -27,7 +27,8 @@ from numba import njit, prange
 from lsh._threading import thread_chunks
 from lsh.families import make_family
 
-__all__ = ["TableConfig", "HashTables", "autotune", "query_one", "QueryScratch"]
+__all__ = ["TableConfig", "HashTables", "autotune", "query_one", "query_union",
+           "select_candidates", "QueryScratch"]
 
 FIFO, RESERVOIR = 0, 1
 _POLICIES = {"fifo": FIFO, "reservoir": RESERVOIR}
@@ -130,14 +131,10 @@ def insert_kernel(buckets, seen, rng_state, ids, codes, policy):
 
 
 @njit(cache=True, nogil=True)
-def query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, max_out, rank, out):
-    """Union of the ids in the L buckets ``codes`` [L], deduplicated, written to ``out``.
-
-    Per-thread scratch: ``stamp``/``hits`` int32 [n_ids], ``cand`` int32 [L * bucket_size],
-    ``hist`` int32 [L + 2]; ``gen`` is this query's stamp value (distinct per query). Returns
-    the number of ids written (at most ``max_out``); with ``rank`` the most frequently hit ids
-    are kept when the union is larger, otherwise the first ones found.
-    """
+def query_union(buckets, seen, codes, stamp, hits, gen, cand):
+    """The deduplicated union of the ids in the L buckets ``codes`` [L], written to ``cand``
+    (int32 [L * bucket_size]) in discovery order; returns its size. Each id is stamped with
+    ``gen`` in ``stamp`` and its hit count (tables it was found in) left in ``hits``."""
     cap = buckets.shape[2]
     n = 0
     for t in range(codes.size):
@@ -152,6 +149,13 @@ def query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, max_out, rank,
                 n += 1
             else:
                 hits[i] += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
+def select_candidates(cand, n, hits, hist, max_out, rank, out):
+    """At most ``max_out`` of the union ``cand[:n]`` (from :func:`query_union`) into ``out``:
+    with ``rank`` the most frequently hit ids, otherwise the first found. Returns the count."""
     if n <= max_out:
         out[:n] = cand[:n]
         return n
@@ -178,6 +182,19 @@ def query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, max_out, rank,
             out[m] = cand[j]
             m += 1
     return m
+
+
+@njit(cache=True, nogil=True)
+def query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, max_out, rank, out):
+    """Union of the ids in the L buckets ``codes`` [L], deduplicated, written to ``out``.
+
+    Per-thread scratch: ``stamp``/``hits`` int32 [n_ids], ``cand`` int32 [L * bucket_size],
+    ``hist`` int32 [L + 2]; ``gen`` is this query's stamp value (distinct per query). Returns
+    the number of ids written (at most ``max_out``); with ``rank`` the most frequently hit ids
+    are kept when the union is larger, otherwise the first ones found.
+    """
+    n = query_union(buckets, seen, codes, stamp, hits, gen, cand)
+    return select_candidates(cand, n, hits, hist, max_out, rank, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -18,7 +18,7 @@ everything is deterministic.
 import numpy as np
 from numba import njit, prange
 
-from lsh.tables import query_one
+from lsh.tables import query_union, select_candidates
 
 #: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
 #: left-to-right float sum cannot be), 3-4x faster over rows scattered in a 670K-row layer. The
@@ -80,7 +80,8 @@ def forward_layer(acts, lo_in, lo_out, W, b, active, n_active):
 @njit(cache=True, nogil=True)
 def _select_own(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, lsh_cap, active):
     """A sample's own active neurons: its labels, then up to ``lsh_cap`` LSH candidates ranked
-    by hit count. Everything selected is stamped with ``gen``; returns the count."""
+    by hit count. Returns (own count, union size): the query's whole union (labels aside) is
+    left in ``cand[:union]``; the labels and the union are stamped with ``gen``."""
     n = 0
     for i in range(labels.size):
         lab = labels[i]
@@ -88,9 +89,11 @@ def _select_own(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, lsh_
             stamp[lab] = gen
             active[n] = lab
             n += 1
+    u = 0
     if buckets.shape[0] > 0 and lsh_cap > 0:
-        n += query_one(buckets, seen, codes, stamp, hits, gen, cand, hist, lsh_cap, True, active[n:])
-    return n
+        u = query_union(buckets, seen, codes, stamp, hits, gen, cand)
+        n += select_candidates(cand, u, hits, hist, lsh_cap, True, active[n:])
+    return n, u
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,13 +101,17 @@ def _select_own(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, lsh_
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
 def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, stamp, hits, gens,
-                cand, hist, lsh_cap, pool, zpool, active, n_active, bounds, logits_buf, dH, losses):
+                cand, hist, lsh_cap, pool_pos, zpool, active, n_active, bounds, logits_buf, dH,
+                losses):
     """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
 
     A sample's active set is its own neurons (labels + LSH candidates, see :func:`_select_own`)
-    plus the batch's shared random ``pool`` [P]. The pool's logits ``zpool`` [n, P] come in
+    plus the batch's shared random pool of P neurons. The pool's logits ``zpool`` [n, P] come in
     precomputed (one matrix product for the batch); pool neurons that are also in the sample's
-    own set are left out. On return ``zpool`` holds the pool's logit gradients (scaled by 1/n)
+    own set, or that its LSH query found but the cap cut, are left out: the pool stands for the
+    random rest of the layer. They are found through ``pool_pos`` int32 [n_labels] (a neuron's
+    position in the pool, -1 outside it): a lookup per found neuron instead of a stamp check
+    per pool neuron, and the pool's max and exp become plain loops over a contiguous row. On return ``zpool`` holds the pool's logit gradients (scaled by 1/n)
     for the caller's matrix products, ``dH`` [n, H] the own set's share of the gradient w.r.t.
     the last hidden layer (scaled by 1/n), and the own rows' gradients are added to
     ``gW``/``gb`` (Hogwild). Target: uniform over the sample's labels. ``losses`` [n] gets
@@ -114,7 +121,7 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
     scale = np.float32(1.0 / n)
     H = W.shape[1]
     lo_last = acts.shape[1] - H
-    P = pool.size
+    P = zpool.shape[1]
     for c in prange(bounds.size - 1):
         logits = logits_buf[c]
         st = stamp[c]
@@ -123,8 +130,8 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
             gen = gens[c]
             labels = y_indices[y_indptr[r]: y_indptr[r + 1]]
             own = active[r]
-            k = _select_own(labels, codes[r], buckets, seen, st, hits[c], gen, cand[c], hist[c],
-                            lsh_cap, own)
+            k, u = _select_own(labels, codes[r], buckets, seen, st, hits[c], gen, cand[c],
+                               hist[c], lsh_cap, own)
             n_active[r] = k
             h = acts[r, lo_last:]
             zp = zpool[r]
@@ -133,11 +140,19 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
                 s = b[own[a]] + _dot(W[own[a]], h)
                 logits[a] = s
                 zmax = max(zmax, s)
-            for j in range(P):
-                if st[pool[j]] == gen:  # already in the own set
+            # the pool is the random rest: out of it go the sample's own neurons and whatever
+            # else its query found (the candidates the cap cut); their exp below is 0
+            for a in range(k):
+                j = pool_pos[own[a]]
+                if j >= 0:
                     zp[j] = -np.inf
-                else:
-                    zmax = max(zmax, zp[j])
+            found = cand[c]
+            for a in range(u):
+                j = pool_pos[found[a]]
+                if j >= 0:
+                    zp[j] = -np.inf
+            for j in range(P):
+                zmax = max(zmax, zp[j])
             total = np.float32(0.0)
             for a in range(k):
                 logits[a] = np.exp(logits[a] - zmax)
@@ -227,6 +242,30 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, Wh, h_off, sizes,
             lo, hi = x_indptr[r], x_indptr[r + 1]
             _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, Wh, h_off, sizes,
                              gW0, gb0, gWh, gbh, b_off, dbuf[c])
+
+
+# --------------------------------------------------------------------------------------------
+# The shared pool's rows: gathered into a dense block, its gradient rows added back
+# --------------------------------------------------------------------------------------------
+@njit(cache=True, nogil=True, parallel=True)
+def gather_rows(W, rows, out):
+    """out[t] = W[rows[t]] for W float32 [n, d], rows int32 [m], out float32 [m, d].
+
+    numpy's ``W[rows]`` does this on one thread into a fresh array (page faults on every
+    batch); here both threads copy into a block the caller keeps."""
+    for t in prange(rows.size):
+        out[t] = W[rows[t]]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def scatter_add_rows(G, rows, A):
+    """G[rows[t]] += A[t] for distinct ``rows`` int32 [m], G float32 [n, d], A float32 [m, d]:
+    one parallel pass where ``G[rows] += A`` gathers, adds and scatters on one thread."""
+    for t in prange(rows.size):
+        g = G[rows[t]]
+        a = A[t]
+        for j in range(a.size):
+            g[j] += a[j]
 
 
 # --------------------------------------------------------------------------------------------

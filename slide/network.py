@@ -256,7 +256,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                                     TableConfig(**layer["tables"]),
                                                     seed=self._layer_seed(l))
         self._mark_out = np.zeros(self.n_labels_, np.uint8)
+        self._pool_pos = np.full(self.n_labels_, -1, np.int32)  # a label's place in the step's pool
         self._scratch_key = None
+        self._pool_buf = None
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
         self._tables_stale = False
         self._int8_rows = None  # exact top-k's int8 copy of W, built when first needed
@@ -278,6 +280,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._touched = np.zeros(n_rows * width + self.resolved_["pool"], np.int32)
             self._scratch_key = (t, width, n_rows)
         self._qs.renew_if_old()
+
+    def _pool_blocks(self, n_rows: int, n_pool: int, width: int):
+        """Contiguous float32 blocks for the shared pool's step, kept across batches (fresh
+        megabyte arrays page-fault on every batch): its weight rows [P, H], its logits (then
+        logit gradients) [n, P] and its weight gradients [P, H]."""
+        need = n_pool * width
+        if self._pool_buf is None or self._pool_buf.shape[1] < max(need, n_rows * n_pool):
+            self._pool_buf = np.empty((3, max(need, n_rows * n_pool)), np.float32)
+        buf = self._pool_buf
+        return (buf[0, :need].reshape(n_pool, width), buf[1, :n_rows * n_pool].reshape(n_rows, n_pool),
+                buf[2, :need].reshape(n_pool, width))
 
     # -- forward ---------------------------------------------------------------------------------
     def _layer_seed(self, l: int) -> int:
@@ -357,8 +370,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             pool = np.arange(self.n_labels_, dtype=np.int32)
         t0 = self._tick("hash", t0)
         # the shared pool is a dense block: its logits and gradients are matrix products
-        W_pool = p["W"][pool]
-        z_pool = h @ W_pool.T
+        W_pool, z_pool, g_pool = self._pool_blocks(n, pool.size, h.shape[1])
+        kernels.gather_rows(p["W"], pool, W_pool)
+        self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
+        np.matmul(h, W_pool.T, out=z_pool)
         z_pool += p["b"][pool]
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
@@ -367,10 +382,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         kernels.output_step(
             Yb.indptr.astype(np.int64), Yb.indices, acts, codes, p["W"], p["b"], g["W"], g["b"],
             buckets, seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, self.resolved_["lsh_cap"],
-            pool, z_pool, self._active, self._n_active, bounds, self._logits, dH, losses)
+            self._pool_pos, z_pool, self._active, self._n_active, bounds, self._logits, dH, losses)
+        self._pool_pos[pool] = -1
         t0 = self._tick("select+output", t0)
         dH += z_pool @ W_pool
-        g["W"][pool] += z_pool.T @ h
+        np.matmul(z_pool.T, h, out=g_pool)
+        kernels.scatter_add_rows(g["W"], pool, g_pool)
         g["b"][pool] += z_pool.sum(axis=0)
         t0 = self._tick("pool_matmul", t0)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,

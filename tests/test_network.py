@@ -282,3 +282,48 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
     dense = SlideClassifier(hidden=(8,), sparsity=1.0, epochs=1).fit(Xtr[:200], Ytr[:200])
     with pytest.raises(ValueError, match="no tables"):
         dense.set_serving(8)
+
+
+def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
+    """The step's softmax runs over the sample's own neurons (labels + the LSH candidates kept
+    under the cap) and the pool neurons its query did not find, each once: candidates the cap
+    cut are in neither."""
+    import slide.kernels as K
+    from lsh import HashTables, TableConfig
+    from lsh.tables import QueryScratch
+
+    rng = np.random.default_rng(0)
+    n_labels, H, cap, label = 40, 6, 3, 7
+    W = rng.standard_normal((n_labels, H)).astype(np.float32)
+    b = rng.standard_normal(n_labels).astype(np.float32)
+    h = np.abs(rng.standard_normal((1, H))).astype(np.float32)
+    tables = HashTables(H, n_labels, TableConfig(family="simhash", K=1, L=2, range_pow=1,
+                                                 bucket_size=64), seed=0)
+    tables.build(W)
+    codes = tables.family.hash_dense(h)
+    found = np.setdiff1d(tables.query_one(h[0]), [label])
+    assert found.size > cap  # the cap cuts the union
+    pool = np.arange(0, n_labels, dtype=np.int32)
+    zpool = (h @ W[pool].T + b[pool]).astype(np.float32)
+    qs = QueryScratch(1, n_labels, 2, 64)
+    active = np.zeros((1, cap + 1), np.int32)
+    n_active = np.zeros(1, np.int64)
+    gW, gb = np.zeros_like(W), np.zeros_like(b)
+    dH, losses = np.zeros((1, H), np.float32), np.zeros(1, np.float32)
+    K.output_step(np.array([0, 1], np.int64), np.array([label], np.int32), h, codes, W, b, gW, gb,
+                  tables.buckets, tables.seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, cap,
+                  pool.copy(), zpool, active, n_active, np.array([0, 1], np.int64),
+                  np.zeros((1, cap + 1), np.float32), dH, losses)  # pool_pos: pool is arange
+    own = active[0, :n_active[0]]
+    assert own[0] == label and own.size == cap + 1 and np.isin(own[1:], found).all()
+    cut = np.setdiff1d(found, own)
+    inside = ~np.isin(np.arange(n_labels), cut)  # own set + the pool's random rest
+    z = (W @ h[0] + b).astype(np.float64)
+    p = np.where(inside, np.exp(z - z.max()), 0.0)
+    p /= p.sum()
+    rest = ~np.isin(pool, found) & (pool != label)
+    np.testing.assert_allclose(zpool[0, rest], p[pool[rest]], rtol=1e-5)
+    assert (zpool[0, ~rest] == 0).all()
+    y = (np.arange(n_labels) == label).astype(np.float64)
+    np.testing.assert_allclose(gb[own], (p - y)[own], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(losses[0], -np.log(p[label]), rtol=1e-5)
