@@ -111,10 +111,11 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
     own set, or that its LSH query found but the cap cut, are left out: the pool stands for the
     random rest of the layer. They are found through ``pool_pos`` int32 [n_labels] (a neuron's
     position in the pool, -1 outside it): a lookup per found neuron instead of a stamp check
-    per pool neuron, and the pool's max and exp become plain loops over a contiguous row. On return ``zpool`` holds the pool's logit gradients (scaled by 1/n)
-    for the caller's matrix products, ``dH`` [n, H] the own set's share of the gradient w.r.t.
-    the last hidden layer (scaled by 1/n), and the own rows' gradients are added to
-    ``gW``/``gb`` (Hogwild). Target: uniform over the sample's labels. ``losses`` [n] gets
+    per pool neuron, and the pool's max and exp become plain loops over a contiguous row.
+
+    On return ``zpool`` holds the pool's logit gradients (scaled by 1/n) for the caller's
+    matrix products, ``dH`` [n, H] the own set's share of the gradient w.r.t. the last hidden
+    layer (scaled by 1/n), and the own rows' gradients are added to ``gW``/``gb`` (Hogwild). Target: uniform over the sample's labels. ``losses`` [n] gets
     each sample's loss; ``active``/``n_active`` the own sets (for Adam).
     """
     n = y_indptr.size - 1
