@@ -17,8 +17,10 @@
    * ``backward_hidden``: the gradient rows of the input features, read and written;
    * ``adam``: weights, both moments and the gradient of every distinct touched row, read and
      written (output and input rows);
-   * ``rehash``: re-inserting every output row (weights read, tables written), spread over the
-     samples between rehashes.
+   * ``rehash``: re-inserting every output row (weights read, tables written), times the
+     rehashes the timed window actually ran (counted by the tables), spread over its samples.
+     The schedule's interval grows (x1.25 per rehash), so the later the window starts
+     (``--warm-steps``), the fewer it holds.
 
    Distinct rows per batch are estimated as draws without overlap structure:
    ``n · (1 - exp(-draws / n))`` for n rows and the batch's draws.
@@ -28,8 +30,8 @@
    Adam's ~10 per updated weight; hashing not counted, its arithmetic depends on the family).
    A phase's least time is the larger of its memory time and its arithmetic time: the
    classic roofline, where a phase is bound by whichever roof it meets first.
-4. **The engine's measured time per phase** (its own ``timings_``, steady state after a warm-up
-   epoch slice, ``--steps`` batches), and the fraction of the roofline it reaches: per phase
+4. **The engine's measured time per phase** (its own ``timings_``, after ``--warm-steps``
+   batches, over ``--steps`` batches), and the fraction of the roofline it reaches: per phase
    ``least time / measured time``, and overall ``measured samples/s / limit``; the fraction of
    the memory roof alone is reported beside it.
 
@@ -90,8 +92,12 @@ def _distinct(n: int, draws: float) -> float:
 
 
 def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
-                     labels: float) -> dict:
-    """The least bytes per training sample, by phase (see the module docstring)."""
+                     labels: float, rehashes_per_sample: float | None = None) -> dict:
+    """The least bytes per training sample, by phase (see the module docstring).
+
+    ``rehashes_per_sample``: output-layer rehashes per sample in the measured window (the
+    schedule's interval grows, so a window sees fewer the later it starts); default one per
+    ``resolved["rehash_every"]`` samples, the first interval."""
     B = resolved["batch_size"]
     H0, H = resolved["hidden"][0], resolved["hidden"][-1]
     own = resolved["lsh_cap"] + labels  # a sample's own output rows
@@ -107,7 +113,8 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
         "pool_matmul": pool * (H * 4 + H * 8) / B,
         "backward_hidden": u_in * H0 * 8 / B,
         "adam": (u_out * (H + 1) + u_in * H0) * 8 * 4 / B,
-        "rehash": (n_labels * H * 4 + n_tables * n_labels * 4) / resolved["rehash_every"],
+        "rehash": (n_labels * H * 4 + n_tables * n_labels * 4) * (
+            1.0 / resolved["rehash_every"] if rehashes_per_sample is None else rehashes_per_sample),
     }
     per["total"] = sum(per.values())
     return per
@@ -146,6 +153,8 @@ def main(argv=None):
     p.add_argument("--n-train", type=int, default=20000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=40, help="timed batches")
+    p.add_argument("--warm-steps", type=int, default=8,
+                   help="batches before the timed ones (compile, the first rehashes)")
     p.add_argument("--stream-mb", type=int, default=512)
     p.add_argument("--config", default="{}", help="JSON overrides of the engine's settings")
     p.add_argument("--out", default=None)
@@ -164,16 +173,21 @@ def main(argv=None):
     B = model.batch_size_
     order = np.random.default_rng(0).permutation(X.shape[0])
     Xp = model.preprocess(X)
-    warm = order[:8 * B]
-    model.train_rows(Xp, Y, warm)  # compile, first rehash
+    w = args.warm_steps
+    if (w + args.steps) * B > X.shape[0]:
+        p.error(f"--warm-steps + --steps batches need {(w + args.steps) * B} rows, "
+                f"--n-train has {X.shape[0]}")
+    model.train_rows(Xp, Y, order[:w * B])  # compile, first rehashes
     model.timings_ = {}
-    timed = order[8 * B:(8 + args.steps) * B]
+    timed = order[w * B:(w + args.steps) * B]
+    builds = model.tables_.builds if model.tables_ is not None else 0
     t0 = time.perf_counter()
     model.train_rows(Xp, Y, timed)
     seconds = time.perf_counter() - t0
     rate = timed.size / seconds
+    rehashes = (model.tables_.builds - builds) if model.tables_ is not None else 0
     shape = (X.shape[1], Y.shape[1], X.nnz / X.shape[0], Y.nnz / Y.shape[0])
-    need = bytes_per_sample(model.resolved_, *shape)
+    need = bytes_per_sample(model.resolved_, *shape, rehashes_per_sample=rehashes / timed.size)
     work = flops_per_sample(model.resolved_, *shape)
     # each phase's least time: the later of its two roofs
     least = {k: max(need[k] / bw, work[k] / fl) for k in need if k != "total"}
@@ -181,7 +195,8 @@ def main(argv=None):
     limit = 1.0 / sum(least.values())
     print(f"{args.preset}, {args.n_train} rows, batch {B}, hidden {model.resolved_['hidden']}, "
           f"active {model.resolved_['active_target']} ({model.resolved_['lsh_cap']} LSH + "
-          f"{model.resolved_['pool']} shared), {args.threads} threads")
+          f"{model.resolved_['pool']} shared), {args.threads} threads; batches {w} to "
+          f"{w + args.steps} timed, {rehashes} rehashes among them")
     print(f"{'phase':16s} {'KB/sample':>10s} {'MFLOP/sample':>13s} {'bound':>8s} {'least us':>9s} "
           f"{'us/sample':>10s} {'GB/s':>7s} {'GFLOP/s':>8s} {'of roofline':>12s}")
     phases = []
@@ -209,7 +224,8 @@ def main(argv=None):
         write_json(args.out, {"machine": machine(), "args": vars(args),
                               "bandwidth": {"1": bw1, str(args.threads): bw},
                               "matmul_flops": {"1": fl1, str(args.threads): fl},
-                              "resolved": model.resolved_, "bytes_per_sample": need,
+                              "resolved": model.resolved_, "rehashes_in_window": rehashes,
+                              "bytes_per_sample": need,
                               "flops_per_sample": work, "phases": phases,
                               "measured_samples_per_second": rate,
                               "roofline_samples_per_second": limit,

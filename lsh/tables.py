@@ -254,6 +254,7 @@ class HashTables:
         self._policy = _POLICIES[config.policy]
         self._reset_rng()
         self._scratch = None
+        self.builds = 0  # times the tables were (re)built from weights: rehash cost counters
 
     def _reset_rng(self):
         ss = np.random.SeedSequence([self.seed, self.family.seed])
@@ -280,6 +281,7 @@ class HashTables:
         if W.shape != (self.n_ids, self.dim):
             raise ValueError(f"W must be [{self.n_ids}, {self.dim}], got {W.shape}")
         self.clear()
+        self.builds += 1
         for lo in range(0, self.n_ids, chunk):
             hi = min(lo + chunk, self.n_ids)
             self.insert(np.arange(lo, hi, dtype=np.int32), self.family.hash_dense(W[lo:hi]))

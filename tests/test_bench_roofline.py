@@ -42,3 +42,12 @@ def test_bytes_by_phase_hand_computed():
     assert b["select+output"] == pytest.approx(3 * 5 * 4 + u_own * 8 * 12 / 4)
     assert b["pool_matmul"] == 32 * 8 * 12 / 4
     assert b["rehash"] == pytest.approx((1000 * 8 * 4 + 3 * 1000 * 4) / 64)
+
+
+def test_rehash_bytes_follow_the_rehashes_the_window_ran():
+    per_rehash = 1000 * 8 * 4 + 3 * 1000 * 4
+    none = bytes_per_sample(RESOLVED, 100, 1000, 6, 2, rehashes_per_sample=0.0)
+    two = bytes_per_sample(RESOLVED, 100, 1000, 6, 2, rehashes_per_sample=2 / 640)
+    assert none["rehash"] == 0.0
+    assert two["rehash"] == pytest.approx(per_rehash / 320)
+    assert two["total"] - none["total"] == pytest.approx(per_rehash / 320)

@@ -173,3 +173,14 @@ def test_autotune_follows_bolt_rule_and_memory_cap():
         autotune(100, 0)
     with pytest.raises(ValueError):
         TableConfig(policy="lru")
+
+
+def test_tables_count_their_builds(rng):
+    W = rng.standard_normal((50, 16)).astype(np.float32)
+    t = HashTables(16, 50, TableConfig(K=2, L=3, range_pow=4, bucket_size=8), seed=0)
+    assert t.builds == 0
+    t.build(W)
+    t.rehash(W)
+    t.rebuild(W)
+    t.insert(np.arange(5, dtype=np.int32), t.family.hash_dense(W[:5]))  # an insert is no build
+    assert t.builds == 3
