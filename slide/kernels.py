@@ -115,8 +115,9 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
 
     On return ``zpool`` holds the pool's logit gradients (scaled by 1/n) for the caller's
     matrix products, ``dH`` [n, H] the own set's share of the gradient w.r.t. the last hidden
-    layer (scaled by 1/n), and the own rows' gradients are added to ``gW``/``gb`` (Hogwild). Target: uniform over the sample's labels. ``losses`` [n] gets
-    each sample's loss; ``active``/``n_active`` the own sets (for Adam).
+    layer (scaled by 1/n), and the own rows' gradients are added to ``gW``/``gb`` (Hogwild).
+    Target: uniform over the sample's labels. ``losses`` [n] gets each sample's loss;
+    ``active``/``n_active`` the own sets (for Adam).
     """
     n = y_indptr.size - 1
     scale = np.float32(1.0 / n)

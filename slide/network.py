@@ -285,12 +285,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Contiguous float32 blocks for the shared pool's step, kept across batches (fresh
         megabyte arrays page-fault on every batch): its weight rows [P, H], its logits (then
         logit gradients) [n, P] and its weight gradients [P, H]."""
-        need = n_pool * width
-        if self._pool_buf is None or self._pool_buf.shape[1] < max(need, n_rows * n_pool):
-            self._pool_buf = np.empty((3, max(need, n_rows * n_pool)), np.float32)
+        rows, logits = n_pool * width, n_rows * n_pool
+        if self._pool_buf is None or self._pool_buf.shape[1] < max(rows, logits):
+            self._pool_buf = np.empty((3, max(rows, logits)), np.float32)
         buf = self._pool_buf
-        return (buf[0, :need].reshape(n_pool, width), buf[1, :n_rows * n_pool].reshape(n_rows, n_pool),
-                buf[2, :need].reshape(n_pool, width))
+        return (buf[0, :rows].reshape(n_pool, width), buf[1, :logits].reshape(n_rows, n_pool),
+                buf[2, :rows].reshape(n_pool, width))
 
     # -- forward ---------------------------------------------------------------------------------
     def _layer_seed(self, l: int) -> int:
@@ -379,11 +379,14 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         qs = self._qs
         dH = np.empty((n, h.shape[1]), np.float32)
         losses = np.empty(n, np.float32)
-        kernels.output_step(
-            Yb.indptr.astype(np.int64), Yb.indices, acts, codes, p["W"], p["b"], g["W"], g["b"],
-            buckets, seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, self.resolved_["lsh_cap"],
-            self._pool_pos, z_pool, self._active, self._n_active, bounds, self._logits, dH, losses)
-        self._pool_pos[pool] = -1
+        try:
+            kernels.output_step(
+                Yb.indptr.astype(np.int64), Yb.indices, acts, codes, p["W"], p["b"], g["W"],
+                g["b"], buckets, seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist,
+                self.resolved_["lsh_cap"], self._pool_pos, z_pool, self._active, self._n_active,
+                bounds, self._logits, dH, losses)
+        finally:  # the map must be all -1 again whatever happens: the next step relies on it
+            self._pool_pos[pool] = -1
         t0 = self._tick("select+output", t0)
         dH += z_pool @ W_pool
         np.matmul(z_pool.T, h, out=g_pool)
