@@ -34,6 +34,11 @@
    batches, over ``--steps`` batches), and the fraction of the roofline it reaches: per phase
    ``least time / measured time``, and overall ``measured samples/s / limit``; the fraction of
    the memory roof alone is reported beside it.
+5. **What scattered rows allow**: the step's rows are scattered 4 x H-byte reads and writes,
+   which no memory system serves at the triad's rate. ``scattered_bandwidth`` times Adam's
+   pattern with no arithmetic (a batch's distinct output rows, in increasing order, of four
+   arrays the output layer's size, each read and written); the same bytes at that rate, the
+   rehash at the triad's, give an attainable limit, reported beside the roofline.
 
 Writes the figures as JSON to the path given with ``--out``.
 """
@@ -69,6 +74,38 @@ def stream_bandwidth(mb: int, threads: int, reps: int = 5) -> float:
         _triad(a, b, c, np.float32(3.0))
         best = min(best, time.perf_counter() - t0)
     return 3 * n * 4 / best
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _scattered_update(rows, A, B, C, D):
+    for t in prange(rows.size):
+        i = rows[t]
+        a, b, c, d = A[i], B[i], C[i], D[i]
+        for j in range(a.size):
+            a[j] += b[j]
+            b[j] += c[j]
+            c[j] += d[j]
+            d[j] = 0.0
+
+
+def scattered_bandwidth(n_rows: int, width: int, touched: int, threads: int,
+                        reps: int = 5) -> float:
+    """Bytes per second (read + written) of one pass over ``touched`` distinct random rows,
+    in increasing order, of four float32 [n_rows, width] arrays, each row read and written:
+    Adam's access pattern with no arithmetic, on ``threads`` numba threads (median of
+    ``reps`` passes, each over fresh rows)."""
+    from lsh import set_num_threads
+    set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    arrays = [np.ones((n_rows, width), np.float32) for _ in range(4)]  # paged in
+    sets = [np.unique(rng.integers(0, n_rows, touched)).astype(np.int32) for _ in range(reps + 1)]
+    _scattered_update(sets[0], *arrays)  # compile
+    times = []
+    for rows in sets[1:]:
+        t0 = time.perf_counter()
+        _scattered_update(rows, *arrays)
+        times.append((time.perf_counter() - t0) / rows.size)
+    return 8 * width * 4 / float(np.median(times))
 
 
 def matmul_flops(threads: int, n: int = 2048, reps: int = 3) -> float:
@@ -193,6 +230,14 @@ def main(argv=None):
     least = {k: max(need[k] / bw, work[k] / fl) for k in need if k != "total"}
     memory_limit = bw / need["total"]
     limit = 1.0 / sum(least.values())
+    # what scattered rows allow: the same bytes at Adam's pattern's rate instead of the
+    # triad's, for every phase but the rehash (which streams the weights)
+    H = int(model.resolved_["hidden"][-1])
+    u_out = int(Y.shape[1] * -math.expm1(-(B * (model.resolved_["lsh_cap"] + shape[3])
+                                          + model.resolved_["pool"]) / Y.shape[1]))
+    sbw = scattered_bandwidth(Y.shape[1], H, max(u_out, 1), args.threads)
+    attainable = {k: max(need[k] / (bw if k == "rehash" else sbw), work[k] / fl) for k in least}
+    attainable_limit = 1.0 / sum(attainable.values())
     print(f"{args.preset}, {args.n_train} rows, batch {B}, hidden {model.resolved_['hidden']}, "
           f"active {model.resolved_['active_target']} ({model.resolved_['lsh_cap']} LSH + "
           f"{model.resolved_['pool']} shared), {args.threads} threads; batches {w} to "
@@ -210,7 +255,8 @@ def main(argv=None):
                        "bytes_per_second": b / sec if sec else None,
                        "flops_per_second": f / sec if sec else None,
                        "fraction_of_memory_roof": (b / bw) / sec if sec else None,
-                       "fraction_of_roofline": t_least / sec if sec else None})
+                       "fraction_of_roofline": t_least / sec if sec else None,
+                       "fraction_of_attainable": attainable[name] / sec if sec else None})
         print(f"{name:16s} {b / 1e3:10.1f} {f / 1e6:13.3f} {bound:>8s} {1e6 * t_least:9.1f} "
               f"{1e6 * sec:10.1f} {b / sec / 1e9 if sec else 0:7.2f} {f / sec / 1e9 if sec else 0:8.1f} "
               f"{t_least / sec if sec else 0:12.1%}")
@@ -220,6 +266,9 @@ def main(argv=None):
           f"roofline {limit:.0f} samples/s (memory roof alone {memory_limit:.0f} at "
           f"{bw / 1e9:.1f} GB/s); measured {rate:.0f} samples/s = {rate / limit:.1%} of it "
           f"({rate / memory_limit:.1%} of the memory roof alone)")
+    print(f"scattered rows (Adam's pattern, {max(u_out, 1)} rows of {H} floats in 4 arrays): "
+          f"{sbw / 1e9:.1f} GB/s; at that rate the step could reach {attainable_limit:.0f} "
+          f"samples/s: measured {rate / attainable_limit:.1%} of it")
     if args.out:
         write_json(args.out, {"machine": machine(), "args": vars(args),
                               "bandwidth": {"1": bw1, str(args.threads): bw},
@@ -231,7 +280,10 @@ def main(argv=None):
                               "roofline_samples_per_second": limit,
                               "memory_roof_samples_per_second": memory_limit,
                               "fraction": rate / limit,
-                              "fraction_of_memory_roof": rate / memory_limit})
+                              "fraction_of_memory_roof": rate / memory_limit,
+                              "scattered_bandwidth": sbw,
+                              "attainable_samples_per_second": attainable_limit,
+                              "fraction_of_attainable": rate / attainable_limit})
 
 
 if __name__ == "__main__":
