@@ -16,7 +16,7 @@ from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
 from slide.checkpoint import read_checkpoint, write_checkpoint
-from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
+from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters, rare_share,
                           parameter_shapes, resolve)
 from slide.data import check_xy
 from slide.metrics import check_k, topk
@@ -238,7 +238,9 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.config_ = self._config()
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
-        self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_)
+        self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
+        self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_,
+                                 self.rare_share_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1),
                    f"a dense model of {self.n_features_in_} features, hidden "
                    f"{self.resolved_['hidden']} and {self.n_labels_} labels")
@@ -356,7 +358,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         warm = self.warm_start and self._is_fitted()
         if warm:
             self.config_ = self._config()
-            self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_)
+            self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_,
+                                     self.rare_share_)
         return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
                         continue_training=warm)
 
@@ -424,6 +427,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             arrays.update({f"best.{k}": self._host(v) for k, v in self.best_params_.items()})
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
+                "rare_share": self.rare_share_,
                 "step": self.step_, "epoch": self.epoch_, "epoch_position": self.epoch_position_,
                 "learning_rate": self.learning_rate_,
                 "history": self.history_, "stopping": self.stopping_,
@@ -440,7 +444,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model = cls(**ck.config_params(cls), device=device, **own)
         model.config_ = model._config()
         model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        model.resolved_ = resolve(model.config_, ck.n_features, ck.n_labels, ck.n_train)
+        model.rare_share_ = ck.rare_share
+        model.resolved_ = resolve(model.config_, ck.n_features, ck.n_labels, ck.n_train, ck.rare_share)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)
         model._set_arrays(ck.arrays_like(shapes),
                           ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))

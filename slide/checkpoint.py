@@ -83,6 +83,10 @@ class Checkpoint:
         self.n_features = self.int("n_features", minimum=1)
         self.n_labels = self.int("n_labels", minimum=1)
         self.n_train = self.int("n_train", 1, minimum=1)
+        # checkpoints written before the share was recorded resolve as they were trained: 0
+        self.rare_share = self.float("rare_share", 0.0)
+        if not 0.0 <= self.rare_share <= 1.0:
+            self._fail(f"'rare_share' must be in [0, 1], got {self.rare_share}")
         self.step = self.int("step", minimum=0)
         self.epoch = self.int("epoch", minimum=0)
         if not isinstance(meta.get("config"), dict):

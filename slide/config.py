@@ -16,9 +16,9 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "sampled_width", "touched_share", "init_parameters",
-           "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS", "HASH_FAMILIES",
-           "BUCKET_POLICIES"]
+__all__ = ["SlideConfig", "resolve", "sampled_width", "touched_share", "rare_share",
+           "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
+           "HASH_FAMILIES", "BUCKET_POLICIES"]
 
 HASH_FAMILIES = ("dwta", "wta", "simhash")
 BUCKET_POLICIES = ("reservoir", "fifo")
@@ -212,6 +212,24 @@ OUTPUT_STATE_BYTES = 1 << 30
 SAMPLED_DECAY = 0.1
 
 
+#: a feature is rare when fewer than RARE_ROWS training rows hold it; where at least RARE_SHARE
+#: of the training non-zeros are in rare features, most input rows are updated in few steps,
+#: as a sampled output's rows are, and get the same settings (lr 4e-3, input start 0.1, decay
+#: 0.1 per step on average). On the real sets where that holds (Medical, and 400- to 1,000-row
+#: cuts of the others) those settings were higher in 13 of 15 cases; where under 0.4 of the
+#: non-zeros are rare they were mixed to lower (bench/results/accuracy_experiments.md)
+RARE_ROWS = 25
+RARE_SHARE = 0.5
+
+
+def rare_share(document_frequency) -> float:
+    """Share of the training non-zeros in rare features (fewer than :data:`RARE_ROWS` rows),
+    from the features' document frequencies (int [n_features])."""
+    df = np.asarray(document_frequency)
+    total = df.sum()
+    return float(df[df < RARE_ROWS].sum() / total) if total else 0.0
+
+
 def sampled_width(n_labels: int) -> int:
     """Hidden width of a network whose output layer is sampled: the widest of 512, 256 and 128
     whose output-layer state fits :data:`OUTPUT_STATE_BYTES` (128 when none does)."""
@@ -233,7 +251,8 @@ def default_batch_size(n_train: int) -> int:
     return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
 
 
-def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -> dict:
+def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
+            rare_share: float = 0.0) -> dict:
     """Concrete settings for a training set of ``n_train`` rows, ``n_features`` features and
     ``n_labels`` labels: every ``None`` in ``config`` replaced by the rule below.
 
@@ -250,10 +269,12 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
       ``n_train`` (the rows left after the held-out slice) is below :data:`REFIT_ROWS`.
     * hidden: 512 where the output is computed whole, :func:`sampled_width` where it is
       sampled (512 down to 128 as the label count grows).
-    * weight_decay: 1 where the output is computed whole; where it is sampled,
-      ``min(1, SAMPLED_DECAY / touched_share(...))`` (see :data:`SAMPLED_DECAY`).
-    * lr, input_init (the input layer's initial standard deviation): see the README's
-      "Defaults" section.
+    * lr, weight_decay, input_init (the input layer's initial standard deviation): where rows
+      are updated in few steps, i.e. the output is sampled or ``rare_share`` (the training
+      non-zeros' share in rare features, :func:`rare_share`) is at least :data:`RARE_SHARE`:
+      4e-3, ``min(1, SAMPLED_DECAY / s)`` with ``s`` the share of output rows a step touches
+      (:func:`touched_share`; 1 for a whole output) and 0.1; otherwise 1e-3, 1 and 0.5. See
+      the README's "Defaults" section.
     """
     c = config
     out = {}
@@ -280,13 +301,15 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
         lsh_cap = min(target // 4, HARD_NEGATIVES)
     out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap)
     hidden = c.hidden or ((sampled_width(n_labels),) if sampled else (512,))
-    # a sampled output row is updated only in the steps that select it: it gets a larger step,
-    # which fit's schedule and plateau drops bring down once it stops paying
-    out.update(hidden=list(hidden), lr=c.lr or (4e-3 if sampled else 1e-3))
+    # a sampled output row is updated only in the steps that select it, and so is an input row
+    # of a rare feature: such rows get a larger step, which fit's schedule and plateau drops
+    # bring down once it stops paying, and a decay per step sized to how often they are touched
+    slow_rows = sampled or rare_share >= RARE_SHARE
+    out.update(hidden=list(hidden), lr=c.lr or (4e-3 if slow_rows else 1e-3))
     if c.weight_decay is not None:
         out["weight_decay"] = c.weight_decay
-    elif sampled:
-        share = touched_share(n_labels, batch_size, lsh_cap, out["pool"])
+    elif slow_rows:
+        share = touched_share(n_labels, batch_size, lsh_cap, out["pool"]) if sampled else 1.0
         out["weight_decay"] = min(1.0, SAMPLED_DECAY / share)
     else:
         out["weight_decay"] = 1.0
@@ -296,7 +319,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int) -
     # from 0.24 to 0.28-0.30 and at the end from 0.296 to 0.33; with 0.1 two small real sets (a
     # few hundred frequent features) lost 0.006-0.011 and the demo preset 0.006
     # (bench/results/accuracy_experiments.md)
-    out["input_init"] = 0.1 if sampled else 0.5
+    out["input_init"] = 0.1 if slow_rows else 0.5
     if sampled:
         over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
         # the tables only supply lsh_cap candidates per sample, so fewer and smaller than

@@ -23,7 +23,7 @@ from lsh.tables import QueryScratch
 from slide import kernels
 from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, hidden_block, hidden_blocks,
-                          init_parameters, parameter_shapes, resolve)
+                          init_parameters, parameter_shapes, rare_share, resolve)
 from slide.data import check_xy
 from slide.metrics import check_k, topk, topk_product
 from slide.preprocess import Preprocessor
@@ -133,7 +133,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.batch_size_ = self.resolved_["batch_size"]
 
     def _resolve(self, config):
-        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_)
+        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_)
 
     # -- fitting ---------------------------------------------------------------------------------
     def check_data(self, X, Y=None, where="input", fitted=True):
@@ -211,6 +211,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
         if distributed is not None:
             distributed.merge_preprocessor(self.preprocessor_)
+        self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
                                       self.config_.threads or numba.config.NUMBA_NUM_THREADS),
@@ -633,6 +634,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         meta = {
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
+            "rare_share": self.rare_share_,
             "step": self.step_, "epoch": self.epoch_, "samples_seen": self.samples_seen_,
             "epoch_position": self.epoch_position_,
             "learning_rate": self.learning_rate_, "hash_seed": self.hash_seed_,
@@ -656,6 +658,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Fitted state from a :class:`slide.checkpoint.Checkpoint` (validated shapes)."""
         self.config_ = SlideConfig(**self.get_params())
         self.n_features_in_, self.n_labels_, self.n_train_ = ck.n_features, ck.n_labels, ck.n_train
+        self.rare_share_ = ck.rare_share
         self.resolved_ = self._resolve(self.config_)
         shapes = parameter_shapes(self.resolved_["hidden"], self.n_features_in_, self.n_labels_)
         self.params_ = ck.arrays_like(shapes)

@@ -1,5 +1,6 @@
 """The training loop shared by every engine: validation slice, early stopping, best weights,
 learning-rate plateaus, warm starts and resumption."""
+import json
 import math
 
 import numpy as np
@@ -8,8 +9,9 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier
-from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, REFIT_ROWS, SAMPLED_DECAY,
-                          SlideConfig, resolve, sampled_width, touched_share)
+from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_ROWS, RARE_SHARE, REFIT_ROWS,
+                          SAMPLED_DECAY, SlideConfig, rare_share, resolve, sampled_width,
+                          touched_share)
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
 
@@ -279,6 +281,33 @@ def test_sampled_width_and_decay_follow_the_output_layer():
     assert small["weight_decay"] == 1.0 and small["hidden"] == [512]
     # an explicit setting wins
     assert resolve(SlideConfig(weight_decay=0.0), 5000, 4000, 14_000)["weight_decay"] == 0.0
+
+
+def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_data):
+    # the share of non-zeros in features of fewer than RARE_ROWS rows, by hand
+    df = np.array([1, RARE_ROWS, RARE_ROWS - 1, 0, 100])
+    assert rare_share(df) == pytest.approx((1 + RARE_ROWS - 1) / df.sum())
+    assert rare_share(np.zeros(3, np.int64)) == 0.0
+    whole = dict(n_features=1449, n_labels=45, n_train=300)
+    rare = resolve(SlideConfig(), **whole, rare_share=RARE_SHARE)
+    common = resolve(SlideConfig(), **whole, rare_share=RARE_SHARE - 0.01)
+    assert not rare["sampled"] and not common["sampled"]
+    # a whole output's rows are all touched every step: the decay is SAMPLED_DECAY itself
+    assert (rare["lr"], rare["weight_decay"], rare["input_init"]) == (4e-3, SAMPLED_DECAY, 0.1)
+    assert (common["lr"], common["weight_decay"], common["input_init"]) == (1e-3, 1.0, 0.5)
+    assert resolve(SlideConfig(lr=1e-3), **whole, rare_share=0.9)["lr"] == 1e-3  # explicit wins
+    # the share travels with the model: a loaded checkpoint resolves the same settings, and one
+    # written before it was recorded resolves as 0 (the settings it was trained with)
+    X, Y = tiny_data[0], tiny_data[1]
+    m = SlideClassifier(epochs=1, early_stopping=False, threads=1, seed=0).fit(X, Y)
+    assert m.rare_share_ == pytest.approx(rare_share(m.preprocessor_.document_frequency_))
+    m.save(tmp_path / "m")
+    assert SlideClassifier.load(tmp_path / "m").resolved_ == m.resolved_
+    meta = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert meta["rare_share"] == pytest.approx(m.rare_share_)
+    del meta["rare_share"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
+    assert SlideClassifier.load(tmp_path / "m").rare_share_ == 0.0
 
 
 def test_settings_are_validated_at_fit(tiny_data):
