@@ -65,10 +65,12 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
                    help="LSH family of the output layer's tables (default: dwta, densified WTA)")
     t.add_argument("--lr", type=float, default=None,
-                   help="Adam learning rate (default: 1e-3, or 4e-3 when the output is sampled)")
+                   help="Adam learning rate (default: 1e-3, or 4e-3 when the output is sampled "
+                        "or most non-zeros are in rare features)")
     t.add_argument("--weight-decay", type=float, default=None,
                    help="decoupled weight decay, a multiple of the learning rate (default: 1, or "
-                        "from the share of output rows a step touches when the output is sampled)")
+                        "from the share of output rows a step touches when the output is sampled "
+                        "or most non-zeros are in rare features)")
     t.add_argument("--tfidf", action="store_true", help="weight features by idf (fitted on TRAIN)")
     t.add_argument("--no-norm", action="store_true", help="keep rows as given (default: L2-normalised)")
     t.add_argument("--no-early-stopping", action="store_true",
