@@ -234,13 +234,16 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                         n_labels=self.n_labels_ if Y is not None else None, where=where,
                         owner=type(self).__name__)
 
+    def _resolve(self, config):
+        """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
+        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_)
+
     def initialize(self, X, Y) -> None:
         self.config_ = self._config()
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
-        self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_,
-                                 self.rare_share_)
+        self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1),
                    f"a dense model of {self.n_features_in_} features, hidden "
                    f"{self.resolved_['hidden']} and {self.n_labels_} labels")
@@ -358,8 +361,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         warm = self.warm_start and self._is_fitted()
         if warm:
             self.config_ = self._config()
-            self.resolved_ = resolve(self.config_, self.n_features_in_, self.n_labels_, self.n_train_,
-                                     self.rare_share_)
+            self.resolved_ = self._resolve(self.config_)
         return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
                         continue_training=warm)
 
@@ -445,7 +447,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model.config_ = model._config()
         model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
         model.rare_share_ = ck.rare_share
-        model.resolved_ = resolve(model.config_, ck.n_features, ck.n_labels, ck.n_train, ck.rare_share)
+        model.resolved_ = model._resolve(model.config_)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)
         model._set_arrays(ck.arrays_like(shapes),
                           ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))

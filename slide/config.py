@@ -252,7 +252,7 @@ def default_batch_size(n_train: int) -> int:
 
 
 def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
-            rare_share: float = 0.0) -> dict:
+            rare_fraction: float = 0.0) -> dict:
     """Concrete settings for a training set of ``n_train`` rows, ``n_features`` features and
     ``n_labels`` labels: every ``None`` in ``config`` replaced by the rule below.
 
@@ -270,7 +270,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     * hidden: 512 where the output is computed whole, :func:`sampled_width` where it is
       sampled (512 down to 128 as the label count grows).
     * lr, weight_decay, input_init (the input layer's initial standard deviation): where rows
-      are updated in few steps, i.e. the output is sampled or ``rare_share`` (the training
+      are updated in few steps, i.e. the output is sampled or ``rare_fraction`` (the training
       non-zeros' share in rare features, :func:`rare_share`) is at least :data:`RARE_SHARE`:
       4e-3, ``min(1, SAMPLED_DECAY / s)`` with ``s`` the share of output rows a step touches
       (:func:`touched_share`; 1 for a whole output) and 0.1; otherwise 1e-3, 1 and 0.5. See
@@ -304,7 +304,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     # a sampled output row is updated only in the steps that select it, and so is an input row
     # of a rare feature: such rows get a larger step, which fit's schedule and plateau drops
     # bring down once it stops paying, and a decay per step sized to how often they are touched
-    slow_rows = sampled or rare_share >= RARE_SHARE
+    slow_rows = sampled or rare_fraction >= RARE_SHARE
     out.update(hidden=list(hidden), lr=c.lr or (4e-3 if slow_rows else 1e-3))
     if c.weight_decay is not None:
         out["weight_decay"] = c.weight_decay

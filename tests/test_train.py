@@ -289,13 +289,13 @@ def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_da
     assert rare_share(df) == pytest.approx((1 + RARE_ROWS - 1) / df.sum())
     assert rare_share(np.zeros(3, np.int64)) == 0.0
     whole = dict(n_features=1449, n_labels=45, n_train=300)
-    rare = resolve(SlideConfig(), **whole, rare_share=RARE_SHARE)
-    common = resolve(SlideConfig(), **whole, rare_share=RARE_SHARE - 0.01)
+    rare = resolve(SlideConfig(), **whole, rare_fraction=RARE_SHARE)
+    common = resolve(SlideConfig(), **whole, rare_fraction=RARE_SHARE - 0.01)
     assert not rare["sampled"] and not common["sampled"]
     # a whole output's rows are all touched every step: the decay is SAMPLED_DECAY itself
     assert (rare["lr"], rare["weight_decay"], rare["input_init"]) == (4e-3, SAMPLED_DECAY, 0.1)
     assert (common["lr"], common["weight_decay"], common["input_init"]) == (1e-3, 1.0, 0.5)
-    assert resolve(SlideConfig(lr=1e-3), **whole, rare_share=0.9)["lr"] == 1e-3  # explicit wins
+    assert resolve(SlideConfig(lr=1e-3), **whole, rare_fraction=0.9)["lr"] == 1e-3  # explicit wins
     # the share travels with the model: a loaded checkpoint resolves the same settings, and one
     # written before it was recorded resolves as 0 (the settings it was trained with)
     X, Y = tiny_data[0], tiny_data[1]
