@@ -79,6 +79,7 @@ def _run_network(engine, spec, args, queue):
                "train_seconds": seconds, "peak_rss_mb": peak_rss_mb(),
                "epochs": sum(1 for h in model.history_ if not h.get("refit")),
                "kept_epoch": model.stopping_["kept_epoch"], "refit": "refit" in model.stopping_,
+               "widths_tried": list(model.stopping_.get("width", {}).get("validation_scores", [])),
                "settings": {k: model.resolved_[k] for k in ("hidden", "lr", "weight_decay", "batch_size")}})
 
 
@@ -166,7 +167,9 @@ def table(rows, engines) -> str:
     lines += ["", "| dataset | engine | P@1 | P@3 | P@5 | PSP@5 | train s | peak RSS MiB | settings |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        settings = r.get("settings")
+        settings = dict(r.get("settings") or {})
+        if r.get("widths_tried"):  # the hidden width was chosen on the held-out slice
+            settings["hidden"] = f"{settings['hidden']} (of {' / '.join(r['widths_tried'])})"
         extra = "" if not settings else ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in settings.items()) + \
             f"; epoch {r['kept_epoch']} of {r['epochs']}" + \

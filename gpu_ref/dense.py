@@ -236,13 +236,16 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
 
     def _resolve(self, config):
         """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
-        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_)
+        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_,
+                       self.width_)
 
-    def initialize(self, X, Y) -> None:
+    def initialize(self, X, Y, width: int | None = None) -> None:
+        """As :meth:`slide.SlideClassifier.initialize`."""
         self.config_ = self._config()
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
+        self.width_ = width
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1),
                    f"a dense model of {self.n_features_in_} features, hidden "
@@ -429,7 +432,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             arrays.update({f"best.{k}": self._host(v) for k, v in self.best_params_.items()})
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
-                "rare_share": self.rare_share_,
+                "rare_share": self.rare_share_, "width": self.width_,
                 "step": self.step_, "epoch": self.epoch_, "epoch_position": self.epoch_position_,
                 "learning_rate": self.learning_rate_,
                 "history": self.history_, "stopping": self.stopping_,
@@ -446,7 +449,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model = cls(**ck.config_params(cls), device=device, **own)
         model.config_ = model._config()
         model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        model.rare_share_ = ck.rare_share
+        model.rare_share_, model.width_ = ck.rare_share, ck.width
         model.resolved_ = model._resolve(model.config_)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)
         model._set_arrays(ck.arrays_like(shapes),

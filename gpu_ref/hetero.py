@@ -166,6 +166,7 @@ class HeteroTrainer:
     early_stopping_ = _delegated("early_stopping_")
     best_params_ = _delegated("best_params_")
     stopping_ = _delegated("stopping_")
+    width_ = _delegated("width_")
 
     def __init__(self, model, config: HeteroConfig = HeteroConfig()):
         self.model, self.config = model, config
@@ -185,8 +186,8 @@ class HeteroTrainer:
     def check_data(self, X, Y=None, where="input", fitted=True):
         return self.model.check_data(X, Y, where=where, fitted=fitted)
 
-    def initialize(self, X, Y):
-        self.model.initialize(X, Y)
+    def initialize(self, X, Y, width=None):
+        self.model.initialize(X, Y, width=width)
         self._start()
 
     def preprocess(self, X):

@@ -87,6 +87,8 @@ class Checkpoint:
         self.rare_share = self.float("rare_share", 0.0)
         if not 0.0 <= self.rare_share <= 1.0:
             self._fail(f"'rare_share' must be in [0, 1], got {self.rare_share}")
+        # the hidden width fit chose on the held-out slice (None: the rule's, or none chosen)
+        self.width = self.int("width", minimum=1) if meta.get("width") is not None else None
         self.step = self.int("step", minimum=0)
         self.epoch = self.int("epoch", minimum=0)
         if not isinstance(meta.get("config"), dict):

@@ -133,7 +133,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.batch_size_ = self.resolved_["batch_size"]
 
     def _resolve(self, config):
-        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_)
+        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_,
+                       self.width_)
 
     # -- fitting ---------------------------------------------------------------------------------
     def check_data(self, X, Y=None, where="input", fitted=True):
@@ -201,10 +202,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self.distributed_ = None
         return self
 
-    def initialize(self, X, Y, distributed=None) -> None:
+    def initialize(self, X, Y, distributed=None, width: int | None = None) -> None:
         """Fresh preprocessing (fitted on X), parameters, moments, tables and counters. With
         ``distributed``, X is this rank's shard: row counts and feature statistics are the
-        whole data's, and :meth:`DataParallel.start` then gives every rank rank 0's parameters."""
+        whole data's, and :meth:`DataParallel.start` then gives every rank rank 0's parameters.
+        ``width``: the hidden width chosen on a held-out slice (``resolved_["width_choices"]``,
+        see :func:`slide.train.fit_loop`), None for the rule's."""
         self.config_ = SlideConfig(**self.get_params())
         n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
@@ -212,6 +215,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if distributed is not None:
             distributed.merge_preprocessor(self.preprocessor_)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
+        self.width_ = width
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
                                       self.config_.threads or numba.config.NUMBA_NUM_THREADS),
@@ -634,7 +638,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         meta = {
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
-            "rare_share": self.rare_share_,
+            "rare_share": self.rare_share_, "width": self.width_,
             "step": self.step_, "epoch": self.epoch_, "samples_seen": self.samples_seen_,
             "epoch_position": self.epoch_position_,
             "learning_rate": self.learning_rate_, "hash_seed": self.hash_seed_,
@@ -658,7 +662,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Fitted state from a :class:`slide.checkpoint.Checkpoint` (validated shapes)."""
         self.config_ = SlideConfig(**self.get_params())
         self.n_features_in_, self.n_labels_, self.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        self.rare_share_ = ck.rare_share
+        self.rare_share_, self.width_ = ck.rare_share, ck.width
         self.resolved_ = self._resolve(self.config_)
         shapes = parameter_shapes(self.resolved_["hidden"], self.n_features_in_, self.n_labels_)
         self.params_ = ck.arrays_like(shapes)

@@ -7,7 +7,9 @@ that is not engine-specific):
 * ``fit_settings()``: early stopping, validation fraction, patience and seed (the current
   settings, valid before the model is fitted); after ``initialize``, ``resolved_["epochs"]``;
 * ``check_data(X, Y, where, fitted)``: validated float32 CSR ``X`` and CSR indicator ``Y``;
-* ``initialize(X, Y)``: fit the preprocessing on the training rows, draw fresh parameters;
+* ``initialize(X, Y, width=None)``: fit the preprocessing on the training rows, draw fresh
+  parameters (``width``: a hidden width to use instead of the rule's, one of
+  ``resolved_["width_choices"]``);
 * ``preprocess(X)``: the fitted preprocessing (CSR in, float32 CSR out);
 * ``train_epoch(Xp, Y, order, progress)``: one pass over preprocessed rows in ``order``
   (the mixin runs ``train_step`` over consecutive batches of ``batch_size_``); returns a dict
@@ -147,7 +149,8 @@ def epoch_learning_rate(base: float, epoch: int, planned: int, lowered: int = 0)
 # --------------------------------------------------------------------------------------------
 def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=None,
              continue_training: bool = False, until_epoch: int | None = None, eval_k: int = 5,
-             save_every: int | None = None, on_save=None, distributed=None):
+             save_every: int | None = None, on_save=None, distributed=None,
+             width: int | None = None):
     """Train ``model`` (see the module docstring for the step API it provides).
 
     Parameters
@@ -174,13 +177,17 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         this rank's shard; the validation slice is held out from each shard and scored over all
         of them; every epoch ends with the replicas equal (:meth:`DataParallel.finish`); a
         mid-epoch checkpoint position is not used (a resumed run starts its next epoch).
+    width : the hidden width to initialise with instead of the rule's (see below).
 
     On return the model holds the best weights seen on the validation slice (when early
     stopping), and ``model.stopping_`` says which epoch it kept and why training stopped. Where
     ``resolved_["refit"]`` holds (small training sets, see :func:`slide.config.resolve`), a
     fresh fit that held its validation slice out of ``X`` then trains again from the start on
     every row for the kept epochs, at their learning rates (``stopping_["refit"]``); not with
-    ``continue_training`` or ``distributed``.
+    ``continue_training`` or ``distributed``. Where the refit runs and the model offers hidden
+    widths to choose among (``resolved_["width_choices"]``), each is first trained with early
+    stopping on the same held-out slice, and the refit uses the one with the best validation
+    score (``stopping_["width"]``; ``history_`` is the chosen run's).
     """
     s = model.fit_settings()
     if Y is None:
@@ -202,7 +209,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         held_out = True
     if not continue_training:
         if distributed is None:
-            model.initialize(X, Y)
+            model.initialize(X, Y, width=width)
         else:
             model.initialize(X, Y, distributed=distributed)
         model.single_label_ = single_label
@@ -216,6 +223,13 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         if Xv.shape[0] > MAX_VALIDATION_ROWS:
             Xv, Yv = shuffle_rows(Xv, Yv, seed=s["seed"], n=MAX_VALIDATION_ROWS)
         validation = (Xv, Yv)
+    if refit and model.resolved_["width_choices"]:
+        chosen = _choose_width(model, X, Y, validation, model.resolved_["width_choices"],
+                               progress=progress, on_epoch=on_epoch, until_epoch=until_epoch,
+                               eval_k=eval_k, save_every=save_every, on_save=on_save)
+        if model.early_stopping_.scores:
+            _refit(model, *every_row, s["seed"], progress, on_epoch, width=chosen)
+        return model
     stopper = None
     if s["early_stopping"] and validation is not None:
         previous = model.early_stopping_ if continue_training else None
@@ -302,16 +316,39 @@ def _progress_bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, unit="samples", unit_scale=True, leave=True, desc=desc)
 
 
-def _refit(model, X, Y, seed, progress, on_epoch):
-    """Train ``model`` again from its initialisation on every row ``X, Y`` (the held-out slice
-    too) for the epochs early stopping kept, each at the learning rate it had then. The run
+def _choose_width(model, X, Y, validation, widths, on_epoch=None, **fit_kw):
+    """Train ``model`` afresh on ``X, Y`` with each hidden width in ``widths``, early-stopped on
+    ``validation``; return the width with the best validation score (ties: the earlier one) and
+    leave the model with that run's record (``history_``, ``early_stopping_``, ``stopping_``
+    with ``"width"``: the choice and every width's score) for the refit. The parameters are
+    the last run's until the refit replaces them. ``on_epoch`` sees each run's records with
+    their ``"width"``."""
+    runs = []
+    for w in widths:
+        shown = None if on_epoch is None else \
+            (lambda m, record, w=int(w): on_epoch(m, {**record, "width": w}))
+        fit_loop(model, X, Y, validation=validation, width=int(w), on_epoch=shown, **fit_kw)
+        runs.append((model.early_stopping_, model.history_, model.stopping_, int(w)))
+    scores = {str(r[3]): r[0].best_score for r in runs}
+    best = max(range(len(runs)), key=lambda i: (runs[i][0].best_score, -i))
+    stopper, history, stopping, w = runs[best]
+    model.early_stopping_, model.history_ = stopper, history
+    model.stopping_ = {**stopping, "validation": "held out from the training rows",
+                       "width": {"chosen": w, "validation_scores": scores}}
+    return w
+
+
+def _refit(model, X, Y, seed, progress, on_epoch, width=None):
+    """Train ``model`` again from its initialisation (with hidden ``width`` where one was
+    chosen) on every row ``X, Y`` (the held-out slice too) for the epochs early stopping kept,
+    each at the learning rate it had then. The run
     adds one record to ``history_`` (and to ``on_epoch``), and ``stopping_["refit"]``. Not
     checkpointed on the way: a run interrupted here resumes as the early-stopped model."""
     kept = model.stopping_["kept_epoch"]
     rates = [r["learning_rate"] for r in model.history_[:kept]]
     history, stopping, single_label = model.history_, model.stopping_, model.single_label_
     t0 = time.perf_counter()
-    model.initialize(X, Y)
+    model.initialize(X, Y, width=width)
     model.single_label_ = single_label
     Xp = model.preprocess(X)
     loss = float("nan")
@@ -612,7 +649,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         doc["resolved"] = getattr(m, "resolved_", None)
         if getattr(m, "timings_", None):
             doc["timings"] = dict(m.timings_)
-        shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
+        shown = {"width": "hidden", "epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
                  "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr",
                  "test_P@1": "test_P@1", "test_P@5": "test_P@5", "samples_per_second": "samples/s",
                  "refit": "refit"}

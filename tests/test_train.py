@@ -10,8 +10,8 @@ from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier
 from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_ROWS, RARE_SHARE, REFIT_ROWS,
-                          SAMPLED_DECAY, SlideConfig, rare_share, resolve, sampled_width,
-                          touched_share)
+                          SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig, rare_share, resolve,
+                          sampled_width, touched_share)
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
 
@@ -308,6 +308,43 @@ def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_da
     del meta["rare_share"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
     assert SlideClassifier.load(tmp_path / "m").rare_share_ == 0.0
+
+
+def test_hidden_width_is_chosen_on_the_held_out_slice(tmp_path, tiny_data):
+    # widths to choose among only where the width is derived, the output whole, the refit runs
+    # and the wide layer's state fits the budget; a chosen width is then the hidden layer
+    whole = dict(n_features=1449, n_labels=45, n_train=300)
+    assert resolve(SlideConfig(), **whole)["width_choices"] == [512, WIDE_HIDDEN]
+    for config in (SlideConfig(hidden=(64,)), SlideConfig(refit=False),
+                   SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5)):
+        assert resolve(config, **whole)["width_choices"] == []
+    assert resolve(SlideConfig(), 1449, 45, REFIT_ROWS)["width_choices"] == []
+    too_wide = OUTPUT_STATE_BYTES // (16 * WIDE_HIDDEN)
+    assert resolve(SlideConfig(), too_wide + 1 - 45, 45, 300)["width_choices"] == []
+    assert resolve(SlideConfig(), too_wide - 45, 45, 300)["width_choices"] == [512, WIDE_HIDDEN]
+    chosen = resolve(SlideConfig(), **whole, width=WIDE_HIDDEN)
+    assert chosen["hidden"] == [WIDE_HIDDEN] and chosen["width_choices"] == []
+    # fit trains each width early-stopped on the same held-out rows (the scores are those of
+    # separate fits on that split), keeps the better, and refits it on every row
+    X, Y = tiny_data[0][:500], tiny_data[1][:500]
+    kw = dict(threads=1, seed=0, epochs=3)
+    m = SlideClassifier(**kw).fit(X, Y)
+    tr, va = validation_split(500, 0.1, 0)
+    scores = {str(w): SlideClassifier(hidden=(w,), refit=False, **kw)
+              .fit(X[tr], Y[tr], validation=(X[va], Y[va])).early_stopping_.best_score
+              for w in (512, WIDE_HIDDEN)}
+    assert m.stopping_["width"]["validation_scores"] == pytest.approx(scores, rel=1e-6)
+    assert m.stopping_["width"]["chosen"] == int(max(scores, key=scores.get))
+    assert m.resolved_["hidden"] == [m.stopping_["width"]["chosen"]]
+    assert m.params_["W"].shape[1] == m.width_ == m.stopping_["width"]["chosen"]
+    assert m.stopping_["refit"]["rows"] == 500
+    assert m.history_[-1]["refit"] and len(m.history_) == m.stopping_["kept_epoch"] + 1
+    # the width travels with the model
+    m.save(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["width"] == m.width_
+    loaded = SlideClassifier.load(tmp_path / "m")
+    assert loaded.resolved_ == m.resolved_
+    np.testing.assert_array_equal(loaded.decision_function(X[:20]), m.decision_function(X[:20]))
 
 
 def test_settings_are_validated_at_fit(tiny_data):
