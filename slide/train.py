@@ -323,27 +323,27 @@ def _choose_width(model, X, Y, validation, widths, on_epoch=None, **fit_kw):
     with ``"width"``: the choice and every width's score) for the refit. The parameters are
     the last run's until the refit replaces them. ``on_epoch`` sees each run's records with
     their ``"width"``."""
-    runs = []
-    for w in widths:
+    runs = {}  # width -> (early stopping, history, stopping record) of its run
+    for w in map(int, widths):
         shown = None if on_epoch is None else \
-            (lambda m, record, w=int(w): on_epoch(m, {**record, "width": w}))
-        fit_loop(model, X, Y, validation=validation, width=int(w), on_epoch=shown, **fit_kw)
-        runs.append((model.early_stopping_, model.history_, model.stopping_, int(w)))
-    scores = {str(r[3]): r[0].best_score for r in runs}
-    best = max(range(len(runs)), key=lambda i: (runs[i][0].best_score, -i))
-    stopper, history, stopping, w = runs[best]
+            (lambda m, record, w=w: on_epoch(m, {**record, "width": w}))
+        fit_loop(model, X, Y, validation=validation, width=w, on_epoch=shown, **fit_kw)
+        runs[w] = (model.early_stopping_, model.history_, model.stopping_)
+    chosen = max(runs, key=lambda w: runs[w][0].best_score)  # the first of equal scores
+    stopper, history, stopping = runs[chosen]
     model.early_stopping_, model.history_ = stopper, history
     model.stopping_ = {**stopping, "validation": "held out from the training rows",
-                       "width": {"chosen": w, "validation_scores": scores}}
-    return w
+                       "width": {"chosen": chosen, "validation_scores":
+                                 {str(w): run[0].best_score for w, run in runs.items()}}}
+    return chosen
 
 
 def _refit(model, X, Y, seed, progress, on_epoch, width=None):
     """Train ``model`` again from its initialisation (with hidden ``width`` where one was
     chosen) on every row ``X, Y`` (the held-out slice too) for the epochs early stopping kept,
-    each at the learning rate it had then. The run
-    adds one record to ``history_`` (and to ``on_epoch``), and ``stopping_["refit"]``. Not
-    checkpointed on the way: a run interrupted here resumes as the early-stopped model."""
+    each at the learning rate it had then. The run adds one record to ``history_`` (and to
+    ``on_epoch``), and ``stopping_["refit"]``. Not checkpointed on the way: a run interrupted
+    here resumes as the early-stopped model."""
     kept = model.stopping_["kept_epoch"]
     rates = [r["learning_rate"] for r in model.history_[:kept]]
     history, stopping, single_label = model.history_, model.stopping_, model.single_label_
