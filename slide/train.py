@@ -38,7 +38,7 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils import ClassifierTags
 
 from slide.data import DataFormatError, read_dataset, shuffle_rows
-from slide.resources import peak_rss_mb
+from slide.resources import ModelTooLargeError, peak_rss_mb
 from slide.synthetic import load_default
 
 __all__ = ["fit_loop", "EarlyStopping", "TrainableMixin", "run_training", "validation_split",
@@ -322,12 +322,17 @@ def _choose_width(model, X, Y, validation, widths, on_epoch=None, **fit_kw):
     leave the model with that run's record (``history_``, ``early_stopping_``, ``stopping_``
     with ``"width"``: the choice and every width's score) for the refit. The parameters are
     the last run's until the refit replaces them. ``on_epoch`` sees each run's records with
-    their ``"width"``."""
+    their ``"width"``. A width too large for this machine's free memory is not tried."""
     runs = {}  # width -> (early stopping, history, stopping record) of its run
     for w in map(int, widths):
         shown = None if on_epoch is None else \
             (lambda m, record, w=w: on_epoch(m, {**record, "width": w}))
-        fit_loop(model, X, Y, validation=validation, width=w, on_epoch=shown, **fit_kw)
+        try:
+            fit_loop(model, X, Y, validation=validation, width=w, on_epoch=shown, **fit_kw)
+        except ModelTooLargeError:
+            if not runs:  # the rule's own width does not fit: nothing to choose from
+                raise
+            continue
         runs[w] = (model.early_stopping_, model.history_, model.stopping_)
     chosen = max(runs, key=lambda w: runs[w][0].best_score)  # the first of equal scores
     stopper, history, stopping = runs[chosen]

@@ -8,10 +8,11 @@ import pytest
 
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
-from slide import SlideClassifier
+from slide import SlideClassifier, resources
 from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_ROWS, RARE_SHARE, REFIT_ROWS,
                           SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig, rare_share, resolve,
                           sampled_width, touched_share)
+from slide.resources import model_memory_bytes
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
 
@@ -345,6 +346,19 @@ def test_hidden_width_is_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     loaded = SlideClassifier.load(tmp_path / "m")
     assert loaded.resolved_ == m.resolved_
     np.testing.assert_array_equal(loaded.decision_function(X[:20]), m.decision_function(X[:20]))
+
+
+def test_a_width_too_large_for_free_memory_is_not_tried(monkeypatch, tiny_data):
+    X, Y = tiny_data[0][:500], tiny_data[1][:500]
+    need = {w: model_memory_bytes(resolve(SlideConfig(hidden=(w,)), X.shape[1], Y.shape[1], 450),
+                                  X.shape[1], Y.shape[1], 1)["total"] for w in (512, WIDE_HIDDEN)}
+    monkeypatch.setattr(resources, "available_memory_bytes", lambda: (need[512] + need[WIDE_HIDDEN]) // 2)
+    m = SlideClassifier(threads=1, seed=0, epochs=2).fit(X, Y)
+    assert list(m.stopping_["width"]["validation_scores"]) == ["512"]
+    assert m.stopping_["width"]["chosen"] == 512 and m.resolved_["hidden"] == [512]
+    monkeypatch.setattr(resources, "available_memory_bytes", lambda: need[512] // 2)
+    with pytest.raises(resources.ModelTooLargeError):
+        SlideClassifier(threads=1, seed=0, epochs=2).fit(X, Y)
 
 
 def test_settings_are_validated_at_fit(tiny_data):
