@@ -316,8 +316,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     hidden = c.hidden or ((int(width),) if width else
                           (sampled_width(n_labels),) if sampled else (512,))
     wide_fits = 16 * WIDE_HIDDEN * (n_features + n_labels) <= OUTPUT_STATE_BYTES
-    out["width_choices"] = [512, WIDE_HIDDEN] if (c.hidden is None and width is None and not sampled
-                                                  and out["refit"] and wide_fits) else []
+    out["width_choices"] = [hidden[0], WIDE_HIDDEN] if (c.hidden is None and width is None
+                                                        and not sampled and out["refit"]
+                                                        and wide_fits) else []
     # a sampled output row is updated only in the steps that select it, and so is an input row
     # of a rare feature: such rows get a larger step, which fit's schedule and plateau drops
     # bring down once it stops paying, and a decay per step sized to how often they are touched
