@@ -7,7 +7,9 @@ This must run before the first parallel kernel is called; importing :mod:`lsh` d
 
 While the engine runs, BLAS gets one thread (:func:`engine_threads`): its workers spin after
 each small matrix product and take the cores from numba's threads (on 2 cores this halved
-training throughput).
+training throughput). The engine's matrix products run instead inside numba's parallel
+kernels, one single-threaded BLAS call per thread (numba's ``np.dot`` calls scipy's BLAS, so
+that library is loaded before the limits are taken).
 """
 import contextlib
 import functools
@@ -15,6 +17,7 @@ import os
 
 import numba
 import numpy as np
+import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot: its BLAS must be under the limits)
 from threadpoolctl import ThreadpoolController
 
 

@@ -10,8 +10,8 @@ Array layout (all float32, C-contiguous):
 
 Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
 A sample's output active set is its own neurons (its labels and LSH candidates), handled here,
-plus a random pool shared by the batch, whose logits and gradients are matrix products done by
-the caller. Gradients go into shared accumulators shaped like the parameters, lock-free
+plus a random pool shared by the batch, whose logits and gradients are matrix products
+(:func:`pool_logits`, :func:`pool_gradients`). Gradients go into shared accumulators shaped like the parameters, lock-free
 (Hogwild): threads may race on a row and lose an addition, by design. With one thread
 everything is deterministic.
 """
@@ -247,27 +247,74 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, Wh, h_off, sizes,
 
 
 # --------------------------------------------------------------------------------------------
-# The shared pool's rows: gathered into a dense block, its gradient rows added back
+# The shared pool: its logits and gradients as matrix products on numba's threads
 # --------------------------------------------------------------------------------------------
+# Each thread takes a contiguous block of the pool and multiplies only its own rows, through a
+# single-threaded BLAS (numba's np.dot calls scipy's BLAS, which the caller holds at one thread:
+# see lsh.engine_threads): its weight rows are gathered, multiplied and their gradients added
+# back while in its cache. A multi-threaded BLAS instead would leave numba's workers spinning
+# beside BLAS's between kernels; one BLAS thread alone left the other cores idle for a third
+# of the step at 16 threads.
+@njit(cache=True, nogil=True)
+def _transpose(src, dst):
+    """dst[j, r] = src[r, j] for src [n, m] and dst [m, n] (either may be a strided view), 16
+    rows of src at a time so that their cache lines are read whole."""
+    n, m = src.shape
+    for r0 in range(0, n, 16):
+        for j in range(m):
+            for r in range(r0, min(r0 + 16, n)):
+                dst[j, r] = src[r, j]
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def gather_rows(W, rows, out):
-    """out[t] = W[rows[t]] for W float32 [n, d], rows int32 [m], out float32 [m, d].
+def pool_logits(h, W, b, pool, W_pool, z, z_t, bounds):
+    """The shared pool's logits ``z = h @ W[pool].T + b[pool]``.
 
-    numpy's ``W[rows]`` does this on one thread into a fresh array (page faults on every
-    batch); here both threads copy into a block the caller keeps."""
-    for t in prange(rows.size):
-        out[t] = W[rows[t]]
+    ``h`` float32 [n, H] (the last hidden layer), ``W`` float32 [n_out, H], ``b`` [n_out],
+    ``pool`` int32 [P]. ``W_pool`` float32 [P, H] receives ``W[pool]`` (the backward pass
+    reads it again), ``z`` float32 [n, P] the logits; ``z_t`` [P, n] is scratch. Thread c
+    takes pool positions ``bounds[c]:bounds[c + 1]`` (int64 [T + 1]).
+    """
+    for c in prange(bounds.size - 1):
+        lo, hi = bounds[c], bounds[c + 1]
+        if hi > lo:
+            Wc, zt = W_pool[lo:hi], z_t[lo:hi]
+            for t in range(hi - lo):
+                Wc[t] = W[pool[lo + t]]
+            np.dot(Wc, h.T, zt)
+            for t in range(hi - lo):
+                zt[t] += b[pool[lo + t]]
+            _transpose(zt, z[:, lo:hi])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def scatter_add_rows(G, rows, A):
-    """G[rows[t]] += A[t] for distinct ``rows`` int32 [m], G float32 [n, d], A float32 [m, d]:
-    one parallel pass where ``G[rows] += A`` gathers, adds and scatters on one thread."""
-    for t in prange(rows.size):
-        g = G[rows[t]]
-        a = A[t]
-        for j in range(a.size):
-            g[j] += a[j]
+def pool_gradients(h, W_pool, z, pool, dH, gW, gb, z_t, g_pool, dH_parts, bounds):
+    """Back through the shared pool, given its logit gradients ``z`` float32 [n, P]:
+    ``dH += z @ W_pool`` and, Hogwild, ``gW[pool] += z.T @ h``, ``gb[pool] += z.sum(0)``.
+
+    Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H]. Scratch: ``z_t``
+    [P, n], ``g_pool`` [P, H] and ``dH_parts`` [T, n, H] (each thread's share of dH, summed
+    after: a block of the pool adds to every row of dH).
+    """
+    T = bounds.size - 1
+    for c in prange(T):
+        lo, hi = bounds[c], bounds[c + 1]
+        if hi > lo:
+            zt, g = z_t[lo:hi], g_pool[lo:hi]
+            _transpose(z[:, lo:hi], zt)
+            np.dot(zt, h, g)
+            for t in range(hi - lo):
+                i = pool[lo + t]
+                gb[i] += zt[t].sum()
+                gW[i] += g[t]
+            np.dot(zt.T, W_pool[lo:hi], dH_parts[c])
+        else:
+            dH_parts[c] = 0.0
+    n = dH.shape[0]
+    for c in prange(T):
+        for r in range(c * n // T, (c + 1) * n // T):
+            for part in range(T):
+                dH[r] += dH_parts[part, r]
 
 
 # --------------------------------------------------------------------------------------------

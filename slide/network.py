@@ -286,16 +286,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._scratch_key = (t, width, n_rows)
         self._qs.renew_if_old()
 
-    def _pool_blocks(self, n_rows: int, n_pool: int, width: int):
+    def _pool_blocks(self, n_rows: int, n_pool: int, width: int, threads: int):
         """Contiguous float32 blocks for the shared pool's step, kept across batches (fresh
         megabyte arrays page-fault on every batch): its weight rows [P, H], its logits (then
-        logit gradients) [n, P] and its weight gradients [P, H]."""
-        rows, logits = n_pool * width, n_rows * n_pool
-        if self._pool_buf is None or self._pool_buf.shape[1] < max(rows, logits):
-            self._pool_buf = np.empty((3, max(rows, logits)), np.float32)
-        buf = self._pool_buf
-        return (buf[0, :rows].reshape(n_pool, width), buf[1, :logits].reshape(n_rows, n_pool),
-                buf[2, :rows].reshape(n_pool, width))
+        logit gradients) [n, P], their transpose [P, n], its weight gradients [P, H] and the
+        threads' shares of the hidden gradient [T, n, H]."""
+        shapes = ((n_pool, width), (n_rows, n_pool), (n_pool, n_rows), (n_pool, width),
+                  (threads, n_rows, width))
+        sizes = [int(np.prod(shape)) for shape in shapes]
+        if self._pool_buf is None or self._pool_buf.shape[1] < max(sizes):
+            self._pool_buf = np.empty((len(sizes), max(sizes)), np.float32)
+        return tuple(row[:s].reshape(shape) for row, s, shape in zip(self._pool_buf, sizes, shapes))
 
     # -- forward ---------------------------------------------------------------------------------
     def _layer_seed(self, l: int) -> int:
@@ -375,11 +376,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             pool = np.arange(self.n_labels_, dtype=np.int32)
         t0 = self._tick("hash", t0)
         # the shared pool is a dense block: its logits and gradients are matrix products
-        W_pool, z_pool, g_pool = self._pool_blocks(n, pool.size, h.shape[1])
-        kernels.gather_rows(p["W"], pool, W_pool)
+        pool_bounds = np.linspace(0, pool.size, bounds.size).astype(np.int64)
+        W_pool, z_pool, z_t, g_pool, dH_parts = self._pool_blocks(n, pool.size, h.shape[1],
+                                                                  bounds.size - 1)
+        h_pool = np.ascontiguousarray(h)  # a view into acts' columns when there are 2+ layers
+        kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, z_t, pool_bounds)
         self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
-        np.matmul(h, W_pool.T, out=z_pool)
-        z_pool += p["b"][pool]
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
         dH = np.empty((n, h.shape[1]), np.float32)
@@ -393,10 +395,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         finally:  # the map must be all -1 again whatever happens: the next step relies on it
             self._pool_pos[pool] = -1
         t0 = self._tick("select+output", t0)
-        dH += z_pool @ W_pool
-        np.matmul(z_pool.T, h, out=g_pool)
-        kernels.scatter_add_rows(g["W"], pool, g_pool)
-        g["b"][pool] += z_pool.sum(axis=0)
+        kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, g["W"], g["b"], z_t, g_pool,
+                               dH_parts, pool_bounds)
         t0 = self._tick("pool_matmul", t0)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
                                 p["W0"], p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"],

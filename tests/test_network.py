@@ -327,3 +327,34 @@ def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
     y = (np.arange(n_labels) == label).astype(np.float64)
     np.testing.assert_allclose(gb[own], (p - y)[own], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(losses[0], -np.log(p[label]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bounds", [[0, 37], [0, 5, 5, 20, 37]])
+def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
+    """The shared pool's logits and gradients, split over blocks of the pool (one per thread;
+    uneven, one empty), equal the three numpy products: dH gets every block's share."""
+    import slide.kernels as K
+
+    rng = np.random.default_rng(1)
+    n, H, n_out = 9, 16, 100
+    h = rng.standard_normal((n, H)).astype(np.float32)
+    W = rng.standard_normal((n_out, H)).astype(np.float32)
+    b = rng.standard_normal(n_out).astype(np.float32)
+    pool = rng.choice(n_out, 37, replace=False).astype(np.int32)
+    bounds = np.array(bounds, np.int64)
+    P, T = pool.size, bounds.size - 1
+    W_pool, z, z_t = np.empty((P, H), np.float32), np.empty((n, P), np.float32), np.empty((P, n), np.float32)
+    K.pool_logits(h, W, b, pool, W_pool, z, z_t, bounds)
+    np.testing.assert_allclose(z, h @ W[pool].T + b[pool], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(W_pool, W[pool])
+
+    dz = rng.standard_normal((n, P)).astype(np.float32)
+    dH0 = rng.standard_normal((n, H)).astype(np.float32)
+    dH, gW, gb = dH0.copy(), np.ones_like(W), np.ones_like(b)
+    K.pool_gradients(h, W_pool, dz.copy(), pool, dH, gW, gb, z_t, np.empty((P, H), np.float32),
+                     np.full((T, n, H), np.nan, np.float32), bounds)
+    np.testing.assert_allclose(dH, dH0 + dz @ W[pool], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gW[pool], 1 + dz.T @ h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gb[pool], 1 + dz.sum(axis=0), rtol=1e-5, atol=1e-5)
+    rest = np.setdiff1d(np.arange(n_out), pool)
+    assert (gW[rest] == 1).all() and (gb[rest] == 1).all()
