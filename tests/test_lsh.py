@@ -59,6 +59,26 @@ def test_dwta_densification_leaves_no_empty_code(rng):
             assert (codes >= 0).all() and (codes < fam.bin_size).all()
 
 
+@pytest.mark.parametrize("family", [WTA, DWTA])
+def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family):
+    """Rows hashed in transposed blocks (several blocks, a partial one, ties and zeros among
+    them) get the codes of the one-row reference loop."""
+    from lsh.families import _drop_zeros, _wta_dense_codes, combine_codes
+    fam = family(48, K=3, L=7, range_pow=6, seed=5)
+    V = rng.integers(-2, 3, (150, 48)).astype(np.float32)  # small integers: ties and zeros
+    V[7] = 0.0  # DWTA: every bin empty
+    codes = np.empty(fam.K * fam.L, np.int64)
+    expect = np.empty((V.shape[0], fam.L), np.int32)
+    for r, v in enumerate(V):
+        if family is DWTA:
+            _wta_dense_codes(fam.bins, _drop_zeros(v, np.empty_like(v)), codes)
+            _densify(codes, fam.seed)
+        else:
+            _wta_dense_codes(fam.bins, v, codes)
+        combine_codes(codes, fam.K, fam.L, fam.bits, fam.range_pow, expect[r])
+    np.testing.assert_array_equal(fam.hash_dense(V), expect)
+
+
 def test_dwta_sparse_and_dense_hashing_agree(rng):
     fam = DWTA(300, K=3, L=30, seed=4)
     X = sp.random(50, 300, density=0.05, format="csr", random_state=1, dtype=np.float32)
