@@ -260,7 +260,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 self.hidden_tables_[l] = HashTables(int(sizes[l - 1]), int(sizes[l]),
                                                     TableConfig(**layer["tables"]),
                                                     seed=self._layer_seed(l))
-        self._mark_out = np.zeros(self.n_labels_, np.uint8)
+        self._mark_out = np.zeros(self.n_labels_, np.uint8)  # unique_rows' marks, all zero
+        self._mark_in = np.zeros(self.params_["W0"].shape[0], np.uint8)
+        self._no_lists = (np.zeros((0, 1), np.int32), np.zeros(0, np.int64))
         self._pool_pos = np.full(self.n_labels_, -1, np.int32)  # a label's place in the step's pool
         self._scratch_key = None
         self._pool_buf = None
@@ -403,7 +405,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                 g["Wh"], g["bh"], self._b_off, bounds, self._dbuf)
         t0 = self._tick("backward_hidden", t0)
         n_out = kernels.unique_rows(pool, self._active[:n], self._n_active[:n], self._mark_out, self._touched)
-        out_rows, in_rows = self._touched[:n_out], np.unique(Xb.indices).astype(np.int32)
+        in_rows = np.empty(Xb.indices.size, np.int32)
+        in_rows = in_rows[:kernels.unique_rows(Xb.indices, *self._no_lists, self._mark_in, in_rows)]
+        out_rows = self._touched[:n_out]
         dp = self.distributed_
         if dp is not None:  # sync: the ranks' gradients averaged over the rows any rank touched
             out_rows, in_rows = dp.before_update(self, out_rows, in_rows)
