@@ -11,9 +11,9 @@ Array layout (all float32, C-contiguous):
 Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
 A sample's output active set is its own neurons (its labels and LSH candidates), handled here,
 plus a random pool shared by the batch, whose logits and gradients are matrix products
-(:func:`pool_logits`, :func:`pool_gradients`). Gradients go into shared accumulators shaped like the parameters, lock-free
-(Hogwild): threads may race on a row and lose an addition, by design. With one thread
-everything is deterministic.
+(:func:`pool_logits`, :func:`pool_gradients`). Gradients go into shared accumulators shaped
+like the parameters, lock-free (Hogwild): threads may race on a row and lose an addition, by
+design. With one thread everything is deterministic.
 """
 import numpy as np
 from numba import njit, prange
