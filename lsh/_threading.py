@@ -17,7 +17,6 @@ import os
 
 import numba
 import numpy as np
-import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot: its BLAS must be under the limits)
 from threadpoolctl import ThreadpoolController
 
 
@@ -39,7 +38,10 @@ def set_num_threads(threads: int | None) -> int:
 @functools.lru_cache(maxsize=None)
 def _blas_controller() -> ThreadpoolController:
     # one for the process: building one scans every loaded library (1-2 ms), which a
-    # single-row query entered twice would pay on every call (a quarter of its latency)
+    # single-row query entered twice would pay on every call (a quarter of its latency).
+    # It sees only the libraries loaded by then: scipy's BLAS, which numba's np.dot calls,
+    # is loaded first so that it is held too
+    import scipy.linalg.cython_blas  # noqa: F401
     return ThreadpoolController()
 
 

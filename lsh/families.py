@@ -67,7 +67,8 @@ def _simhash_dense(proj_idx, proj_sign, V, K, L, range_pow, bounds, out):
 @njit(cache=True, nogil=True)
 def _wta_dense_codes(bins, v, codes):
     """codes[h] = position of the largest coordinate of v in bin h (the first on ties), or -1
-    if every coordinate of the bin is -inf (DWTA passes its zeros as -inf: see :func:`_drop_zeros`).
+    if every coordinate of the bin is -inf (DWTA's dense rows pass their zeros as -inf, see
+    :func:`_wta_dense`, so that no bin's argmax lands on a zero).
 
     One pass with a strict ``>``: compiled to selects, about twice as fast here as a max pass
     followed by a search for its position, or as testing for zeros inside the loop.
@@ -84,15 +85,6 @@ def _wta_dense_codes(bins, v, codes):
                 best = x
                 arg = j
         codes[h] = arg
-
-
-@njit(cache=True, nogil=True)
-def _drop_zeros(v, out):
-    """out = v with its zeros as -inf, so that no bin's argmax lands on a zero: float32 [dim]."""
-    neg = np.float32(-np.inf)
-    for j in range(v.size):
-        out[j] = neg if v[j] == 0 else v[j]
-    return out
 
 
 @njit(cache=True, nogil=True)

@@ -289,16 +289,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._qs.renew_if_old()
 
     def _pool_blocks(self, n_rows: int, n_pool: int, width: int, threads: int):
-        """Contiguous float32 blocks for the shared pool's step, kept across batches (fresh
-        megabyte arrays page-fault on every batch): its weight rows [P, H], its logits (then
-        logit gradients) [n, P], their transpose [P, n], its weight gradients [P, H] and the
-        threads' shares of the hidden gradient [T, n, H]."""
+        """Contiguous float32 blocks for the shared pool's step, cut from one buffer kept across
+        batches (fresh megabyte arrays page-fault on every batch): its weight rows [P, H], its
+        logits (then logit gradients) [n, P], their transpose [P, n], its weight gradients
+        [P, H] and the threads' shares of the hidden gradient [T, n, H]."""
         shapes = ((n_pool, width), (n_rows, n_pool), (n_pool, n_rows), (n_pool, width),
                   (threads, n_rows, width))
-        sizes = [int(np.prod(shape)) for shape in shapes]
-        if self._pool_buf is None or self._pool_buf.shape[1] < max(sizes):
-            self._pool_buf = np.empty((len(sizes), max(sizes)), np.float32)
-        return tuple(row[:s].reshape(shape) for row, s, shape in zip(self._pool_buf, sizes, shapes))
+        ends = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
+        if self._pool_buf is None or self._pool_buf.size < ends[-1]:
+            self._pool_buf = np.empty(ends[-1], np.float32)
+        return tuple(self._pool_buf[lo:hi].reshape(shape)
+                     for lo, hi, shape in zip(ends[:-1], ends[1:], shapes))
 
     # -- forward ---------------------------------------------------------------------------------
     def _layer_seed(self, l: int) -> int:
@@ -378,9 +379,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             pool = np.arange(self.n_labels_, dtype=np.int32)
         t0 = self._tick("hash", t0)
         # the shared pool is a dense block: its logits and gradients are matrix products
-        pool_bounds = np.linspace(0, pool.size, bounds.size).astype(np.int64)
+        pool_bounds = thread_chunks(pool.size)  # each thread's block of the pool
         W_pool, z_pool, z_t, g_pool, dH_parts = self._pool_blocks(n, pool.size, h.shape[1],
-                                                                  bounds.size - 1)
+                                                                  pool_bounds.size - 1)
         h_pool = np.ascontiguousarray(h)  # a view into acts' columns when there are 2+ layers
         kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, z_t, pool_bounds)
         self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
