@@ -10,20 +10,27 @@
    least any implementation of this step moves), by phase:
 
    * ``forward_hidden``: the input rows of the sample's non-zero features (``nnz · H0 · 4``);
+   * ``hash``: hashing the batch's hidden rows and drawing its pool: no bytes or operations
+     counted (the rows are in cache; hashing is comparisons, not arithmetic);
    * ``select+output``: the hash-table buckets it reads (``tables · bucket · 4``) and its own
-     output rows (labels + LSH candidates): weights read, gradient rows read and written;
+     output rows (labels + LSH candidates). A row no other sample and not the pool touches
+     (*alone*) gets its Adam step there: weights read and written, both moments read and
+     written, no gradient row. The others: weights read, gradient rows read and written;
    * ``pool_matmul``: the batch's shared rows, read (gathered) and their gradient rows
      written, over the batch;
    * ``backward_hidden``: the gradient rows of the input features, read and written;
-   * ``adam``: weights, both moments and the gradient of every distinct touched row, read and
-     written (output and input rows);
+   * ``adam``: weights, both moments and the gradient of every other distinct touched row, read
+     and written (output rows not alone, and input rows);
    * ``rehash``: re-inserting every output row (weights read, tables written), times the
      rehashes the timed window actually ran (counted by the tables), spread over its samples.
      The schedule's interval grows (x1.25 per rehash), so the later the window starts
      (``--warm-steps``), the fewer it holds.
 
    Distinct rows per batch are estimated as draws without overlap structure:
-   ``n · (1 - exp(-draws / n))`` for n rows and the batch's draws.
+   ``n · (1 - exp(-draws / n))`` for n rows and the batch's draws; rows alone as the LSH
+   candidates' draws that no other draw of the batch meets, ``draws_c · exp(-(draws - 1) / n)``
+   (at Amazon-670K shape 31,000 a batch against 30,200 counted in the engine: the estimate
+   errs towards fewer bytes, a higher roofline).
 3. **This machine's arithmetic rate**: a 2,048-square float32 matrix product through numpy's
    BLAS, 1 thread and ``--threads``, best of 3; and the floating-point operations a sample
    needs per phase (its rows' dot and outer products, the pool's three matrix products,
@@ -128,6 +135,17 @@ def _distinct(n: int, draws: float) -> float:
     return n * (1.0 - math.exp(-draws / max(n, 1)))
 
 
+def _alone(resolved: dict, n_labels: int, labels: float) -> float:
+    """Rows of a batch in one sample's LSH candidates and in no other draw of the batch (the
+    engine gives them their Adam step in the output step); none where the output is whole
+    (the pool is every row)."""
+    B, pool = resolved["batch_size"], resolved["pool"]
+    if pool >= n_labels:
+        return 0.0
+    draws = B * (resolved["lsh_cap"] + labels) + pool
+    return B * resolved["lsh_cap"] * math.exp(-(draws - 1) / n_labels)
+
+
 def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
                      labels: float, rehashes_per_sample: float | None = None) -> dict:
     """The least bytes per training sample, by phase (see the module docstring).
@@ -144,12 +162,15 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     u_own = _distinct(n_labels, B * own)  # distinct own rows of a batch
     u_out = _distinct(n_labels, B * own + pool)
     u_in = _distinct(n_features, B * nnz)
+    alone = _alone(resolved, n_labels, labels)
     per = {
         "forward_hidden": nnz * H0 * 4,
-        "select+output": n_tables * bucket * 4 + (u_own * H * 4 + u_own * H * 8) / B,
+        "hash": 0.0,
+        "select+output": n_tables * bucket * 4 + (alone * (H + 1) * 6 * 4
+                                                  + (u_own - alone) * H * 12) / B,
         "pool_matmul": pool * (H * 4 + H * 8) / B,
         "backward_hidden": u_in * H0 * 8 / B,
-        "adam": (u_out * (H + 1) + u_in * H0) * 8 * 4 / B,
+        "adam": ((u_out - alone) * (H + 1) + u_in * H0) * 8 * 4 / B,
         "rehash": (n_labels * H * 4 + n_tables * n_labels * 4) * (
             1.0 / resolved["rehash_every"] if rehashes_per_sample is None else rehashes_per_sample),
     }
@@ -168,15 +189,18 @@ def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     own = resolved["lsh_cap"] + labels
     u_out = _distinct(n_labels, B * own + resolved["pool"])
     u_in = _distinct(n_features, B * nnz)
+    alone = _alone(resolved, n_labels, labels)
     per = {
         "forward_hidden": 2 * nnz * H0 + stack,
-        # per own row: its logit (a dot product), its gradient row and its share of dH
-        "select+output": 3 * 2 * own * H,
+        "hash": 0.0,
+        # per own row: its logit (a dot product), its gradient row and its share of dH; Adam's
+        # step for the rows alone
+        "select+output": 3 * 2 * own * H + 10 * alone * (H + 1) / B,
         # logits, dH and the gradient rows of the shared pool: three products over the batch
         "pool_matmul": 3 * 2 * resolved["pool"] * H,
         # the input rows' gradients (outer products) and the stack's two products per layer
         "backward_hidden": 2 * nnz * H0 + 2 * stack,
-        "adam": 10 * (u_out * (H + 1) + u_in * H0) / B,
+        "adam": 10 * ((u_out - alone) * (H + 1) + u_in * H0) / B,
         "rehash": 0.0,
     }
     per["total"] = sum(per.values())

@@ -212,6 +212,12 @@ class DataParallel:
         return (f"DataParallel(mode={self.mode!r}, every={self.every}, delay={self.delay}, "
                 f"ranks={self.size})")
 
+    @property
+    def sums_gradients(self) -> bool:
+        """Whether a step's gradients are summed across ranks before the update (``sync`` on
+        two or more ranks): then every touched row must go through the gradient accumulators."""
+        return self.mode == "sync" and self.size > 1
+
     def reset_counters(self):
         self.bytes_sent_, self.steps_, self.rounds_ = 0, 0, 0
         self.wait_seconds_, self.pack_seconds_ = 0.0, 0.0
@@ -355,7 +361,7 @@ class DataParallel:
     def before_update(self, model, out_rows, in_rows):
         """``sync``: average the step's gradients (rows touched on any rank) in
         ``model.grads_``; returns the rows the update must cover. Other modes: unchanged."""
-        if self.mode != "sync" or self.size == 1:
+        if not self.sums_gradients:
             return out_rows, in_rows
         out_ids, in_ids = self._union(self._mark(out_rows, in_rows))
         self.exchanged_rows_.append((out_ids.size, in_ids.size))

@@ -9,21 +9,30 @@ Array layout (all float32, C-contiguous):
 * output layer ``W`` [n_out, H_last] (neuron-major: an active neuron's row is contiguous), ``b``.
 
 Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
-A sample's output active set is its own neurons (its labels and LSH candidates), handled here,
-plus a random pool shared by the batch, whose logits and gradients are matrix products
-(:func:`pool_logits`, :func:`pool_gradients`). Gradients go into shared accumulators shaped
-like the parameters, lock-free (Hogwild): threads may race on a row and lose an addition, by
-design. With one thread everything is deterministic.
+A sample's output active set is its own neurons (its labels and LSH candidates, chosen by
+:func:`select_active`), plus a random pool shared by the batch, whose logits and gradients are
+matrix products (:func:`pool_logits`, :func:`pool_gradients`). Gradients go into shared
+accumulators shaped like the parameters, lock-free (Hogwild): threads may race on a row and lose
+an addition, by design; Adam then updates the rows the batch touched (:func:`adam_rows`). An own
+row that no other sample and not the pool touches (most of them at 670K labels,
+:func:`mark_rows`) skips the accumulator: :func:`output_step` gives it its Adam step at once,
+while its weights are in cache. With one thread everything is deterministic.
 """
 import numpy as np
 from numba import njit, prange
 
+from lsh.prefetch import prefetch, prefetch_w
 from lsh.tables import query_union, select_candidates
+from slide.vecmath import exp_nonpositive, fsum
 
 #: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
 #: left-to-right float sum cannot be), 3-4x faster over rows scattered in a 670K-row layer. The
 #: order is fixed by the compiled code, so one thread still repeats exactly.
 _REASSOC = {"reassoc", "contract"}
+
+#: rows asked for ahead of use by the kernels that walk scattered rows (lsh.prefetch): at 4 the
+#: output step and Adam ran 15-25% faster at Amazon-670K shape; 2 and 8 did no better
+_AHEAD = 4
 
 
 @njit(cache=True, nogil=True, fastmath=_REASSOC)
@@ -100,50 +109,28 @@ def _select_own(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, lsh_
 # Training step: the output layer, then back through the hidden layers
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
-def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, stamp, hits, gens,
-                cand, hist, lsh_cap, pool_pos, zpool, active, n_active, bounds, logits_buf, dH,
-                losses):
-    """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
+def select_active(y_indptr, y_indices, codes, buckets, seen, stamp, hits, gens, cand, hist,
+                  lsh_cap, pool_pos, zpool, active, n_active, bounds):
+    """Each sample's own active neurons into ``active`` [n, w] / ``n_active`` [n] (its labels,
+    then up to ``lsh_cap`` LSH candidates, see :func:`_select_own`), and its row of the pool's
+    logits ``zpool`` [n, P] cut to the random rest of the layer.
 
-    A sample's active set is its own neurons (labels + LSH candidates, see :func:`_select_own`)
-    plus the batch's shared random pool of P neurons. The pool's logits ``zpool`` [n, P] come in
-    precomputed (one matrix product for the batch); pool neurons that are also in the sample's
-    own set, or that its LSH query found but the cap cut, are left out: the pool stands for the
-    random rest of the layer. They are found through ``pool_pos`` int32 [n_labels] (a neuron's
-    position in the pool, -1 outside it): a lookup per found neuron instead of a stamp check
-    per pool neuron, and the pool's max and exp become plain loops over a contiguous row.
-
-    On return ``zpool`` holds the pool's logit gradients (scaled by 1/n) for the caller's
-    matrix products, ``dH`` [n, H] the own set's share of the gradient w.r.t. the last hidden
-    layer (scaled by 1/n), and the own rows' gradients are added to ``gW``/``gb`` (Hogwild).
-    Target: uniform over the sample's labels. ``losses`` [n] gets each sample's loss;
-    ``active``/``n_active`` the own sets (for Adam).
+    Pool neurons that are also in the sample's own set, or that its LSH query found but the cap
+    cut, get logit -inf (their softmax weight is 0): the pool stands for the neurons the query
+    did not find. They are found through ``pool_pos`` int32 [n_labels] (a neuron's position in
+    the pool, -1 outside it): a lookup per found neuron instead of a stamp check per pool
+    neuron. Per-thread query scratch as in :func:`lsh.tables.query_union`; thread c takes
+    samples ``bounds[c]:bounds[c + 1]``.
     """
-    n = y_indptr.size - 1
-    scale = np.float32(1.0 / n)
-    H = W.shape[1]
-    lo_last = acts.shape[1] - H
-    P = zpool.shape[1]
     for c in prange(bounds.size - 1):
-        logits = logits_buf[c]
         st = stamp[c]
         for r in range(bounds[c], bounds[c + 1]):
             gens[c] += 1
-            gen = gens[c]
-            labels = y_indices[y_indptr[r]: y_indptr[r + 1]]
             own = active[r]
-            k, u = _select_own(labels, codes[r], buckets, seen, st, hits[c], gen, cand[c],
-                               hist[c], lsh_cap, own)
+            k, u = _select_own(y_indices[y_indptr[r]: y_indptr[r + 1]], codes[r], buckets, seen,
+                               st, hits[c], gens[c], cand[c], hist[c], lsh_cap, own)
             n_active[r] = k
-            h = acts[r, lo_last:]
             zp = zpool[r]
-            zmax = np.float32(-np.inf)
-            for a in range(k):
-                s = b[own[a]] + _dot(W[own[a]], h)
-                logits[a] = s
-                zmax = max(zmax, s)
-            # the pool is the random rest: out of it go the sample's own neurons and whatever
-            # else its query found (the candidates the cap cut); their exp below is 0
             for a in range(k):
                 j = pool_pos[own[a]]
                 if j >= 0:
@@ -153,17 +140,105 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
                 j = pool_pos[found[a]]
                 if j >= 0:
                     zp[j] = -np.inf
+
+
+#: ``owners`` marks of :func:`mark_rows`: untouched, touched by one sample's own set alone
+#: (its gradient is that sample's, so Adam can update it in place), touched otherwise
+UNTOUCHED, ALONE, SHARED = 0, 1, 2
+
+
+@njit(cache=True, nogil=True)
+def mark_rows(extra, lists, lengths, owners, alone, touched):
+    """Mark the rows a step touches in ``owners`` uint8 [n_ids] (all UNTOUCHED on entry):
+    ``extra`` [m] (the shared pool, or a batch's input features) SHARED, and the ids of ragged
+    ``lists`` [n, w] (first ``lengths[i]`` of each row: the samples' own sets) ALONE where
+    ``alone`` and no other entry holds them, SHARED otherwise. Each distinct row goes once into
+    ``touched``, in the order first met; returns their count. One thread: the marks must not
+    race, or two samples could each take a row for their own."""
+    n = 0
+    for i in extra:
+        if owners[i] == UNTOUCHED:
+            touched[n] = i
+            n += 1
+        owners[i] = SHARED
+    for r in range(lists.shape[0]):
+        for a in range(lengths[r]):
+            i = lists[r, a]
+            if owners[i] == UNTOUCHED:
+                touched[n] = i
+                n += 1
+                owners[i] = ALONE if alone else SHARED
+            else:
+                owners[i] = SHARED
+    return n
+
+
+@njit(cache=True, nogil=True)
+def read_marks(owners, touched, shared, alone):
+    """Split the rows ``touched`` [m] that :func:`mark_rows` listed by their mark: SHARED ones
+    into ``shared``, ALONE ones into ``alone``, each in the order listed; ``owners`` is all
+    UNTOUCHED again on return. Returns the two counts. A pass over the listed rows only (a scan
+    of all the marks for them, in increasing order, cost 0.45 ms a batch at 670K rows)."""
+    n_shared = n_alone = 0
+    for i in touched:
+        if owners[i] == SHARED:
+            shared[n_shared] = i
+            n_shared += 1
+        else:
+            alone[n_alone] = i
+            n_alone += 1
+        owners[i] = UNTOUCHED
+    return n_shared, n_alone
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, active, n_active,
+                bounds, logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
+    """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
+
+    A sample's active set is its own neurons ``active[r, :n_active[r]]`` (its labels first, then
+    its LSH candidates, from :func:`select_active`) plus the batch's shared pool, whose logits
+    ``zpool`` [n, P] come in precomputed (one matrix product for the batch) and already cut to
+    the random rest of the layer. Target: uniform over the sample's labels.
+
+    On return ``zpool`` holds the pool's logit gradients (scaled by 1/n) for the caller's matrix
+    products, ``dH`` [n, H] the own set's share of the gradient w.r.t. the last hidden layer
+    (scaled by 1/n) and ``losses`` [n] each sample's loss. An own row marked ALONE in ``owners``
+    (see :func:`mark_rows`) gets its Adam step here, with the weights still in cache: its whole
+    gradient is this sample's, so the step is the same as through the accumulator, and no
+    gradient row is written or read back (moments ``M``, ``V``, ``bM``, ``bV``; Adam's
+    hyperparameters for ``step``, as :func:`adam_rows` and :func:`adam_entries`). Other own rows
+    add their gradients to ``gW``/``gb`` (Hogwild) for Adam after the batch.
+    """
+    n = y_indptr.size - 1
+    scale = np.float32(1.0 / n)
+    H = W.shape[1]
+    lo_last = acts.shape[1] - H
+    P = zpool.shape[1]
+    k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
+    k_b = _adam_constants(lr, beta1, beta2, eps, step, 0.0)  # biases: no decay
+    for c in prange(bounds.size - 1):
+        logits = logits_buf[c]
+        for r in range(bounds[c], bounds[c + 1]):
+            own = active[r]
+            k = n_active[r]
+            h = acts[r, lo_last:]
+            zp = zpool[r]
+            zmax = np.float32(-np.inf)
+            for a in range(k):
+                if a + _AHEAD < k:
+                    prefetch(W[own[a + _AHEAD]])
+                s = b[own[a]] + _dot(W[own[a]], h)
+                logits[a] = s
+                zmax = max(zmax, s)
             for j in range(P):
                 zmax = max(zmax, zp[j])
-            total = np.float32(0.0)
             for a in range(k):
-                logits[a] = np.exp(logits[a] - zmax)
-                total += logits[a]
+                logits[a] = exp_nonpositive(logits[a] - zmax)
             for j in range(P):
-                zp[j] = np.exp(zp[j] - zmax)
-                total += zp[j]
-            inv = np.float32(1.0) / total
-            n_lab = labels.size
+                zp[j] = exp_nonpositive(zp[j] - zmax)
+            inv = np.float32(1.0) / (fsum(logits[:k]) + fsum(zp))
+            n_lab = y_indptr[r + 1] - y_indptr[r]
             loss = np.float32(0.0)
             for a in range(n_lab):  # labels are the first n_lab own neurons
                 loss -= np.log(max(logits[a] * inv, np.float32(1e-30)))
@@ -173,14 +248,33 @@ def output_step(y_indptr, y_indices, acts, codes, W, b, gW, gb, buckets, seen, s
             dh[:] = 0.0
             y = np.float32(1.0 / max(n_lab, 1))
             for a in range(k):
+                # the rows this loop writes, and the next sample's first weight rows
+                if a + _AHEAD < k:
+                    ahead = own[a + _AHEAD]
+                    if owners[ahead] == ALONE:
+                        prefetch_w(M[ahead])
+                        prefetch_w(V[ahead])
+                    else:
+                        prefetch_w(gW[ahead])
+                elif r + 1 < bounds[c + 1] and a + _AHEAD - k < n_active[r + 1]:
+                    prefetch(W[active[r + 1, a + _AHEAD - k]])
                 gs = (logits[a] * inv - (y if a < n_lab else np.float32(0.0))) * scale
                 i = own[a]
                 wa = W[i]
-                ga = gW[i]
-                gb[i] += gs
                 for j in range(H):
                     dh[j] += gs * wa[j]
-                    ga[j] += gs * h[j]
+                if owners[i] == ALONE:
+                    # a loop of its own: with dh in it, five arrays would be more than LLVM
+                    # checks for overlap at run time, and it would not vectorise
+                    ma, va = M[i], V[i]
+                    for j in range(H):
+                        _adam_weight(wa, ma, va, j, gs * h[j], k_w)
+                    b[i] -= _adam_step(bM, bV, i, gs, k_b)
+                else:
+                    ga = gW[i]
+                    gb[i] += gs
+                    for j in range(H):
+                        ga[j] += gs * h[j]
             for j in range(P):
                 zp[j] *= inv * scale
 
@@ -280,6 +374,8 @@ def pool_logits(h, W, b, pool, W_pool, z, z_t, bounds):
         if hi > lo:
             Wc, zt = W_pool[lo:hi], z_t[lo:hi]
             for t in range(hi - lo):
+                if t + _AHEAD < hi - lo:
+                    prefetch(W[pool[lo + t + _AHEAD]])
                 Wc[t] = W[pool[lo + t]]
             np.dot(Wc, h.T, zt)
             for t in range(hi - lo):
@@ -304,6 +400,8 @@ def pool_gradients(h, W_pool, z, pool, dH, gW, gb, z_t, g_pool, dH_parts, bounds
             _transpose(z[:, lo:hi], zt)
             np.dot(zt, h, g)
             for t in range(hi - lo):
+                if t + _AHEAD < hi - lo:
+                    prefetch_w(gW[pool[lo + t + _AHEAD]])
                 i = pool[lo + t]
                 gb[i] += zt[t].sum()
                 gW[i] += g[t]
@@ -321,82 +419,75 @@ def pool_gradients(h, W_pool, z, pool, dH, gW, gb, z_t, g_pool, dH_parts, bounds
 # Adam over touched rows
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def unique_rows(extra, lists, lengths, mark, out):
-    """Distinct ids of ``extra`` [m] and of ragged ``lists`` [n, w] (first ``lengths[i]`` of each
-    row) into ``out``, in increasing order; ``mark`` uint8 [n_ids] is all zero on entry and on
-    exit. Returns the count. The order is Adam's: walking the parameter rows forward lets the
-    prefetcher follow (a third faster than in discovery order at 670K rows), and reading the
-    marks back costs one pass over ``n_ids`` bytes (a batch's 8,600 input ids of 135,909: 0.05
-    ms against 0.68 for ``np.unique``'s sort). One thread: split over two, the random marks and
-    the pass took as long or longer."""
-    for i in extra:
-        mark[i] = 1
-    for r in range(lists.shape[0]):
-        for a in range(lengths[r]):
-            mark[lists[r, a]] = 1
-    n = 0
-    for i in range(mark.size):
-        if mark[i]:
-            mark[i] = 0
-            out[n] = i
-            n += 1
-    return n
+def _adam_constants(lr, beta1, beta2, eps, step, weight_decay):
+    """Adam's float32 constants ``(b1, 1 - b1, b2, 1 - b2, lr, eps, c1, c2, lr·decay)``, for
+    :func:`_adam_step`. The bias corrections c1, c2 are for the global step (lazy Adam: rows that
+    were not touched keep their moments undecayed, as in sparse Adam). All float32, so that the
+    moments update in float32 lanes (``1 - b1`` computed inside promoted them to float64: a
+    quarter slower)."""
+    f = np.float32
+    return (f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(lr), f(eps),
+            f(1.0 / (1.0 - beta1 ** step)), f(1.0 / (1.0 - beta2 ** step)), f(lr * weight_decay))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _adam_step(m, v, j, gj, b1, b2, lr, eps, c1, c2):
-    """Update moments m[j], v[j] with gradient gj; return the weight decrement."""
-    m[j] = b1 * m[j] + (1 - b1) * gj
-    v[j] = b2 * v[j] + (1 - b2) * gj * gj
-    return lr * (m[j] * c1) / (np.sqrt(v[j] * c2) + eps)
+def _adam_step(m, v, j, gj, k):
+    """Update moments m[j], v[j] with gradient gj; return the step (without decay). ``k``:
+    :func:`_adam_constants`."""
+    m[j] = k[0] * m[j] + k[1] * gj
+    v[j] = k[2] * v[j] + k[3] * gj * gj
+    return k[4] * (m[j] * k[6]) / (np.sqrt(v[j] * k[7]) + k[5])
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _adam(w, m, v, g, j, b1, b2, lr, eps, c1, c2, decay):
-    w[j] -= _adam_step(m, v, j, g[j], b1, b2, lr, eps, c1, c2) + decay * w[j]
+def _adam_weight(w, m, v, j, gj, k):
+    """Adam with decoupled weight decay on w[j] for gradient gj."""
+    w[j] -= _adam_step(m, v, j, gj, k) + k[8] * w[j]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _adam(w, m, v, g, j, k):
+    """:func:`_adam_weight` with the gradient g[j] of an accumulator, zeroed after use."""
+    _adam_weight(w, m, v, j, g[j], k)
     g[j] = 0.0
-
-
-@njit(cache=True, nogil=True)
-def _adam_constants(lr, beta1, beta2, eps, step):
-    """float32 constants; bias corrections for the global step (lazy Adam: rows that were not
-    touched keep their moments undecayed, as in sparse Adam)."""
-    return (np.float32(beta1), np.float32(beta2), np.float32(lr), np.float32(eps),
-            np.float32(1.0 / (1.0 - beta1 ** step)), np.float32(1.0 / (1.0 - beta2 ** step)))
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def adam_rows(rows, grad_rows, W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on rows ``rows[t]`` of W [n, d] (moments M, V) with gradient ``G[grad_rows[t]]``,
     zeroed after use: ``grad_rows = rows`` for full-size accumulators, ``arange`` for a compact
-    block of gradient rows."""
-    b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
-    decay = np.float32(lr * weight_decay)
+    block of gradient rows. The rows may come in any order: each is prefetched a few ahead."""
+    k = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for t in prange(rows.size):
+        if t + _AHEAD < rows.size:
+            ahead = rows[t + _AHEAD]
+            prefetch_w(W[ahead])
+            prefetch_w(M[ahead])
+            prefetch_w(V[ahead])
+            prefetch_w(G[grad_rows[t + _AHEAD]])
         i = rows[t]
         w, m, v, g = W[i], M[i], V[i], G[grad_rows[t]]
         for j in range(w.size):
-            _adam(w, m, v, g, j, b1, b2, lr32, eps32, c1, c2, decay)
+            _adam(w, m, v, g, j, k)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def adam_entries(idx, grad_idx, W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
-    """Adam on entries ``idx[t]`` of flat arrays with gradient ``G[grad_idx[t]]`` (biases)."""
-    b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
+    """Adam on entries ``idx[t]`` of flat arrays with gradient ``G[grad_idx[t]]`` (biases: no
+    decay)."""
+    k = _adam_constants(lr, beta1, beta2, eps, step, 0.0)
     for t in prange(idx.size):
         i = idx[t]
-        gj = G[grad_idx[t]]
-        W[i] -= _adam_step(M, V, i, gj, b1, b2, lr32, eps32, c1, c2)
+        W[i] -= _adam_step(M, V, i, G[grad_idx[t]], k)
         G[grad_idx[t]] = 0.0
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on every entry of flat arrays (biases and the small hidden stack)."""
-    b1, b2, lr32, eps32, c1, c2 = _adam_constants(lr, beta1, beta2, eps, step)
-    decay = np.float32(lr * weight_decay)
+    k = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for j in prange(W.size):
-        _adam(W, M, V, G, j, b1, b2, lr32, eps32, c1, c2, decay)
+        _adam(W, M, V, G, j, k)
 
 
 # --------------------------------------------------------------------------------------------

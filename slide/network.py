@@ -260,7 +260,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 self.hidden_tables_[l] = HashTables(int(sizes[l - 1]), int(sizes[l]),
                                                     TableConfig(**layer["tables"]),
                                                     seed=self._layer_seed(l))
-        self._mark_out = np.zeros(self.n_labels_, np.uint8)  # unique_rows' marks, all zero
+        # kernels.mark_rows' marks of the output and input rows, all UNTOUCHED between steps
+        self._owners = np.zeros(self.n_labels_, np.uint8)
         self._mark_in = np.zeros(self.params_["W0"].shape[0], np.uint8)
         self._no_lists = (np.zeros((0, 1), np.int32), np.zeros(0, np.int64))
         self._pool_pos = np.full(self.n_labels_, -1, np.int32)  # a label's place in the step's pool
@@ -285,6 +286,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._logits = np.zeros((t, width), np.float32)
             self._dbuf = np.zeros((t, 2 * int(self._sizes.max())), np.float32)
             self._touched = np.zeros(n_rows * width + self.resolved_["pool"], np.int32)
+            self._shared = np.zeros_like(self._touched)
+            self._alone = np.zeros(n_rows * width, np.int32)
             self._scratch_key = (t, width, n_rows)
         self._qs.renew_if_old()
 
@@ -384,19 +387,28 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                                                   pool_bounds.size - 1)
         h_pool = np.ascontiguousarray(h)  # a view into acts' columns when there are 2+ layers
         kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, z_t, pool_bounds)
-        self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
-        dH = np.empty((n, h.shape[1]), np.float32)
-        losses = np.empty(n, np.float32)
+        self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
         try:
-            kernels.output_step(
-                Yb.indptr.astype(np.int64), Yb.indices, acts, codes, p["W"], p["b"], g["W"],
-                g["b"], buckets, seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist,
-                self.resolved_["lsh_cap"], self._pool_pos, z_pool, self._active, self._n_active,
-                bounds, self._logits, dH, losses)
+            kernels.select_active(Yb.indptr.astype(np.int64), Yb.indices, codes, buckets, seen,
+                                  qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist,
+                                  self.resolved_["lsh_cap"], self._pool_pos, z_pool, self._active,
+                                  self._n_active, bounds)
         finally:  # the map must be all -1 again whatever happens: the next step relies on it
             self._pool_pos[pool] = -1
+        dp = self.distributed_
+        # a row in one sample's own set alone gets its Adam step inside the output step; not
+        # where ranks sum their gradients before the update
+        n_touched = kernels.mark_rows(pool, self._active[:n], self._n_active[:n], self._owners,
+                                      dp is None or not dp.sums_gradients, self._touched)
+        dH = np.empty((n, h.shape[1]), np.float32)
+        losses = np.empty(n, np.float32)
+        m = self.moments_
+        kernels.output_step(Yb.indptr.astype(np.int64), acts, p["W"], p["b"], g["W"], g["b"],
+                            m["W.m"], m["W.v"], m["b.m"], m["b.v"], self._owners, z_pool,
+                            self._active, self._n_active, bounds, self._logits, dH, losses,
+                            *self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, g["W"], g["b"], z_t, g_pool,
                                dH_parts, pool_bounds)
@@ -405,11 +417,13 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                 p["W0"], p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"],
                                 g["Wh"], g["bh"], self._b_off, bounds, self._dbuf)
         t0 = self._tick("backward_hidden", t0)
-        n_out = kernels.unique_rows(pool, self._active[:n], self._n_active[:n], self._mark_out, self._touched)
+        n_shared, n_alone = kernels.read_marks(self._owners, self._touched[:n_touched],
+                                               self._shared, self._alone)
+        out_rows = self._shared[:n_shared]
         in_rows = np.empty(Xb.indices.size, np.int32)
-        in_rows = in_rows[:kernels.unique_rows(Xb.indices, *self._no_lists, self._mark_in, in_rows)]
-        out_rows = self._touched[:n_out]
-        dp = self.distributed_
+        in_rows = in_rows[:kernels.mark_rows(Xb.indices, *self._no_lists, self._mark_in, False,
+                                             in_rows)]
+        self._mark_in[in_rows] = kernels.UNTOUCHED  # marked only to list each row once
         if dp is not None:  # sync: the ranks' gradients averaged over the rows any rank touched
             out_rows, in_rows = dp.before_update(self, out_rows, in_rows)
             t0 = self._tick("exchange", t0)
@@ -417,20 +431,25 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         t0 = self._tick("adam", t0)
         self.samples_seen_ += n
         if dp is not None:  # local/delayed: parameter averages on their schedule
-            dp.after_update(self, out_rows, in_rows)
+            dp.after_update(self, np.concatenate((out_rows, self._alone[:n_alone])), in_rows)
             t0 = self._tick("exchange", t0)
         self._maybe_rehash()
         self._tick("rehash", t0)
         return float(losses.mean())
+
+    def _adam_hyper(self, step: int) -> tuple:
+        """Adam's (lr, beta1, beta2, eps, step) for the kernels."""
+        c = self.config_
+        return self.learning_rate_, c.beta1, c.beta2, c.eps, step
 
     def _adam_update(self, out_rows, in_rows, dense_grads, gW, gW0, compact=False):
         """One Adam step on the touched output rows (and their biases), the touched input rows,
         and the small dense parameters. ``gW``/``gW0`` are full-size accumulators indexed by
         row, or with ``compact`` blocks whose row t belongs to ``out_rows[t]`` / ``in_rows[t]``.
         Weight decay applies to weights, not biases."""
-        c, p, m = self.config_, self.params_, self.moments_
+        p, m = self.params_, self.moments_
         self.step_ += 1
-        hp = (self.learning_rate_, c.beta1, c.beta2, c.eps, self.step_)
+        hp = self._adam_hyper(self.step_)
         wd = self.resolved_["weight_decay"]
         g_out = np.arange(out_rows.size, dtype=np.int32) if compact else out_rows
         g_in = np.arange(in_rows.size, dtype=np.int32) if compact else in_rows

@@ -209,3 +209,34 @@ def test_tables_count_their_builds(rng):
     t.rebuild(W)
     t.insert(np.arange(5, dtype=np.int32), t.family.hash_dense(W[:5]))  # an insert is no build
     assert t.builds == 3
+
+
+def test_prefetch_hints_leave_results_unchanged():
+    """Prefetching rows, single entries and the last row of an array (the hint may reach past
+    its end) changes nothing a kernel computes; anything but a 1-D array is refused."""
+    from numba import njit
+    from numba.core.errors import TypingError
+    from lsh.prefetch import prefetch, prefetch_w
+
+    @njit
+    def sum_rows(W, b, rows):
+        s = 0.0
+        for t in range(rows.size):
+            i = rows[t]
+            prefetch(W[rows[min(t + 2, rows.size - 1)]])
+            prefetch_w(b[i:i + 1])
+            s += W[i].sum() + b[i]
+        return s
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((50, 37)).astype(np.float32)  # rows not a whole number of lines
+    b = rng.standard_normal(50)
+    rows = np.append(rng.integers(0, 50, 30), 49).astype(np.int32)
+    assert np.isclose(sum_rows(W, b, rows), W[rows].sum(dtype=np.float64) + b[rows].sum(), rtol=1e-6)
+
+    @njit
+    def whole(W):
+        prefetch(W)
+
+    with pytest.raises(TypingError):
+        whole(W)

@@ -284,10 +284,28 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
         dense.set_serving(8)
 
 
-def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
-    """The step's softmax runs over the sample's own neurons (labels + the LSH candidates kept
-    under the cap) and the pool neurons its query did not find, each once: candidates the cap
-    cut are in neither."""
+def test_mark_rows_lists_each_row_once_and_finds_rows_one_sample_owns():
+    """Hand-computed: the pool's rows and rows in two own sets are shared; a row in one own set
+    alone is the sample's; every row is listed once, in the order first met, and the marks
+    are cleared when read."""
+    import slide.kernels as K
+
+    pool = np.array([5, 9], np.int32)
+    lists = np.array([[1, 2, 9], [2, 3, 7]], np.int32)
+    lengths = np.array([3, 2], np.int64)  # 7 is past the second list's length
+    owners, touched = np.zeros(10, np.uint8), np.zeros(10, np.int32)
+    for alone, want_shared, want_alone in ((True, [5, 9, 2], [1, 3]), (False, [5, 9, 1, 2, 3], [])):
+        n = K.mark_rows(pool, lists, lengths, owners, alone, touched)
+        assert list(touched[:n]) == [5, 9, 1, 2, 3]
+        shared, lone = np.zeros(10, np.int32), np.zeros(10, np.int32)
+        n_shared, n_alone = K.read_marks(owners, touched[:n], shared, lone)
+        assert list(shared[:n_shared]) == want_shared and list(lone[:n_alone]) == want_alone
+        assert not owners.any()
+
+
+def _output_case(alone: bool):
+    """One sample through select_active, mark_rows and output_step on a 40-label layer whose
+    LSH union is larger than the cap; returns what the test below checks."""
     import slide.kernels as K
     from lsh import HashTables, TableConfig
     from lsh.tables import QueryScratch
@@ -303,30 +321,83 @@ def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
     codes = tables.family.hash_dense(h)
     found = np.setdiff1d(tables.query_one(h[0]), [label])
     assert found.size > cap  # the cap cuts the union
-    pool = np.arange(0, n_labels, dtype=np.int32)
+    # the pool holds the label (as the engine's does) and one found row; the other found rows
+    # are outside it, so own rows can be the sample's alone
+    pool = np.union1d(np.setdiff1d(np.arange(n_labels), found), found[-1:]).astype(np.int32)
+    pool_pos = np.full(n_labels, -1, np.int32)
+    pool_pos[pool] = np.arange(pool.size)
     zpool = (h @ W[pool].T + b[pool]).astype(np.float32)
     qs = QueryScratch(1, n_labels, 2, 64)
     active = np.zeros((1, cap + 1), np.int32)
     n_active = np.zeros(1, np.int64)
-    gW, gb = np.zeros_like(W), np.zeros_like(b)
+    y_indptr, bounds = np.array([0, 1], np.int64), np.array([0, 1], np.int64)
+    K.select_active(y_indptr, np.array([label], np.int32), codes, tables.buckets, tables.seen,
+                    qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, cap, pool_pos, zpool, active,
+                    n_active, bounds)
+    owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
+    n_touched = K.mark_rows(pool, active, n_active, owners, alone, touched)
+    params = {"W": W.copy(), "b": b.copy(), "gW": np.zeros_like(W), "gb": np.zeros_like(b),
+              "M": np.zeros_like(W), "V": np.zeros_like(W), "bM": np.zeros_like(b),
+              "bV": np.zeros_like(b)}
+    p = params
     dH, losses = np.zeros((1, H), np.float32), np.zeros(1, np.float32)
-    K.output_step(np.array([0, 1], np.int64), np.array([label], np.int32), h, codes, W, b, gW, gb,
-                  tables.buckets, tables.seen, qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, cap,
-                  pool.copy(), zpool, active, n_active, np.array([0, 1], np.int64),
-                  np.zeros((1, cap + 1), np.float32), dH, losses)  # pool_pos: pool is arange
-    own = active[0, :n_active[0]]
-    assert own[0] == label and own.size == cap + 1 and np.isin(own[1:], found).all()
+    hyper = (4e-3, 0.9, 0.999, 1e-8, 3, 0.5)  # lr, beta1, beta2, eps, step, weight decay
+    K.output_step(y_indptr, h, p["W"], p["b"], p["gW"], p["gb"], p["M"], p["V"], p["bM"], p["bV"],
+                  owners, zpool, active, n_active, bounds, np.zeros((1, cap + 1), np.float32), dH,
+                  losses, *hyper)
+    shared, lone = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
+    n_shared, n_alone = K.read_marks(owners, touched[:n_touched], shared, lone)
+    assert not owners.any()  # every mark cleared for the next step
+    return dict(W=W, b=b, h=h, label=label, found=found, pool=pool, zpool=zpool,
+                own=active[0, :n_active[0]], params=params, losses=losses, hyper=hyper,
+                shared=shared[:n_shared], alone=lone[:n_alone])
+
+
+def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
+    """The step's softmax runs over the sample's own neurons (labels + the LSH candidates kept
+    under the cap) and the pool neurons its query did not find, each once: candidates the cap
+    cut are in neither."""
+    case = _output_case(alone=False)
+    W, b, h, label, found, pool, own = (case[k] for k in ("W", "b", "h", "label", "found", "pool", "own"))
+    n_labels = W.shape[0]
+    assert own[0] == label and own.size == 4 and np.isin(own[1:], found).all()
     cut = np.setdiff1d(found, own)
-    inside = ~np.isin(np.arange(n_labels), cut)  # own set + the pool's random rest
+    inside = ~np.isin(np.arange(n_labels), cut) & (np.isin(np.arange(n_labels), pool) | np.isin(np.arange(n_labels), own))
     z = (W @ h[0] + b).astype(np.float64)
     p = np.where(inside, np.exp(z - z.max()), 0.0)
     p /= p.sum()
     rest = ~np.isin(pool, found) & (pool != label)
-    np.testing.assert_allclose(zpool[0, rest], p[pool[rest]], rtol=1e-5)
-    assert (zpool[0, ~rest] == 0).all()
+    np.testing.assert_allclose(case["zpool"][0, rest], p[pool[rest]], rtol=1e-5)
+    assert (case["zpool"][0, ~rest] == 0).all()
     y = (np.arange(n_labels) == label).astype(np.float64)
-    np.testing.assert_allclose(gb[own], (p - y)[own], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(losses[0], -np.log(p[label]), rtol=1e-5)
+    np.testing.assert_allclose(case["params"]["gb"][own], (p - y)[own], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(case["params"]["gW"][own], np.outer((p - y)[own], h[0]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(case["losses"][0], -np.log(p[label]), rtol=1e-5)
+    # without in-place updates every touched row is listed for Adam, each once
+    assert case["alone"].size == 0
+    assert sorted(case["shared"]) == sorted(set(pool) | set(own))
+
+
+def test_rows_a_sample_owns_alone_get_adams_step_in_place():
+    """An own row outside the pool and every other own set gets its Adam step inside the output
+    step: the same weights, moments and biases, bit for bit, as through the accumulators and
+    adam_rows / adam_entries; shared rows still go through the accumulators."""
+    import slide.kernels as K
+
+    ref, fused = _output_case(alone=False), _output_case(alone=True)
+    alone = np.setdiff1d(ref["own"], ref["pool"])
+    assert alone.size >= 2 and np.array_equal(np.sort(fused["alone"]), alone)
+    assert np.array_equal(np.sort(fused["shared"]), ref["pool"])
+    r, f = ref["params"], fused["params"]
+    lr, beta1, beta2, eps, step, decay = ref["hyper"]
+    rows = alone.astype(np.int32)
+    K.adam_rows(rows, rows, r["W"], r["M"], r["V"], r["gW"], lr, beta1, beta2, eps, step, decay)
+    K.adam_entries(rows, rows, r["b"], r["bM"], r["bV"], r["gb"], lr, beta1, beta2, eps, step, 0.0)
+    for k in ("W", "b", "M", "V", "bM", "bV", "gW", "gb"):
+        assert np.array_equal(f[k], r[k]), k
+    assert not np.array_equal(f["W"][alone], ref["W"][alone])  # the rows did move
+    assert not f["gW"][alone].any() and not f["gb"][alone].any()
+    np.testing.assert_array_equal(fused["zpool"], ref["zpool"])
 
 
 @pytest.mark.parametrize("bounds", [[0, 37], [0, 5, 5, 20, 37]])

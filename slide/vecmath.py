@@ -1,0 +1,65 @@
+"""float32 math that LLVM vectorises inside numba kernels: the softmax's exp and sum.
+
+numba compiles ``np.exp`` on float32 to a call of libm's scalar ``expf`` per element (no vector
+math library ships with PyPI's llvmlite), and a float sum written as a loop is kept in strict
+left-to-right order, which cannot be split across SIMD lanes. The output step exponentiates and
+sums about 3,400 logits a sample at Amazon-670K shape; these two do it in SIMD lanes (a row of
+3,095 pool logits: 0.40 ms against 1.53 ms for 128 rows on one core).
+"""
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = ["exp_nonpositive", "fsum"]
+
+
+@intrinsic
+def _float_from_bits(typingctx, bits):
+    """The float32 whose IEEE-754 bit pattern is the low 32 bits of the integer ``bits``."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = args[0]
+        if value.type.width != 32:
+            value = builder.trunc(value, ir.IntType(32))
+        return builder.bitcast(value, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+#: below this, expf's result is under float32's smallest normal number: returned as exactly 0
+_EXP_MIN = np.float32(-87.33654)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def exp_nonpositive(x):
+    """exp(x) for float32 x <= 0 (a softmax's logits less their maximum), within 1.4 ulp of the
+    exact value; exactly 0 for x below -87.34 (-inf included), 1 at 0.
+
+    Cephes' expf: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 split in two parts so that r is
+    exact), e^r by a degree-7 polynomial, 2^n built in the exponent bits. Branch-free, so a loop
+    over it vectorises."""
+    xc = min(max(x, _EXP_MIN), np.float32(0.0))
+    n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = xc - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    scale = _float_from_bits((np.int32(n) + np.int32(127)) << 23)  # 2^n, n in -126..0
+    return p * scale if x >= _EXP_MIN else np.float32(0.0)
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def fsum(a):
+    """Σ a[j] over a float32 vector, in any order (so in SIMD lanes); float32 result. The order
+    is fixed by the compiled code, so one thread still repeats exactly."""
+    s = np.float32(0.0)
+    for j in range(a.size):
+        s += a[j]
+    return s
