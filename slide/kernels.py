@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from lsh.prefetch import prefetch, prefetch_w
-from lsh.tables import query_union, select_candidates
+from lsh.tables import claim, query_union, select_candidates
 from slide.vecmath import exp_nonpositive, fsum
 
 #: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
@@ -87,21 +87,21 @@ def forward_layer(acts, lo_in, lo_out, W, b, active, n_active):
 # Active-set selection
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _select_own(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, lsh_cap, active):
+def _select_own(labels, codes, buckets, seen, marks, gen, cand, hist, lsh_cap, active):
     """A sample's own active neurons: its labels, then up to ``lsh_cap`` LSH candidates ranked
     by hit count. Returns (own count, union size): the query's whole union (labels aside) is
-    left in ``cand[:union]``; the labels and the union are stamped with ``gen``."""
+    left in ``cand[:union]``; the labels and the union are marked with query number ``gen``
+    (:func:`lsh.tables.query_union`)."""
     n = 0
     for i in range(labels.size):
         lab = labels[i]
-        if stamp[lab] != gen:
-            stamp[lab] = gen
+        if claim(marks, lab, gen):
             active[n] = lab
             n += 1
     u = 0
     if buckets.shape[0] > 0 and lsh_cap > 0:
-        u = query_union(buckets, seen, codes, stamp, hits, gen, cand)
-        n += select_candidates(cand, u, hits, hist, lsh_cap, True, active[n:])
+        u = query_union(buckets, seen, codes, marks, gen, cand)
+        n += select_candidates(cand, u, marks, hist, lsh_cap, True, active[n:])
     return n, u
 
 
@@ -109,8 +109,8 @@ def _select_own(labels, codes, buckets, seen, stamp, hits, gen, cand, hist, lsh_
 # Training step: the output layer, then back through the hidden layers
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
-def select_active(y_indptr, y_indices, codes, buckets, seen, stamp, hits, gens, cand, hist,
-                  lsh_cap, pool_pos, zpool, active, n_active, bounds):
+def select_active(y_indptr, y_indices, codes, buckets, seen, marks, gens, cand, hist, lsh_cap,
+                  pool_pos, zpool, active, n_active, bounds):
     """Each sample's own active neurons into ``active`` [n, w] / ``n_active`` [n] (its labels,
     then up to ``lsh_cap`` LSH candidates, see :func:`_select_own`), and its row of the pool's
     logits ``zpool`` [n, P] cut to the random rest of the layer.
@@ -119,16 +119,15 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, stamp, hits, gens, 
     cut, get logit -inf (their softmax weight is 0): the pool stands for the neurons the query
     did not find. They are found through ``pool_pos`` int32 [n_labels] (a neuron's position in
     the pool, -1 outside it): a lookup per found neuron instead of a stamp check per pool
-    neuron. Per-thread query scratch as in :func:`lsh.tables.query_union`; thread c takes
-    samples ``bounds[c]:bounds[c + 1]``.
+    neuron. Per-thread query scratch (``marks``, ``gens``, ``cand``, ``hist``) as in
+    :class:`lsh.tables.QueryScratch`; thread c takes samples ``bounds[c]:bounds[c + 1]``.
     """
     for c in prange(bounds.size - 1):
-        st = stamp[c]
         for r in range(bounds[c], bounds[c + 1]):
             gens[c] += 1
             own = active[r]
             k, u = _select_own(y_indices[y_indptr[r]: y_indptr[r + 1]], codes[r], buckets, seen,
-                               st, hits[c], gens[c], cand[c], hist[c], lsh_cap, own)
+                               marks[c], gens[c], cand[c], hist[c], lsh_cap, own)
             n_active[r] = k
             zp = zpool[r]
             for a in range(k):

@@ -289,7 +289,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._shared = np.zeros_like(self._touched)
             self._alone = np.zeros(n_rows * width, np.int32)
             self._scratch_key = (t, width, n_rows)
-        self._qs.renew_if_old()
+        self._qs.renew_if_old(n_rows)
 
     def _pool_blocks(self, n_rows: int, n_pool: int, width: int, threads: int):
         """Contiguous float32 blocks for the shared pool's step, cut from one buffer kept across
@@ -392,9 +392,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
         try:
             kernels.select_active(Yb.indptr.astype(np.int64), Yb.indices, codes, buckets, seen,
-                                  qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist,
-                                  self.resolved_["lsh_cap"], self._pool_pos, z_pool, self._active,
-                                  self._n_active, bounds)
+                                  qs.marks, qs.gens, qs.cand, qs.hist, self.resolved_["lsh_cap"],
+                                  self._pool_pos, z_pool, self._active, self._n_active, bounds)
         finally:  # the map must be all -1 again whatever happens: the next step relies on it
             self._pool_pos[pool] = -1
         dp = self.distributed_

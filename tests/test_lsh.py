@@ -121,13 +121,14 @@ def test_fifo_keeps_newest():
 
 
 def test_reservoir_keeps_uniform_sample():
-    n, cap, reps = 40, 4, 400
+    n, cap, reps = 40, 4, 200
     counts = np.zeros(n)
     cfg = TableConfig(family="simhash", K=1, L=reps, range_pow=1, bucket_size=cap, policy="reservoir")
-    t = HashTables(4, n, cfg, seed=0)
-    t.insert(np.arange(n, dtype=np.int32), np.zeros((n, reps), np.int32))
-    for l in range(reps):
-        counts += np.bincount(t.buckets[l, 0], minlength=n)
+    for seed in (0, 1):  # 400 reservoirs, each table with a stream of its own
+        t = HashTables(4, n, cfg, seed=seed)
+        t.insert(np.arange(n, dtype=np.int32), np.zeros((n, reps), np.int32))
+        for l in range(reps):
+            counts += np.bincount(t.buckets[l, 0], minlength=n)
     _, p = stats.chisquare(counts)  # expected reps * cap / n each
     assert p > 0.001, p
     fifo_like = counts[-cap:].sum() / counts.sum()
@@ -240,3 +241,22 @@ def test_prefetch_hints_leave_results_unchanged():
 
     with pytest.raises(TypingError):
         whole(W)
+
+
+def test_query_numbers_restart_before_the_marks_overflow(rng):
+    """A query's marks hold its number above the hit count; near the limit the scratch starts
+    again with cleared marks, and queries find what a fresh scratch finds."""
+    from lsh.tables import _MAX_QUERIES
+    W = rng.standard_normal((500, 16)).astype(np.float32)
+    t = HashTables(16, 500, TableConfig(family="simhash", K=3, L=6, range_pow=3, bucket_size=16), seed=0)
+    t.build(W)
+    fresh = t.query(W[:40], max_out=20, rank=True)
+    s = t.scratch(1)
+    s.gens[:] = _MAX_QUERIES - 5  # the next call's 40 queries would pass the limit
+    s.marks[:] = (_MAX_QUERIES - 5) << lsh.tables.HIT_BITS  # as if every id was met lately
+    again = t.query(W[:40], max_out=20, rank=True)
+    np.testing.assert_array_equal(again[0], fresh[0])
+    np.testing.assert_array_equal(again[1], fresh[1])
+    assert s.gens.max() <= 40
+    with pytest.raises(ValueError, match="at most 255"):
+        TableConfig(L=256)

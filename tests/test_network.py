@@ -332,7 +332,7 @@ def _output_case(alone: bool):
     n_active = np.zeros(1, np.int64)
     y_indptr, bounds = np.array([0, 1], np.int64), np.array([0, 1], np.int64)
     K.select_active(y_indptr, np.array([label], np.int32), codes, tables.buckets, tables.seen,
-                    qs.stamp, qs.hits, qs.gens, qs.cand, qs.hist, cap, pool_pos, zpool, active,
+                    qs.marks, qs.gens, qs.cand, qs.hist, cap, pool_pos, zpool, active,
                     n_active, bounds)
     owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
     n_touched = K.mark_rows(pool, active, n_active, owners, alone, touched)
