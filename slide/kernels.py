@@ -23,6 +23,7 @@ from numba import njit, prange
 
 from lsh.prefetch import prefetch, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
+from slide.blas import gemm
 from slide.vecmath import exp_nonpositive, fsum
 
 #: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
@@ -343,68 +344,65 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, Wh, h_off, sizes,
 # The shared pool: its logits and gradients as matrix products on numba's threads
 # --------------------------------------------------------------------------------------------
 # Each thread takes a contiguous block of the pool and multiplies only its own rows, through a
-# single-threaded BLAS (numba's np.dot calls scipy's BLAS, which the caller holds at one thread:
-# see lsh.engine_threads): its weight rows are gathered, multiplied and their gradients added
-# back while in its cache. A multi-threaded BLAS instead would leave numba's workers spinning
-# beside BLAS's between kernels; one BLAS thread alone left the other cores idle for a third
-# of the step at 16 threads.
-@njit(cache=True, nogil=True)
-def _transpose(src, dst):
-    """dst[j, r] = src[r, j] for src [n, m] and dst [m, n] (either may be a strided view), 16
-    rows of src at a time so that their cache lines are read whole."""
-    n, m = src.shape
-    for r0 in range(0, n, 16):
-        for j in range(m):
-            for r in range(r0, min(r0 + 16, n)):
-                dst[j, r] = src[r, j]
-
-
+# single-threaded BLAS (scipy's, which the caller holds at one thread: see lsh.engine_threads):
+# its weight rows are gathered, multiplied and their gradients added back while in its cache.
+# A multi-threaded BLAS instead would leave numba's workers spinning beside BLAS's between
+# kernels; one BLAS thread alone left the other cores idle for a third of the step at 16
+# threads. The products read and write the thread's block of columns of the [n, P] logits in
+# place (slide.blas.gemm), so the softmax reads each sample's pool logits as one row.
 @njit(cache=True, nogil=True, parallel=True)
-def pool_logits(h, W, b, pool, W_pool, z, z_t, bounds):
+def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
     """The shared pool's logits ``z = h @ W[pool].T + b[pool]``.
 
     ``h`` float32 [n, H] (the last hidden layer), ``W`` float32 [n_out, H], ``b`` [n_out],
     ``pool`` int32 [P]. ``W_pool`` float32 [P, H] receives ``W[pool]`` (the backward pass
-    reads it again), ``z`` float32 [n, P] the logits; ``z_t`` [P, n] is scratch. Thread c
-    takes pool positions ``bounds[c]:bounds[c + 1]`` (int64 [T + 1]).
+    reads it again), ``z`` float32 [n, P] the logits; ``b_pool`` float32 [P] is scratch. Thread
+    c takes pool positions ``bounds[c]:bounds[c + 1]`` (int64 [T + 1]).
     """
     for c in prange(bounds.size - 1):
         lo, hi = bounds[c], bounds[c + 1]
         if hi > lo:
-            Wc, zt = W_pool[lo:hi], z_t[lo:hi]
+            Wc, bc = W_pool[lo:hi], b_pool[lo:hi]
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
                     prefetch(W[pool[lo + t + _AHEAD]])
                 Wc[t] = W[pool[lo + t]]
-            np.dot(Wc, h.T, zt)
-            for t in range(hi - lo):
-                zt[t] += b[pool[lo + t]]
-            _transpose(zt, z[:, lo:hi])
+                bc[t] = b[pool[lo + t]]
+            zc = z[:, lo:hi]
+            gemm(h, False, Wc, True, zc, 0.0)
+            for r in range(zc.shape[0]):
+                zr = zc[r]
+                for t in range(hi - lo):
+                    zr[t] += bc[t]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def pool_gradients(h, W_pool, z, pool, dH, gW, gb, z_t, g_pool, dH_parts, bounds):
+def pool_gradients(h, W_pool, z, pool, dH, gW, gb, g_pool, col_sums, dH_parts, bounds):
     """Back through the shared pool, given its logit gradients ``z`` float32 [n, P]:
     ``dH += z @ W_pool`` and, Hogwild, ``gW[pool] += z.T @ h``, ``gb[pool] += z.sum(0)``.
 
-    Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H]. Scratch: ``z_t``
-    [P, n], ``g_pool`` [P, H] and ``dH_parts`` [T, n, H] (each thread's share of dH, summed
-    after: a block of the pool adds to every row of dH).
+    Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H]. Scratch:
+    ``g_pool`` [P, H], ``col_sums`` [P] and ``dH_parts`` [T, n, H] (each thread's share of dH,
+    summed after: a block of the pool adds to every row of dH).
     """
     T = bounds.size - 1
     for c in prange(T):
         lo, hi = bounds[c], bounds[c + 1]
         if hi > lo:
-            zt, g = z_t[lo:hi], g_pool[lo:hi]
-            _transpose(z[:, lo:hi], zt)
-            np.dot(zt, h, g)
+            zc, g, sums = z[:, lo:hi], g_pool[lo:hi], col_sums[lo:hi]
+            gemm(zc, True, h, False, g, 0.0)
+            sums[:] = 0.0
+            for r in range(zc.shape[0]):
+                zr = zc[r]
+                for t in range(hi - lo):
+                    sums[t] += zr[t]
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
                     prefetch_w(gW[pool[lo + t + _AHEAD]])
                 i = pool[lo + t]
-                gb[i] += zt[t].sum()
+                gb[i] += sums[t]
                 gW[i] += g[t]
-            np.dot(zt.T, W_pool[lo:hi], dH_parts[c])
+            gemm(zc, False, W_pool[lo:hi], False, dH_parts[c], 0.0)
         else:
             dH_parts[c] = 0.0
     n = dH.shape[0]

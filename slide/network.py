@@ -294,9 +294,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     def _pool_blocks(self, n_rows: int, n_pool: int, width: int, threads: int):
         """Contiguous float32 blocks for the shared pool's step, cut from one buffer kept across
         batches (fresh megabyte arrays page-fault on every batch): its weight rows [P, H], its
-        logits (then logit gradients) [n, P], their transpose [P, n], its weight gradients
-        [P, H] and the threads' shares of the hidden gradient [T, n, H]."""
-        shapes = ((n_pool, width), (n_rows, n_pool), (n_pool, n_rows), (n_pool, width),
+        logits (then logit gradients) [n, P], its weight gradients [P, H], a vector over it [P]
+        (biases, then column sums) and the threads' shares of the hidden gradient [T, n, H]."""
+        shapes = ((n_pool, width), (n_rows, n_pool), (n_pool, width), (n_pool,),
                   (threads, n_rows, width))
         ends = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
         if self._pool_buf is None or self._pool_buf.size < ends[-1]:
@@ -383,10 +383,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         t0 = self._tick("hash", t0)
         # the shared pool is a dense block: its logits and gradients are matrix products
         pool_bounds = thread_chunks(pool.size)  # each thread's block of the pool
-        W_pool, z_pool, z_t, g_pool, dH_parts = self._pool_blocks(n, pool.size, h.shape[1],
-                                                                  pool_bounds.size - 1)
+        W_pool, z_pool, g_pool, pool_vec, dH_parts = self._pool_blocks(n, pool.size, h.shape[1],
+                                                                       pool_bounds.size - 1)
         h_pool = np.ascontiguousarray(h)  # a view into acts' columns when there are 2+ layers
-        kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, z_t, pool_bounds)
+        kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, pool_vec, pool_bounds)
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
         self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
@@ -409,7 +409,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                             self._active, self._n_active, bounds, self._logits, dH, losses,
                             *self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
         t0 = self._tick("select+output", t0)
-        kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, g["W"], g["b"], z_t, g_pool,
+        kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, g["W"], g["b"], g_pool, pool_vec,
                                dH_parts, pool_bounds)
         t0 = self._tick("pool_matmul", t0)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,

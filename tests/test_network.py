@@ -414,15 +414,15 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     pool = rng.choice(n_out, 37, replace=False).astype(np.int32)
     bounds = np.array(bounds, np.int64)
     P, T = pool.size, bounds.size - 1
-    W_pool, z, z_t = np.empty((P, H), np.float32), np.empty((n, P), np.float32), np.empty((P, n), np.float32)
-    K.pool_logits(h, W, b, pool, W_pool, z, z_t, bounds)
+    W_pool, z, vec = np.empty((P, H), np.float32), np.empty((n, P), np.float32), np.empty(P, np.float32)
+    K.pool_logits(h, W, b, pool, W_pool, z, vec, bounds)
     np.testing.assert_allclose(z, h @ W[pool].T + b[pool], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(W_pool, W[pool])
 
     dz = rng.standard_normal((n, P)).astype(np.float32)
     dH0 = rng.standard_normal((n, H)).astype(np.float32)
     dH, gW, gb = dH0.copy(), np.ones_like(W), np.ones_like(b)
-    K.pool_gradients(h, W_pool, dz.copy(), pool, dH, gW, gb, z_t, np.empty((P, H), np.float32),
+    K.pool_gradients(h, W_pool, dz.copy(), pool, dH, gW, gb, np.empty((P, H), np.float32), vec,
                      np.full((T, n, H), np.nan, np.float32), bounds)
     np.testing.assert_allclose(dH, dH0 + dz @ W[pool], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gW[pool], 1 + dz.T @ h, rtol=1e-5, atol=1e-5)
