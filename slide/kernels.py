@@ -57,7 +57,10 @@ def forward_input(x_indptr, x_indices, x_data, W0, b0, acts):
     for r in prange(x_indptr.size - 1):
         h = acts[r, :H0]
         h[:] = b0
-        for p in range(x_indptr[r], x_indptr[r + 1]):
+        end = x_indptr[r + 1]
+        for p in range(x_indptr[r], end):
+            if p + _AHEAD < end:
+                prefetch(W0[x_indices[p + _AHEAD]])
             row = W0[x_indices[p]]
             v = x_data[p]
             for j in range(H0):
