@@ -24,7 +24,7 @@ from numba import njit, prange
 from lsh.prefetch import prefetch, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
-from slide.vecmath import exp_nonpositive, fsum
+from slide.vecmath import MAX_LANES, exp_nonpositive, fmax, fsum
 
 #: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
 #: left-to-right float sum cannot be), 3-4x faster over rows scattered in a 670K-row layer. The
@@ -222,6 +222,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
     k_b = _adam_constants(lr, beta1, beta2, eps, step, 0.0)  # biases: no decay
     for c in prange(bounds.size - 1):
         logits = logits_buf[c]
+        lanes = np.empty(MAX_LANES, np.float32)  # fmax's scratch, once per thread
         for r in range(bounds[c], bounds[c + 1]):
             own = active[r]
             k = n_active[r]
@@ -234,8 +235,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
                 s = b[own[a]] + _dot(W[own[a]], h)
                 logits[a] = s
                 zmax = max(zmax, s)
-            for j in range(P):
-                zmax = max(zmax, zp[j])
+            zmax = max(zmax, fmax(zp, lanes))
             for a in range(k):
                 logits[a] = exp_nonpositive(logits[a] - zmax)
             for j in range(P):

@@ -3,7 +3,7 @@ import math
 import numpy as np
 from numba import njit
 
-from slide.vecmath import exp_nonpositive, fsum
+from slide.vecmath import MAX_LANES, exp_nonpositive, fmax, fsum
 
 
 @njit
@@ -34,3 +34,16 @@ def test_fsum_sums_in_any_order_to_float32_accuracy():
     for n in (0, 1, 7, 16, 1001):
         a = rng.standard_normal(n).astype(np.float32)
         assert abs(fsum(a) - math.fsum(a.astype(np.float64))) <= 1e-5 * max(1.0, np.abs(a).sum())
+
+
+def test_fmax_finds_the_max_wherever_it_is():
+    rng = np.random.default_rng(1)
+    lanes = np.empty(MAX_LANES, np.float32)
+    for n in (0, 1, 15, 16, 17, 3095):
+        a = rng.standard_normal(n).astype(np.float32)
+        assert fmax(a, lanes) == (a.max() if n else -np.inf)
+        for where in {0, n // 2, n - 1} if n else ():  # in the lanes, and in the tail
+            b = a.copy()
+            b[where] = 100.0
+            assert fmax(b, lanes) == 100.0
+    assert fmax(np.full(40, -np.inf, np.float32), lanes) == -np.inf
