@@ -122,8 +122,8 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, marks, gens, cand, 
     Pool neurons that are also in the sample's own set, or that its LSH query found but the cap
     cut, get logit -inf (their softmax weight is 0): the pool stands for the neurons the query
     did not find. They are found through ``pool_pos`` int32 [n_labels] (a neuron's position in
-    the pool, -1 outside it): a lookup per found neuron instead of a stamp check per pool
-    neuron. Per-thread query scratch (``marks``, ``gens``, ``cand``, ``hist``) as in
+    the pool, -1 outside it): a lookup per found neuron instead of a look at every pool
+    neuron's query mark. Per-thread query scratch (``marks``, ``gens``, ``cand``, ``hist``) as in
     :class:`lsh.tables.QueryScratch`; thread c takes samples ``bounds[c]:bounds[c + 1]``.
     """
     for c in prange(bounds.size - 1):

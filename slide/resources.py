@@ -74,8 +74,9 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
         if t:
             tables += 4 * t["L"] * (1 << t["range_pow"]) * (t["bucket_size"] + 1)
     parts["hash_tables"] = tables
-    # per-thread query stamps and hit counts over the labels, and exact scoring blocks
-    parts["scratch"] = 8 * max(1, threads) * n_labels + (1 << 28)
+    # per-thread query marks over the labels (int32), the step's maps of the labels (a row's
+    # owners, uint8; its place in the shared pool, int32), and exact scoring blocks
+    parts["scratch"] = 4 * max(1, threads) * n_labels + 5 * n_labels + (1 << 28)
     parts["total"] = sum(parts.values())
     return parts
 
