@@ -367,6 +367,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         n = Xb.shape[0]
         self._scratch(n, int(np.diff(Yb.indptr).max(initial=0)))
         bounds = thread_chunks(n)
+        y_indptr = Yb.indptr.astype(np.int64)
         t0 = time.perf_counter()
         acts = self._forward(Xb)
         h = self._last(acts)
@@ -391,9 +392,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         qs = self._qs
         self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
         try:
-            kernels.select_active(Yb.indptr.astype(np.int64), Yb.indices, codes, buckets, seen,
-                                  qs.marks, qs.gens, qs.cand, qs.hist, self.resolved_["lsh_cap"],
-                                  self._pool_pos, z_pool, self._active, self._n_active, bounds)
+            kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.marks, qs.gens,
+                                  qs.cand, qs.hist, self.resolved_["lsh_cap"], self._pool_pos,
+                                  z_pool, self._active, self._n_active, bounds)
         finally:  # the map must be all -1 again whatever happens: the next step relies on it
             self._pool_pos[pool] = -1
         dp = self.distributed_
@@ -404,10 +405,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         dH = np.empty((n, h.shape[1]), np.float32)
         losses = np.empty(n, np.float32)
         m = self.moments_
-        kernels.output_step(Yb.indptr.astype(np.int64), acts, p["W"], p["b"], g["W"], g["b"],
-                            m["W.m"], m["W.v"], m["b.m"], m["b.v"], self._owners, z_pool,
-                            self._active, self._n_active, bounds, self._logits, dH, losses,
-                            *self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
+        kernels.output_step(y_indptr, acts, p["W"], p["b"], g["W"], g["b"], m["W.m"], m["W.v"],
+                            m["b.m"], m["b.v"], self._owners, z_pool, self._active, self._n_active,
+                            bounds, self._logits, dH, losses, *self._adam_hyper(self.step_ + 1),
+                            self.resolved_["weight_decay"])
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, g["W"], g["b"], g_pool, pool_vec,
                                dH_parts, pool_bounds)
