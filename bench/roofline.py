@@ -16,11 +16,12 @@
      output rows (labels + LSH candidates). A row no other sample and not the pool touches
      (*alone*) gets its Adam step there: weights read and written, both moments read and
      written, no gradient row. The others: weights read, gradient rows read and written;
-   * ``pool_matmul``: the batch's shared rows, read (gathered) and their gradient rows
-     written, over the batch;
+   * ``pool_matmul``: the batch's shared rows, read (gathered); a pool row in no sample's own
+     set gets its Adam step there (weights written, both moments read and written), the
+     others' gradient rows are read and written;
    * ``backward_hidden``: the gradient rows of the input features, read and written;
    * ``adam``: weights, both moments and the gradient of every other distinct touched row, read
-     and written (output rows not alone, and input rows);
+     and written (output rows neither alone nor pool-only, and input rows);
    * ``rehash``: re-inserting every output row (weights read, tables written), times the
      rehashes the timed window actually ran (counted by the tables), spread over its samples.
      The schedule's interval grows (x1.25 per rehash), so the later the window starts
@@ -30,7 +31,8 @@
    ``n · (1 - exp(-draws / n))`` for n rows and the batch's draws; rows alone as the LSH
    candidates' draws that no other draw of the batch meets, ``draws_c · exp(-(draws - 1) / n)``
    (at Amazon-670K shape 31,000 a batch against 30,200 counted in the engine: the estimate
-   errs towards fewer bytes, a higher roofline).
+   errs towards fewer bytes, a higher roofline), and pool-only rows as the pool's rows that no
+   own draw meets, ``pool · exp(-own draws / n)``.
 3. **This machine's arithmetic rate**: a 2,048-square float32 matrix product through numpy's
    BLAS, 1 thread and ``--threads``, best of 3; and the floating-point operations a sample
    needs per phase (its rows' dot and outer products, the pool's three matrix products,
@@ -146,6 +148,14 @@ def _alone(resolved: dict, n_labels: int, labels: float) -> float:
     return B * resolved["lsh_cap"] * math.exp(-(draws - 1) / n_labels)
 
 
+def _pool_only(resolved: dict, n_labels: int, labels: float) -> float:
+    """Rows of the batch's shared pool that no sample's own set holds (the engine gives them
+    their Adam step with the pool's products): every row but the batch's labels where the
+    output is whole."""
+    own = resolved["batch_size"] * (resolved["lsh_cap"] + labels)
+    return resolved["pool"] * math.exp(-own / max(n_labels, 1))
+
+
 def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
                      labels: float, rehashes_per_sample: float | None = None) -> dict:
     """The least bytes per training sample, by phase (see the module docstring).
@@ -162,15 +172,16 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     u_own = _distinct(n_labels, B * own)  # distinct own rows of a batch
     u_out = _distinct(n_labels, B * own + pool)
     u_in = _distinct(n_features, B * nnz)
-    alone = _alone(resolved, n_labels, labels)
+    alone, pool_only = _alone(resolved, n_labels, labels), _pool_only(resolved, n_labels, labels)
     per = {
         "forward_hidden": nnz * H0 * 4,
         "hash": 0.0,
         "select+output": n_tables * bucket * 4 + (alone * (H + 1) * 6 * 4
                                                   + (u_own - alone) * H * 12) / B,
-        "pool_matmul": pool * (H * 4 + H * 8) / B,
+        "pool_matmul": (pool * H * 4 + pool_only * (H + 1) * 5 * 4
+                        + (pool - pool_only) * H * 8) / B,
         "backward_hidden": u_in * H0 * 8 / B,
-        "adam": ((u_out - alone) * (H + 1) + u_in * H0) * 8 * 4 / B,
+        "adam": ((u_out - alone - pool_only) * (H + 1) + u_in * H0) * 8 * 4 / B,
         "rehash": (n_labels * H * 4 + n_tables * n_labels * 4) * (
             1.0 / resolved["rehash_every"] if rehashes_per_sample is None else rehashes_per_sample),
     }
@@ -189,18 +200,19 @@ def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     own = resolved["lsh_cap"] + labels
     u_out = _distinct(n_labels, B * own + resolved["pool"])
     u_in = _distinct(n_features, B * nnz)
-    alone = _alone(resolved, n_labels, labels)
+    alone, pool_only = _alone(resolved, n_labels, labels), _pool_only(resolved, n_labels, labels)
     per = {
         "forward_hidden": 2 * nnz * H0 + stack,
         "hash": 0.0,
         # per own row: its logit (a dot product), its gradient row and its share of dH; Adam's
         # step for the rows alone
         "select+output": 3 * 2 * own * H + 10 * alone * (H + 1) / B,
-        # logits, dH and the gradient rows of the shared pool: three products over the batch
-        "pool_matmul": 3 * 2 * resolved["pool"] * H,
+        # logits, dH and the gradient rows of the shared pool: three products over the batch;
+        # Adam's step for the pool-only rows
+        "pool_matmul": 3 * 2 * resolved["pool"] * H + 10 * pool_only * (H + 1) / B,
         # the input rows' gradients (outer products) and the stack's two products per layer
         "backward_hidden": 2 * nnz * H0 + 2 * stack,
-        "adam": 10 * ((u_out - alone) * (H + 1) + u_in * H0) / B,
+        "adam": 10 * ((u_out - alone - pool_only) * (H + 1) + u_in * H0) / B,
         "rehash": 0.0,
     }
     per["total"] = sum(per.values())

@@ -13,10 +13,11 @@ A sample's output active set is its own neurons (its labels and LSH candidates, 
 :func:`select_active`), plus a random pool shared by the batch, whose logits and gradients are
 matrix products (:func:`pool_logits`, :func:`pool_gradients`). Gradients go into shared
 accumulators shaped like the parameters, lock-free (Hogwild): threads may race on a row and lose
-an addition, by design; Adam then updates the rows the batch touched (:func:`adam_rows`). An own
-row that no other sample and not the pool touches (most of them at 670K labels,
-:func:`mark_rows`) skips the accumulator: :func:`output_step` gives it its Adam step at once,
-while its weights are in cache. With one thread everything is deterministic.
+an addition, by design; Adam then updates the rows the batch touched (:func:`adam_rows`). A row
+whose whole gradient one kernel computes skips the accumulator and gets its Adam step there,
+while its weights are in cache (:func:`mark_rows`): an own row that no other sample and not the
+pool touches, in :func:`output_step` (most of them at 670K labels), and a pool row that is no
+sample's own, in :func:`pool_gradients`. With one thread everything is deterministic.
 """
 import numpy as np
 from numba import njit, prange
@@ -145,53 +146,58 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, marks, gens, cand, 
                     zp[j] = -np.inf
 
 
-#: ``owners`` marks of :func:`mark_rows`: untouched, touched by one sample's own set alone
-#: (its gradient is that sample's, so Adam can update it in place), touched otherwise
-UNTOUCHED, ALONE, SHARED = 0, 1, 2
+#: ``owners`` marks of :func:`mark_rows`: untouched; in one sample's own set and nowhere else;
+#: in the shared pool and no sample's own set; touched otherwise. A row ALONE or POOL has its
+#: whole gradient in one kernel, which gives it its Adam step in place.
+UNTOUCHED, ALONE, POOL, SHARED = 0, 1, 2, 3
 
 
 @njit(cache=True, nogil=True)
-def mark_rows(extra, lists, lengths, owners, alone, touched):
-    """Mark the rows a step touches in ``owners`` uint8 [n_ids] (all UNTOUCHED on entry):
-    ``extra`` [m] (the shared pool, or a batch's input features) SHARED, and the ids of ragged
-    ``lists`` [n, w] (first ``lengths[i]`` of each row: the samples' own sets) ALONE where
-    ``alone`` and no other entry holds them, SHARED otherwise. Each distinct row goes once into
-    ``touched``, in the order first met; returns their count. One thread: the marks must not
-    race, or two samples could each take a row for their own."""
+def mark_rows(extra, lists, lengths, owners, in_place, touched):
+    """Mark the rows a step touches in ``owners`` uint8 [n_ids] (all UNTOUCHED on entry): with
+    ``in_place``, the ids of ``extra`` [m] (the shared pool) POOL and those of ragged ``lists``
+    [n, w] (first ``lengths[i]`` of each row: the samples' own sets) ALONE, where no other entry
+    holds them, and SHARED otherwise; without, all SHARED (a batch's input features, or ranks
+    that sum their gradients first). Each distinct row goes once into ``touched``, in the order
+    first met; returns their count. One thread: the marks must not race, or two samples could
+    each take a row for their own."""
     n = 0
     for i in extra:
         if owners[i] == UNTOUCHED:
             touched[n] = i
             n += 1
-        owners[i] = SHARED
+            owners[i] = POOL if in_place else SHARED
+        else:
+            owners[i] = SHARED
     for r in range(lists.shape[0]):
         for a in range(lengths[r]):
             i = lists[r, a]
             if owners[i] == UNTOUCHED:
                 touched[n] = i
                 n += 1
-                owners[i] = ALONE if alone else SHARED
+                owners[i] = ALONE if in_place else SHARED
             else:
                 owners[i] = SHARED
     return n
 
 
 @njit(cache=True, nogil=True)
-def read_marks(owners, touched, shared, alone):
+def read_marks(owners, touched, shared, in_place):
     """Split the rows ``touched`` [m] that :func:`mark_rows` listed by their mark: SHARED ones
-    into ``shared``, ALONE ones into ``alone``, each in the order listed; ``owners`` is all
-    UNTOUCHED again on return. Returns the two counts. A pass over the listed rows only (a scan
-    of all the marks for them, in increasing order, cost 0.45 ms a batch at 670K rows)."""
-    n_shared = n_alone = 0
+    (for Adam through the accumulators) into ``shared``, ALONE and POOL ones (updated in place)
+    into ``in_place``, each in the order listed; ``owners`` is all UNTOUCHED again on return.
+    Returns the two counts. A pass over the listed rows only (a scan of all the marks for them,
+    in increasing order, cost 0.45 ms a batch at 670K rows)."""
+    n_shared = n_in_place = 0
     for i in touched:
         if owners[i] == SHARED:
             shared[n_shared] = i
             n_shared += 1
         else:
-            alone[n_alone] = i
-            n_alone += 1
+            in_place[n_in_place] = i
+            n_in_place += 1
         owners[i] = UNTOUCHED
-    return n_shared, n_alone
+    return n_shared, n_in_place
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -380,14 +386,21 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def pool_gradients(h, W_pool, z, pool, dH, gW, gb, g_pool, col_sums, dH_parts, bounds):
+def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, M, V, bM, bV, owners, g_pool, col_sums,
+                   dH_parts, bounds, lr, beta1, beta2, eps, step, weight_decay):
     """Back through the shared pool, given its logit gradients ``z`` float32 [n, P]:
-    ``dH += z @ W_pool`` and, Hogwild, ``gW[pool] += z.T @ h``, ``gb[pool] += z.sum(0)``.
+    ``dH += z @ W_pool`` and the pool rows' gradients ``z.T @ h`` and ``z.sum(0)``.
 
-    Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H]. Scratch:
-    ``g_pool`` [P, H], ``col_sums`` [P] and ``dH_parts`` [T, n, H] (each thread's share of dH,
-    summed after: a block of the pool adds to every row of dH).
+    A pool row marked POOL in ``owners`` (:func:`mark_rows`: no sample's own) has its whole
+    gradient here and gets its Adam step in place (weights ``W``, ``b``, moments ``M``, ``V``,
+    ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows`); the others add
+    their gradients to ``gW``/``gb`` (Hogwild). ``dH`` reads the weights gathered before any
+    update (``W_pool``). Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H].
+    Scratch: ``g_pool`` [P, H], ``col_sums`` [P] and ``dH_parts`` [T, n, H] (each thread's share
+    of dH, summed after: a block of the pool adds to every row of dH).
     """
+    k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
+    k_b = _adam_constants(lr, beta1, beta2, eps, step, 0.0)  # biases: no decay
     T = bounds.size - 1
     for c in prange(T):
         lo, hi = bounds[c], bounds[c + 1]
@@ -401,10 +414,22 @@ def pool_gradients(h, W_pool, z, pool, dH, gW, gb, g_pool, col_sums, dH_parts, b
                     sums[t] += zr[t]
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
-                    prefetch_w(gW[pool[lo + t + _AHEAD]])
+                    ahead = pool[lo + t + _AHEAD]
+                    if owners[ahead] == POOL:
+                        prefetch_w(W[ahead])
+                        prefetch_w(M[ahead])
+                        prefetch_w(V[ahead])
+                    else:
+                        prefetch_w(gW[ahead])
                 i = pool[lo + t]
-                gb[i] += sums[t]
-                gW[i] += g[t]
+                if owners[i] == POOL:
+                    w, m, v, gt = W[i], M[i], V[i], g[t]
+                    for j in range(w.size):
+                        _adam_weight(w, m, v, j, gt[j], k_w)
+                    b[i] -= _adam_step(bM, bV, i, sums[t], k_b)
+                else:
+                    gb[i] += sums[t]
+                    gW[i] += g[t]
             gemm(zc, False, W_pool[lo:hi], False, dH_parts[c], 0.0)
         else:
             dH_parts[c] = 0.0

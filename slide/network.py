@@ -287,7 +287,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._dbuf = np.zeros((t, 2 * int(self._sizes.max())), np.float32)
             self._touched = np.zeros(n_rows * width + self.resolved_["pool"], np.int32)
             self._shared = np.zeros_like(self._touched)
-            self._alone = np.zeros(n_rows * width, np.int32)
+            self._in_place = np.zeros_like(self._touched)
             self._scratch_key = (t, width, n_rows)
         self._qs.renew_if_old(n_rows)
 
@@ -398,27 +398,28 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         finally:  # the map must be all -1 again whatever happens: the next step relies on it
             self._pool_pos[pool] = -1
         dp = self.distributed_
-        # a row in one sample's own set alone gets its Adam step inside the output step; not
-        # where ranks sum their gradients before the update
+        # a row whose whole gradient one kernel computes gets its Adam step there; not where
+        # ranks sum their gradients before the update
         n_touched = kernels.mark_rows(pool, self._active[:n], self._n_active[:n], self._owners,
                                       dp is None or not dp.sums_gradients, self._touched)
+        hyper = (*self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
         dH = np.empty((n, h.shape[1]), np.float32)
         losses = np.empty(n, np.float32)
         m = self.moments_
         kernels.output_step(y_indptr, acts, p["W"], p["b"], g["W"], g["b"], m["W.m"], m["W.v"],
                             m["b.m"], m["b.v"], self._owners, z_pool, self._active, self._n_active,
-                            bounds, self._logits, dH, losses, *self._adam_hyper(self.step_ + 1),
-                            self.resolved_["weight_decay"])
+                            bounds, self._logits, dH, losses, *hyper)
         t0 = self._tick("select+output", t0)
-        kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, g["W"], g["b"], g_pool, pool_vec,
-                               dH_parts, pool_bounds)
+        kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, p["W"], p["b"], g["W"], g["b"],
+                               m["W.m"], m["W.v"], m["b.m"], m["b.v"], self._owners, g_pool,
+                               pool_vec, dH_parts, pool_bounds, *hyper)
         t0 = self._tick("pool_matmul", t0)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
                                 p["W0"], p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"],
                                 g["Wh"], g["bh"], self._b_off, bounds, self._dbuf)
         t0 = self._tick("backward_hidden", t0)
-        n_shared, n_alone = kernels.read_marks(self._owners, self._touched[:n_touched],
-                                               self._shared, self._alone)
+        n_shared, n_in_place = kernels.read_marks(self._owners, self._touched[:n_touched],
+                                                  self._shared, self._in_place)
         out_rows = self._shared[:n_shared]
         in_rows = np.empty(Xb.indices.size, np.int32)
         in_rows = in_rows[:kernels.mark_rows(Xb.indices, *self._no_lists, self._mark_in, False,
@@ -431,7 +432,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         t0 = self._tick("adam", t0)
         self.samples_seen_ += n
         if dp is not None:  # local/delayed: parameter averages on their schedule
-            dp.after_update(self, np.concatenate((out_rows, self._alone[:n_alone])), in_rows)
+            dp.after_update(self, np.concatenate((out_rows, self._in_place[:n_in_place])),
+                            in_rows)
             t0 = self._tick("exchange", t0)
         self._maybe_rehash()
         self._tick("rehash", t0)

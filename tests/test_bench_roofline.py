@@ -18,11 +18,13 @@ def test_flops_by_phase_hand_computed():
     f = flops_per_sample(RESOLVED, n_features=100, n_labels=1000, nnz=6, labels=2)
     assert f["forward_hidden"] == 2 * 6 * 8
     alone = 4 * 16 * math.exp(-(4 * 18 + 32 - 1) / 1000)  # Adam's step in the output step
+    pool_only = 32 * math.exp(-4 * 18 / 1000)  # Adam's step with the pool's products
     assert f["select+output"] == pytest.approx(3 * 2 * 18 * 8 + 10 * alone * 9 / 4)  # 16 + 2 rows
-    assert f["pool_matmul"] == 3 * 2 * 32 * 8          # three products over the pool
+    # three products over the pool
+    assert f["pool_matmul"] == pytest.approx(3 * 2 * 32 * 8 + 10 * pool_only * 9 / 4)
     assert f["backward_hidden"] == 2 * 6 * 8
     u_out, u_in = distinct(1000, 4 * 18 + 32), distinct(100, 4 * 6)
-    assert f["adam"] == pytest.approx(10 * ((u_out - alone) * 9 + u_in * 8) / 4)
+    assert f["adam"] == pytest.approx(10 * ((u_out - alone - pool_only) * 9 + u_in * 8) / 4)
     assert f["rehash"] == 0.0
     assert f["total"] == pytest.approx(sum(v for k, v in f.items() if k != "total"))
 
@@ -33,30 +35,37 @@ def test_flops_count_the_hidden_stack_forward_once_and_backward_twice():
     f1 = flops_per_sample(deep, 100, 1000, 6, 2)
     assert f1["forward_hidden"] - f0["forward_hidden"] == 2 * 8 * 4
     assert f1["backward_hidden"] - f0["backward_hidden"] == 4 * 8 * 4
-    assert f1["pool_matmul"] == 3 * 2 * 32 * 4          # the output layer sees the last width
+    # the output layer sees the last width
+    assert f1["pool_matmul"] == pytest.approx(3 * 2 * 32 * 4 + 10 * 32 * math.exp(-4 * 18 / 1000) * 5 / 4)
 
 
 def test_bytes_by_phase_hand_computed():
     b = bytes_per_sample(RESOLVED, n_features=100, n_labels=1000, nnz=6, labels=2)
     u_own, u_out, u_in = distinct(1000, 4 * 18), distinct(1000, 4 * 18 + 32), distinct(100, 4 * 6)
-    # the candidates' draws (4 x 16) that none of the batch's other 4 x 18 + 32 - 1 draws meets
+    # the candidates' draws (4 x 16) that none of the batch's other 4 x 18 + 32 - 1 draws meets,
+    # and the pool's rows that none of the 4 x 18 own draws meets
     alone = 4 * 16 * math.exp(-(4 * 18 + 32 - 1) / 1000)
+    pool_only = 32 * math.exp(-4 * 18 / 1000)
     assert b["forward_hidden"] == 6 * 8 * 4
     assert b["hash"] == 0.0
     # alone: weights read and written, two moments read and written (row and bias); the other
     # own rows: weights read, gradient rows read and written
     assert b["select+output"] == pytest.approx(3 * 5 * 4 + (alone * 9 * 6 * 4 + (u_own - alone) * 8 * 12) / 4)
-    assert b["pool_matmul"] == 32 * 8 * 12 / 4
-    assert b["adam"] == pytest.approx(((u_out - alone) * 9 + u_in * 8) * 8 * 4 / 4)
+    # the pool's rows gathered; pool-only rows: weights written, two moments read and written
+    # (row and bias); the others' gradient rows read and written
+    assert b["pool_matmul"] == pytest.approx((32 * 8 * 4 + pool_only * 9 * 5 * 4
+                                              + (32 - pool_only) * 8 * 8) / 4)
+    assert b["adam"] == pytest.approx(((u_out - alone - pool_only) * 9 + u_in * 8) * 8 * 4 / 4)
     assert b["rehash"] == pytest.approx((1000 * 8 * 4 + 3 * 1000 * 4) / 64)
 
 
-def test_no_row_is_alone_where_the_output_is_whole():
+def test_where_the_output_is_whole_no_row_is_alone_and_the_pool_only_rows_skip_adam():
     whole = dict(RESOLVED, lsh_cap=0, pool=1000)
     b = bytes_per_sample(whole, n_features=100, n_labels=1000, nnz=6, labels=2)
     u_own, u_out = distinct(1000, 4 * 2), distinct(1000, 4 * 2 + 1000)
+    pool_only = 1000 * math.exp(-4 * 2 / 1000)  # every row but the batch's ~8 labels
     assert b["select+output"] == pytest.approx(3 * 5 * 4 + u_own * 8 * 12 / 4)
-    assert b["adam"] == pytest.approx((u_out * 9 + distinct(100, 4 * 6) * 8) * 8 * 4 / 4)
+    assert b["adam"] == pytest.approx(((u_out - pool_only) * 9 + distinct(100, 4 * 6) * 8) * 8 * 4 / 4)
 
 
 def test_rehash_bytes_follow_the_rehashes_the_window_ran():

@@ -48,12 +48,15 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data):
         g = self.grads_
         before = {k: v.copy() for k, v in self.params_.items()}
         import slide.kernels as K
-        real = K.adam_rows, K.adam_entries, K.adam_dense
+        real = K.adam_rows, K.adam_entries, K.adam_dense, K.mark_rows
         try:
             K.adam_rows = K.adam_entries = K.adam_dense = lambda *a, **k: None
+            # every row through the accumulators (none updated in place), to read them
+            K.mark_rows = lambda extra, lists, lengths, owners, in_place, touched: real[3](
+                extra, lists, lengths, owners, False, touched)
             loss = orig(self, Xb, Yb)
         finally:
-            K.adam_rows, K.adam_entries, K.adam_dense = real
+            K.adam_rows, K.adam_entries, K.adam_dense, K.mark_rows = real
         grads.update({k: v.copy() for k, v in g.items()})
         for k in before:
             assert np.array_equal(before[k], self.params_[k])
@@ -284,26 +287,30 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
         dense.set_serving(8)
 
 
-def test_mark_rows_lists_each_row_once_and_finds_rows_one_sample_owns():
-    """Hand-computed: the pool's rows and rows in two own sets are shared; a row in one own set
-    alone is the sample's; every row is listed once, in the order first met, and the marks
-    are cleared when read."""
+def test_mark_rows_lists_each_row_once_and_finds_rows_with_one_source_of_gradient():
+    """Hand-computed: a row in one own set and nowhere else is ALONE, a pool row in no own set
+    POOL, a row in two own sets or in the pool and an own set SHARED; every row is listed once,
+    in the order first met, and the marks are cleared when read."""
     import slide.kernels as K
 
     pool = np.array([5, 9], np.int32)
     lists = np.array([[1, 2, 9], [2, 3, 7]], np.int32)
     lengths = np.array([3, 2], np.int64)  # 7 is past the second list's length
     owners, touched = np.zeros(10, np.uint8), np.zeros(10, np.int32)
-    for alone, want_shared, want_alone in ((True, [5, 9, 2], [1, 3]), (False, [5, 9, 1, 2, 3], [])):
-        n = K.mark_rows(pool, lists, lengths, owners, alone, touched)
+    marks = {True: [K.POOL, K.SHARED, K.ALONE, K.SHARED, K.ALONE], False: [K.SHARED] * 5}
+    for in_place, want_shared, want_in_place in ((True, [9, 2], [5, 1, 3]),
+                                                 (False, [5, 9, 1, 2, 3], [])):
+        n = K.mark_rows(pool, lists, lengths, owners, in_place, touched)
         assert list(touched[:n]) == [5, 9, 1, 2, 3]
-        shared, lone = np.zeros(10, np.int32), np.zeros(10, np.int32)
-        n_shared, n_alone = K.read_marks(owners, touched[:n], shared, lone)
-        assert list(shared[:n_shared]) == want_shared and list(lone[:n_alone]) == want_alone
+        assert [owners[i] for i in touched[:n]] == marks[in_place]
+        shared, rest = np.zeros(10, np.int32), np.zeros(10, np.int32)
+        n_shared, n_in_place = K.read_marks(owners, touched[:n], shared, rest)
+        assert list(shared[:n_shared]) == want_shared
+        assert list(rest[:n_in_place]) == want_in_place
         assert not owners.any()
 
 
-def _output_case(alone: bool):
+def _output_case(in_place: bool):
     """One sample through select_active, mark_rows and output_step on a 40-label layer whose
     LSH union is larger than the cap; returns what the test below checks."""
     import slide.kernels as K
@@ -335,7 +342,7 @@ def _output_case(alone: bool):
                     qs.marks, qs.gens, qs.cand, qs.hist, cap, pool_pos, zpool, active,
                     n_active, bounds)
     owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
-    n_touched = K.mark_rows(pool, active, n_active, owners, alone, touched)
+    n_touched = K.mark_rows(pool, active, n_active, owners, in_place, touched)
     params = {"W": W.copy(), "b": b.copy(), "gW": np.zeros_like(W), "gb": np.zeros_like(b),
               "M": np.zeros_like(W), "V": np.zeros_like(W), "bM": np.zeros_like(b),
               "bV": np.zeros_like(b)}
@@ -345,19 +352,19 @@ def _output_case(alone: bool):
     K.output_step(y_indptr, h, p["W"], p["b"], p["gW"], p["gb"], p["M"], p["V"], p["bM"], p["bV"],
                   owners, zpool, active, n_active, bounds, np.zeros((1, cap + 1), np.float32), dH,
                   losses, *hyper)
-    shared, lone = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
-    n_shared, n_alone = K.read_marks(owners, touched[:n_touched], shared, lone)
+    shared, rest = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
+    n_shared, n_in_place = K.read_marks(owners, touched[:n_touched], shared, rest)
     assert not owners.any()  # every mark cleared for the next step
     return dict(W=W, b=b, h=h, label=label, found=found, pool=pool, zpool=zpool,
                 own=active[0, :n_active[0]], params=params, losses=losses, hyper=hyper,
-                shared=shared[:n_shared], alone=lone[:n_alone])
+                shared=shared[:n_shared], in_place=rest[:n_in_place])
 
 
 def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
     """The step's softmax runs over the sample's own neurons (labels + the LSH candidates kept
     under the cap) and the pool neurons its query did not find, each once: candidates the cap
     cut are in neither."""
-    case = _output_case(alone=False)
+    case = _output_case(in_place=False)
     W, b, h, label, found, pool, own = (case[k] for k in ("W", "b", "h", "label", "found", "pool", "own"))
     n_labels = W.shape[0]
     assert own[0] == label and own.size == 4 and np.isin(own[1:], found).all()
@@ -374,7 +381,7 @@ def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
     np.testing.assert_allclose(case["params"]["gW"][own], np.outer((p - y)[own], h[0]), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(case["losses"][0], -np.log(p[label]), rtol=1e-5)
     # without in-place updates every touched row is listed for Adam, each once
-    assert case["alone"].size == 0
+    assert case["in_place"].size == 0
     assert sorted(case["shared"]) == sorted(set(pool) | set(own))
 
 
@@ -384,10 +391,12 @@ def test_rows_a_sample_owns_alone_get_adams_step_in_place():
     adam_rows / adam_entries; shared rows still go through the accumulators."""
     import slide.kernels as K
 
-    ref, fused = _output_case(alone=False), _output_case(alone=True)
+    ref, fused = _output_case(in_place=False), _output_case(in_place=True)
     alone = np.setdiff1d(ref["own"], ref["pool"])
-    assert alone.size >= 2 and np.array_equal(np.sort(fused["alone"]), alone)
-    assert np.array_equal(np.sort(fused["shared"]), ref["pool"])
+    pool_only = np.setdiff1d(ref["pool"], ref["own"])  # updated later, by pool_gradients
+    assert alone.size >= 2
+    assert np.array_equal(np.sort(fused["in_place"]), np.union1d(alone, pool_only))
+    assert np.array_equal(np.sort(fused["shared"]), np.intersect1d(ref["pool"], ref["own"]))
     r, f = ref["params"], fused["params"]
     lr, beta1, beta2, eps, step, decay = ref["hyper"]
     rows = alone.astype(np.int32)
@@ -403,7 +412,9 @@ def test_rows_a_sample_owns_alone_get_adams_step_in_place():
 @pytest.mark.parametrize("bounds", [[0, 37], [0, 5, 5, 20, 37]])
 def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     """The shared pool's logits and gradients, split over blocks of the pool (one per thread;
-    uneven, one empty), equal the three numpy products: dH gets every block's share."""
+    uneven, one empty), equal the three numpy products: dH gets every block's share; a pool row
+    that is no sample's own gets Adam's step with its gradient in place, the others accumulate
+    it."""
     import slide.kernels as K
 
     rng = np.random.default_rng(1)
@@ -419,13 +430,38 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     np.testing.assert_allclose(z, h @ W[pool].T + b[pool], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(W_pool, W[pool])
 
+    # back: pool rows marked POOL get Adam's step in place, the others accumulate
     dz = rng.standard_normal((n, P)).astype(np.float32)
     dH0 = rng.standard_normal((n, H)).astype(np.float32)
+    owners = np.zeros(n_out, np.uint8)
+    owners[pool] = K.SHARED
+    lone = pool[::3]
+    owners[lone] = K.POOL
+    state = {"W": W.copy(), "b": b.copy(), "M": np.full_like(W, 0.1), "V": np.full_like(W, 0.2),
+             "bM": np.full_like(b, 0.1), "bV": np.full_like(b, 0.2)}
+    before = {k: v.copy() for k, v in state.items()}
+    hyper = (1e-2, 0.9, 0.999, 1e-8, 4, 0.5)  # lr, beta1, beta2, eps, step, weight decay
     dH, gW, gb = dH0.copy(), np.ones_like(W), np.ones_like(b)
-    K.pool_gradients(h, W_pool, dz.copy(), pool, dH, gW, gb, np.empty((P, H), np.float32), vec,
-                     np.full((T, n, H), np.nan, np.float32), bounds)
-    np.testing.assert_allclose(dH, dH0 + dz @ W[pool], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gW[pool], 1 + dz.T @ h, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gb[pool], 1 + dz.sum(axis=0), rtol=1e-5, atol=1e-5)
+    g_pool = np.empty((P, H), np.float32)
+    K.pool_gradients(h, W_pool, dz.copy(), pool, dH, state["W"], state["b"], gW, gb, state["M"],
+                     state["V"], state["bM"], state["bV"], owners, g_pool, vec,
+                     np.full((T, n, H), np.nan, np.float32), bounds, *hyper)
+    np.testing.assert_allclose(dH, dH0 + dz @ W[pool], rtol=1e-5, atol=1e-5)  # weights before
+    np.testing.assert_allclose(g_pool, dz.T @ h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vec, dz.sum(axis=0), rtol=1e-5, atol=1e-5)
+    shared = owners[pool] == K.SHARED
+    np.testing.assert_array_equal(gW[pool[shared]], 1 + g_pool[shared])
+    np.testing.assert_array_equal(gb[pool[shared]], 1 + vec[shared])
+    assert (gW[lone] == 1).all() and (gb[lone] == 1).all()  # no gradient row for these
+    # the rows updated in place: as adam_rows / adam_entries with the same gradients
+    at = np.flatnonzero(~shared).astype(np.int32)
+    ref = {k: v.copy() for k, v in before.items()}
+    K.adam_rows(lone, at, ref["W"], ref["M"], ref["V"], g_pool.copy(), *hyper)
+    K.adam_entries(lone, at, ref["b"], ref["bM"], ref["bV"], vec.copy(), *hyper[:-1], 0.0)
+    for k in state:
+        np.testing.assert_array_equal(state[k], ref[k], err_msg=k)
+    assert not np.array_equal(state["W"][lone], W[lone])
+    rest = np.setdiff1d(np.arange(n_out), lone)
+    assert all(np.array_equal(state[k][rest], before[k][rest]) for k in state)
     rest = np.setdiff1d(np.arange(n_out), pool)
     assert (gW[rest] == 1).all() and (gb[rest] == 1).all()
