@@ -264,7 +264,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._owners = np.zeros(self.n_labels_, np.uint8)
         self._mark_in = np.zeros(self.params_["W0"].shape[0], np.uint8)
         self._no_lists = (np.zeros((0, 1), np.int32), np.zeros(0, np.int64))
-        self._pool_pos = np.full(self.n_labels_, -1, np.int32)  # a label's place in the step's pool
+        # a label's place in the step's pool, and its membership bit: -1 and 0 between steps
+        self._pool_pos = np.full(self.n_labels_, -1, np.int32)
+        self._pool_bits = np.zeros((self.n_labels_ + 7) // 8, np.uint8)
         self._scratch_key = None
         self._pool_buf = None
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
@@ -390,13 +392,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, pool_vec, pool_bounds)
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
-        self._pool_pos[pool] = np.arange(pool.size, dtype=np.int32)
-        try:
-            kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.marks, qs.gens,
-                                  qs.cand, qs.hist, self.resolved_["lsh_cap"], self._pool_pos,
-                                  z_pool, self._active, self._n_active, bounds)
-        finally:  # the map must be all -1 again whatever happens: the next step relies on it
-            self._pool_pos[pool] = -1
+        kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.marks, qs.gens,
+                              qs.cand, qs.hist, self.resolved_["lsh_cap"], pool, self._pool_pos,
+                              self._pool_bits, z_pool, self._active, self._n_active, bounds)
         dp = self.distributed_
         # a row whose whole gradient one kernel computes gets its Adam step there; not where
         # ranks sum their gradients before the update

@@ -331,16 +331,16 @@ def _output_case(in_place: bool):
     # the pool holds the label (as the engine's does) and one found row; the other found rows
     # are outside it, so own rows can be the sample's alone
     pool = np.union1d(np.setdiff1d(np.arange(n_labels), found), found[-1:]).astype(np.int32)
-    pool_pos = np.full(n_labels, -1, np.int32)
-    pool_pos[pool] = np.arange(pool.size)
+    pool_pos, pool_bits = np.full(n_labels, -1, np.int32), np.zeros((n_labels + 7) // 8, np.uint8)
     zpool = (h @ W[pool].T + b[pool]).astype(np.float32)
     qs = QueryScratch(1, n_labels, 2, 64)
     active = np.zeros((1, cap + 1), np.int32)
     n_active = np.zeros(1, np.int64)
     y_indptr, bounds = np.array([0, 1], np.int64), np.array([0, 1], np.int64)
     K.select_active(y_indptr, np.array([label], np.int32), codes, tables.buckets, tables.seen,
-                    qs.marks, qs.gens, qs.cand, qs.hist, cap, pool_pos, zpool, active,
-                    n_active, bounds)
+                    qs.marks, qs.gens, qs.cand, qs.hist, cap, pool, pool_pos, pool_bits, zpool,
+                    active, n_active, bounds)
+    assert (pool_pos == -1).all() and not pool_bits.any()  # left as found
     owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
     n_touched = K.mark_rows(pool, active, n_active, owners, in_place, touched)
     params = {"W": W.copy(), "b": b.copy(), "gW": np.zeros_like(W), "gb": np.zeros_like(b),
@@ -365,11 +365,13 @@ def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
     under the cap) and the pool neurons its query did not find, each once: candidates the cap
     cut are in neither."""
     case = _output_case(in_place=False)
-    W, b, h, label, found, pool, own = (case[k] for k in ("W", "b", "h", "label", "found", "pool", "own"))
+    W, b, h, label = case["W"], case["b"], case["h"], case["label"]
+    found, pool, own = case["found"], case["pool"], case["own"]
     n_labels = W.shape[0]
     assert own[0] == label and own.size == 4 and np.isin(own[1:], found).all()
     cut = np.setdiff1d(found, own)
-    inside = ~np.isin(np.arange(n_labels), cut) & (np.isin(np.arange(n_labels), pool) | np.isin(np.arange(n_labels), own))
+    ids = np.arange(n_labels)
+    inside = np.isin(ids, np.union1d(pool, own)) & ~np.isin(ids, cut)
     z = (W @ h[0] + b).astype(np.float64)
     p = np.where(inside, np.exp(z - z.max()), 0.0)
     p /= p.sum()
