@@ -172,23 +172,25 @@ def mark_rows(extra, lists, lengths, owners, in_place, touched):
     that sum their gradients first). Each distinct row goes once into ``touched``, in the order
     first met; returns their count. One thread: the marks must not race, or two samples could
     each take a row for their own."""
+    pool_mark, own_mark = (POOL, ALONE) if in_place else (SHARED, SHARED)
     n = 0
     for i in extra:
-        if owners[i] == UNTOUCHED:
-            touched[n] = i
-            n += 1
-            owners[i] = POOL if in_place else SHARED
-        else:
-            owners[i] = SHARED
+        n = _mark(owners, i, pool_mark, touched, n)
     for r in range(lists.shape[0]):
         for a in range(lengths[r]):
-            i = lists[r, a]
-            if owners[i] == UNTOUCHED:
-                touched[n] = i
-                n += 1
-                owners[i] = ALONE if in_place else SHARED
-            else:
-                owners[i] = SHARED
+            n = _mark(owners, lists[r, a], own_mark, touched, n)
+    return n
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _mark(owners, i, first, touched, n):
+    """Row i gets mark ``first`` and is listed at ``touched[n]`` if no entry met it yet, SHARED
+    otherwise; returns the new list length."""
+    if owners[i] == UNTOUCHED:
+        owners[i] = first
+        touched[n] = i
+        return n + 1
+    owners[i] = SHARED
     return n
 
 
