@@ -288,9 +288,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
                 if owners[i] == ALONE:
                     # a loop of its own: with dh in it, five arrays would be more than LLVM
                     # checks for overlap at run time, and it would not vectorise
-                    ma, va = M[i], V[i]
-                    for j in range(H):
-                        _adam_weight(wa, ma, va, j, gs * h[j], k_w)
+                    _adam_row(wa, M[i], V[i], h, gs, k_w)
                     b[i] -= _adam_step(bM, bV, i, gs, k_b)
                 else:
                     ga = gW[i]
@@ -436,9 +434,7 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, M, V, bM, bV, owners, g
                         prefetch_w(gW[ahead])
                 i = pool[lo + t]
                 if owners[i] == POOL:
-                    w, m, v, gt = W[i], M[i], V[i], g[t]
-                    for j in range(w.size):
-                        _adam_weight(w, m, v, j, gt[j], k_w)
+                    _adam_row(W[i], M[i], V[i], g[t], np.float32(1.0), k_w)
                     b[i] -= _adam_step(bM, bV, i, sums[t], k_b)
                 else:
                     gb[i] += sums[t]
@@ -481,6 +477,14 @@ def _adam_step(m, v, j, gj, k):
 def _adam_weight(w, m, v, j, gj, k):
     """Adam with decoupled weight decay on w[j] for gradient gj."""
     w[j] -= _adam_step(m, v, j, gj, k) + k[8] * w[j]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _adam_row(w, m, v, g, scale, k):
+    """Adam on a row w (moments m, v) whose whole gradient is ``scale * g``, computed by the
+    caller's kernel (no accumulator to read or clear)."""
+    for j in range(w.size):
+        _adam_weight(w, m, v, j, scale * g[j], k)
 
 
 @njit(cache=True, nogil=True, inline="always")
