@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from lsh import autotune
-from lsh.tables import MAX_TABLES
 
 __all__ = ["SlideConfig", "resolve", "sampled_width", "touched_share", "rare_share",
            "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
@@ -150,7 +149,7 @@ class SlideConfig:
         checks = {
             "sparsity": dict(lo=0, hi=1, lo_open=True),
             "hard_negatives": dict(lo=0, hi=1 << 20, integer=True),
-            "K": dict(lo=1, hi=32, integer=True), "L": dict(lo=1, hi=MAX_TABLES, integer=True),
+            "K": dict(lo=1, hi=32, integer=True), "L": dict(lo=1, hi=4096, integer=True),
             "range_pow": dict(lo=1, hi=30, integer=True), "bucket_size": dict(lo=1, hi=1 << 16, integer=True),
             "rehash_every": dict(lo=1, integer=True), "rebuild_every": dict(lo=1, integer=True),
             "rehash_growth": dict(lo=1, hi=100, none=False),

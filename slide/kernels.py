@@ -92,21 +92,22 @@ def forward_layer(acts, lo_in, lo_out, W, b, active, n_active):
 # Active-set selection
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _select_own(labels, codes, buckets, seen, marks, gen, cand, hist, lsh_cap, active):
+def _select_own(labels, codes, buckets, seen, slots, where, cand, hits, hist, lsh_cap, active):
     """A sample's own active neurons: its labels, then up to ``lsh_cap`` LSH candidates ranked
     by hit count. Returns (own count, union size): the query's whole union (labels aside) is
-    left in ``cand[:union]``; the labels and the union are marked with query number ``gen``
-    (:func:`lsh.tables.query_union`)."""
+    left in ``cand[:union]`` (:func:`lsh.tables.query_union`); the query set is empty again
+    on return."""
     n = 0
     for i in range(labels.size):
         lab = labels[i]
-        if claim(marks, lab, gen):
+        if claim(slots, where, lab):
             active[n] = lab
             n += 1
     u = 0
     if buckets.shape[0] > 0 and lsh_cap > 0:
-        u = query_union(buckets, seen, codes, marks, gen, cand)
-        n += select_candidates(cand, u, marks, hist, lsh_cap, True, active[n:])
+        u = query_union(buckets, seen, codes, slots, where, cand, hits)
+        n += select_candidates(cand, hits, u, hist, lsh_cap, True, active[n:])
+    slots[:] = -1
     return n, u
 
 
@@ -114,8 +115,8 @@ def _select_own(labels, codes, buckets, seen, marks, gen, cand, hist, lsh_cap, a
 # Training step: the output layer, then back through the hidden layers
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
-def select_active(y_indptr, y_indices, codes, buckets, seen, marks, gens, cand, hist, lsh_cap,
-                  pool, pool_pos, pool_bits, zpool, active, n_active, bounds):
+def select_active(y_indptr, y_indices, codes, buckets, seen, slots, where, cand, hits, hist,
+                  lsh_cap, pool, pool_pos, pool_bits, zpool, active, n_active, bounds):
     """Each sample's own active neurons into ``active`` [n, w] / ``n_active`` [n] (its labels,
     then up to ``lsh_cap`` LSH candidates, see :func:`_select_own`), and its row of the pool's
     logits ``zpool`` [n, P] cut to the random rest of the layer.
@@ -127,8 +128,8 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, marks, gens, cand, 
     [ceil(n_labels / 8)], both set here and cleared before returning (all -1 and 0 on entry
     and exit): a found neuron's bit, in L2 at 84 KB for 670K labels, answers most lookups
     before the 2.7 MB map would (the query 13.8 -> 11.2 us a sample). Per-thread query scratch
-    (``marks``, ``gens``, ``cand``, ``hist``) as in :class:`lsh.tables.QueryScratch`; thread c
-    takes samples ``bounds[c]:bounds[c + 1]``.
+    (``slots``, ``where``, ``cand``, ``hits``, ``hist``) as in
+    :class:`lsh.tables.QueryScratch`; thread c takes samples ``bounds[c]:bounds[c + 1]``.
     """
     for j in range(pool.size):
         i = pool[j]
@@ -136,10 +137,9 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, marks, gens, cand, 
         pool_bits[i >> 3] |= np.uint8(1 << (i & 7))
     for c in prange(bounds.size - 1):
         for r in range(bounds[c], bounds[c + 1]):
-            gens[c] += 1
             own = active[r]
             k, u = _select_own(y_indices[y_indptr[r]: y_indptr[r + 1]], codes[r], buckets, seen,
-                               marks[c], gens[c], cand[c], hist[c], lsh_cap, own)
+                               slots[c], where[c], cand[c], hits[c], hist[c], lsh_cap, own)
             n_active[r] = k
             zp = zpool[r]
             for a in range(k):

@@ -282,7 +282,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             width = max(width, old[1] if old else 0)
             n_rows = max(n_rows, old[2] if old else 0)
             tc = self.tables_.config if self.tables_ is not None else None
-            self._qs = QueryScratch(t, self.n_labels_, tc.L if tc else 1, tc.bucket_size if tc else 1)
+            self._qs = QueryScratch(t, tc.L if tc else 1, tc.bucket_size if tc else 1, width)
             self._active = np.zeros((n_rows, width), np.int32)
             self._n_active = np.zeros(n_rows, np.int64)
             self._logits = np.zeros((t, width), np.float32)
@@ -291,7 +291,6 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._shared = np.zeros_like(self._touched)
             self._in_place = np.zeros_like(self._touched)
             self._scratch_key = (t, width, n_rows)
-        self._qs.renew_if_old(n_rows)
 
     def _pool_blocks(self, n_rows: int, n_pool: int, width: int, threads: int):
         """Contiguous float32 blocks for the shared pool's step, cut from one buffer kept across
@@ -392,9 +391,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, pool_vec, pool_bounds)
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
-        kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.marks, qs.gens,
-                              qs.cand, qs.hist, self.resolved_["lsh_cap"], pool, self._pool_pos,
-                              self._pool_bits, z_pool, self._active, self._n_active, bounds)
+        kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.slots, qs.where,
+                              qs.cand, qs.hits, qs.hist, self.resolved_["lsh_cap"], pool,
+                              self._pool_pos, self._pool_bits, z_pool, self._active,
+                              self._n_active, bounds)
         dp = self.distributed_
         # a row whose whole gradient one kernel computes gets its Adam step there; not where
         # ranks sum their gradients before the update

@@ -74,9 +74,12 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
         if t:
             tables += 4 * t["L"] * (1 << t["range_pow"]) * (t["bucket_size"] + 1)
     parts["hash_tables"] = tables
-    # per-thread query marks over the labels (int32), the step's maps of the labels (a row's
+    # per-thread query sets (slots and positions for two to four times the largest union, and
+    # its ids and hit counts: at most 40 bytes an id), the step's maps of the labels (a row's
     # owners, uint8; its place in the shared pool, int32), and exact scoring blocks
-    parts["scratch"] = 4 * max(1, threads) * n_labels + 5 * n_labels + (1 << 28)
+    out = resolved.get("tables")
+    union = out["L"] * out["bucket_size"] if out else 0
+    parts["scratch"] = 40 * max(1, threads) * union + 5 * n_labels + (1 << 28)
     parts["total"] = sum(parts.values())
     return parts
 

@@ -243,20 +243,33 @@ def test_prefetch_hints_leave_results_unchanged():
         whole(W)
 
 
-def test_query_numbers_restart_before_the_marks_overflow(rng):
-    """A query's marks hold its number above the hit count; near the limit the scratch starts
-    again with cleared marks, and queries find what a fresh scratch finds."""
-    from lsh.tables import _MAX_QUERIES
-    W = rng.standard_normal((500, 16)).astype(np.float32)
-    t = HashTables(16, 500, TableConfig(family="simhash", K=3, L=6, range_pow=3, bucket_size=16), seed=0)
-    t.build(W)
-    fresh = t.query(W[:40], max_out=20, rank=True)
-    s = t.scratch(1)
-    s.gens[:] = _MAX_QUERIES - 5  # the next call's 40 queries would pass the limit
-    s.marks[:] = (_MAX_QUERIES - 5) << lsh.tables.HIT_BITS  # as if every id was met lately
-    again = t.query(W[:40], max_out=20, rank=True)
-    np.testing.assert_array_equal(again[0], fresh[0])
-    np.testing.assert_array_equal(again[1], fresh[1])
-    assert s.gens.max() <= 40
-    with pytest.raises(ValueError, match="at most 255"):
-        TableConfig(L=256)
+def test_query_set_at_its_fullest_counts_hits_and_empties_again():
+    """A union as large as the scratch allows (every slot of every bucket a distinct id, plus
+    claimed labels), and hit counts past 255: the set dedups, counts, leaves the claimed ids
+    out, and is empty again after each query."""
+    from lsh.tables import QueryScratch, claim, query_one, query_union
+    L, cap, n_ids = 300, 8, 5000
+    buckets = np.zeros((L, 2, cap), np.int32)
+    seen = np.full((L, 2), cap, np.int32)
+    buckets[:, 0] = np.arange(L * cap, dtype=np.int32).reshape(L, cap) * 7 % n_ids  # distinct
+    buckets[:, 1] = np.arange(cap, dtype=np.int32)  # ids 0..7 in every table's bucket 1
+    buckets[:, 1, 0] = 4321
+    labels = np.array([3, 4999], np.int32)
+    s = QueryScratch(1, L, cap, extra=labels.size)
+    cand, hits = s.cand[0], s.hits[0]
+    for codes in (np.zeros(L, np.int32), np.ones(L, np.int32)):
+        for lab in labels:
+            assert claim(s.slots[0], s.where[0], lab)
+        assert not claim(s.slots[0], s.where[0], labels[0])  # claimed once
+        n = query_union(buckets, seen, codes, s.slots[0], s.where[0], cand, hits)
+        s.slots[0] = -1
+        met = np.concatenate([buckets[t, codes[t]] for t in range(L)])
+        expect, counts = np.unique(met[~np.isin(met, labels)], return_counts=True)
+        order = np.argsort(cand[:n])
+        np.testing.assert_array_equal(cand[:n][order], expect)
+        np.testing.assert_array_equal(hits[:n][order], counts)
+    assert hits[:n].max() == L  # 300 hits: no narrow counter
+    out = np.zeros(3, np.int32)
+    assert query_one(buckets, seen, np.ones(L, np.int32), s.slots[0], s.where[0], cand, hits,
+                     s.hist[0], 3, True, out) == 3
+    assert set(out.tolist()) <= set(range(8)) | {4321} and (s.slots == -1).all()

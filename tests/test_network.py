@@ -333,14 +333,15 @@ def _output_case(in_place: bool):
     pool = np.union1d(np.setdiff1d(np.arange(n_labels), found), found[-1:]).astype(np.int32)
     pool_pos, pool_bits = np.full(n_labels, -1, np.int32), np.zeros((n_labels + 7) // 8, np.uint8)
     zpool = (h @ W[pool].T + b[pool]).astype(np.float32)
-    qs = QueryScratch(1, n_labels, 2, 64)
+    qs = QueryScratch(1, 2, 64, extra=1)
     active = np.zeros((1, cap + 1), np.int32)
     n_active = np.zeros(1, np.int64)
     y_indptr, bounds = np.array([0, 1], np.int64), np.array([0, 1], np.int64)
     K.select_active(y_indptr, np.array([label], np.int32), codes, tables.buckets, tables.seen,
-                    qs.marks, qs.gens, qs.cand, qs.hist, cap, pool, pool_pos, pool_bits, zpool,
-                    active, n_active, bounds)
+                    qs.slots, qs.where, qs.cand, qs.hits, qs.hist, cap, pool, pool_pos, pool_bits,
+                    zpool, active, n_active, bounds)
     assert (pool_pos == -1).all() and not pool_bits.any()  # left as found
+    assert (qs.slots == -1).all()  # the query set is empty again
     owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
     n_touched = K.mark_rows(pool, active, n_active, owners, in_place, touched)
     params = {"W": W.copy(), "b": b.copy(), "gW": np.zeros_like(W), "gb": np.zeros_like(b),

@@ -364,7 +364,7 @@ def test_a_width_too_large_for_free_memory_is_not_tried(monkeypatch, tiny_data):
 def test_settings_are_validated_at_fit(tiny_data):
     X, Y = tiny_data[0][:50], tiny_data[1][:50]
     for bad, match in [(dict(lr=float("nan")), "lr must be finite"), (dict(threads=-1), "threads"),
-                       (dict(K=0), "K"), (dict(L=0), "L"), (dict(L=256), "L"),
+                       (dict(K=0), "K"), (dict(L=0), "L"), (dict(L=4097), "L"),
                        (dict(bucket_size=0), "bucket_size"),
                        (dict(epochs=2.7), "epochs must be an integer"), (dict(lr=float("inf")), "lr"),
                        (dict(validation_fraction=0.9), "validation_fraction"),
