@@ -67,4 +67,5 @@ def thread_chunks(n: int) -> np.ndarray:
     """Row boundaries int64 [t + 1] splitting n rows into one contiguous chunk per numba thread:
     kernels loop ``prange`` over chunks so each chunk allocates its scratch once."""
     t = max(1, min(numba.get_num_threads(), n))
-    return np.linspace(0, n, t + 1).astype(np.int64)
+    # k·n // t in integers: np.linspace took 40 us, three times a training step
+    return np.arange(t + 1, dtype=np.int64) * n // t
