@@ -19,9 +19,11 @@
    * ``pool_matmul``: the batch's shared rows, read (gathered); a pool row in no sample's own
      set gets its Adam step there (weights written, both moments read and written), the
      others' gradient rows are read and written;
-   * ``backward_hidden``: the gradient rows of the input features, read and written;
+   * ``backward_hidden``: an input row of one sample's features alone gets its Adam step there
+     (weights, both moments read and written); the other input rows' gradient rows are read
+     and written;
    * ``adam``: weights, both moments and the gradient of every other distinct touched row, read
-     and written (output rows neither alone nor pool-only, and input rows);
+     and written (output rows neither alone nor pool-only, input rows not alone);
    * ``rehash``: re-inserting every output row (weights read, tables written), times the
      rehashes the timed window actually ran (counted by the tables), spread over its samples.
      The schedule's interval grows (x1.25 per rehash), so the later the window starts
@@ -32,7 +34,10 @@
    candidates' draws that no other draw of the batch meets, ``draws_c · exp(-(draws - 1) / n)``
    (at Amazon-670K shape 31,000 a batch against 30,200 counted in the engine: the estimate
    errs towards fewer bytes, a higher roofline), and pool-only rows as the pool's rows that no
-   own draw meets, ``pool · exp(-own draws / n)``.
+   own draw meets, ``pool · exp(-own draws / n)``. The input rows, distinct and alone (a
+   feature in one sample's row of the batch), are counted on the timed batches (features are
+   skewed: at Amazon-670K shape 6,580 distinct and 5,800 alone a batch, against 9,260 and
+   8,940 for uniform draws, the estimate used without data).
 3. **This machine's arithmetic rate**: a 2,048-square float32 matrix product through numpy's
    BLAS, 1 thread and ``--threads``, best of 3; and the floating-point operations a sample
    needs per phase (its rows' dot and outer products, the pool's three matrix products,
@@ -156,13 +161,24 @@ def _pool_only(resolved: dict, n_labels: int, labels: float) -> float:
     return resolved["pool"] * math.exp(-own / max(n_labels, 1))
 
 
+def _inputs(resolved: dict, n_features: int, nnz: float, input_rows=None) -> tuple:
+    """A batch's (distinct, alone) input rows: ``input_rows`` as counted, or estimated as
+    uniform draws (``B · nnz`` of ``n_features``)."""
+    if input_rows is not None:
+        return tuple(float(x) for x in input_rows)
+    draws = resolved["batch_size"] * nnz
+    return _distinct(n_features, draws), draws * math.exp(-(draws - 1) / max(n_features, 1))
+
+
 def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
-                     labels: float, rehashes_per_sample: float | None = None) -> dict:
+                     labels: float, rehashes_per_sample: float | None = None,
+                     input_rows=None) -> dict:
     """The least bytes per training sample, by phase (see the module docstring).
 
     ``rehashes_per_sample``: output-layer rehashes per sample in the measured window (the
     schedule's interval grows, so a window sees fewer the later it starts); default one per
-    ``resolved["rehash_every"]`` samples, the first interval."""
+    ``resolved["rehash_every"]`` samples, the first interval. ``input_rows``: a batch's
+    (distinct, alone) input rows as counted; default estimated (:func:`_inputs`)."""
     B = resolved["batch_size"]
     H0, H = resolved["hidden"][0], resolved["hidden"][-1]
     own = resolved["lsh_cap"] + labels  # a sample's own output rows
@@ -171,7 +187,7 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     n_tables, bucket = t.get("L", 0), t.get("bucket_size", 0)
     u_own = _distinct(n_labels, B * own)  # distinct own rows of a batch
     u_out = _distinct(n_labels, B * own + pool)
-    u_in = _distinct(n_features, B * nnz)
+    u_in, in_alone = _inputs(resolved, n_features, nnz, input_rows)
     alone, pool_only = _alone(resolved, n_labels, labels), _pool_only(resolved, n_labels, labels)
     per = {
         "forward_hidden": nnz * H0 * 4,
@@ -180,8 +196,8 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
                                                   + (u_own - alone) * H * 12) / B,
         "pool_matmul": (pool * H * 4 + pool_only * (H + 1) * 5 * 4
                         + (pool - pool_only) * H * 8) / B,
-        "backward_hidden": u_in * H0 * 8 / B,
-        "adam": ((u_out - alone - pool_only) * (H + 1) + u_in * H0) * 8 * 4 / B,
+        "backward_hidden": (in_alone * H0 * 6 * 4 + (u_in - in_alone) * H0 * 8) / B,
+        "adam": ((u_out - alone - pool_only) * (H + 1) + (u_in - in_alone) * H0) * 8 * 4 / B,
         "rehash": (n_labels * H * 4 + n_tables * n_labels * 4) * (
             1.0 / resolved["rehash_every"] if rehashes_per_sample is None else rehashes_per_sample),
     }
@@ -190,7 +206,7 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
 
 
 def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
-                     labels: float) -> dict:
+                     labels: float, input_rows=None) -> dict:
     """The floating-point operations per training sample, by phase (multiply and add count
     two): the phases of :func:`bytes_per_sample`, hashing not counted."""
     B = resolved["batch_size"]
@@ -199,7 +215,7 @@ def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     stack = sum(2 * a * b for a, b in zip(sizes[:-1], sizes[1:]))  # one pass through layers 1..
     own = resolved["lsh_cap"] + labels
     u_out = _distinct(n_labels, B * own + resolved["pool"])
-    u_in = _distinct(n_features, B * nnz)
+    u_in, in_alone = _inputs(resolved, n_features, nnz, input_rows)
     alone, pool_only = _alone(resolved, n_labels, labels), _pool_only(resolved, n_labels, labels)
     per = {
         "forward_hidden": 2 * nnz * H0 + stack,
@@ -210,9 +226,10 @@ def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
         # logits, dH and the gradient rows of the shared pool: three products over the batch;
         # Adam's step for the pool-only rows
         "pool_matmul": 3 * 2 * resolved["pool"] * H + 10 * pool_only * (H + 1) / B,
-        # the input rows' gradients (outer products) and the stack's two products per layer
-        "backward_hidden": 2 * nnz * H0 + 2 * stack,
-        "adam": 10 * ((u_out - alone - pool_only) * (H + 1) + u_in * H0) / B,
+        # the input rows' gradients (outer products), Adam's step for the input rows alone,
+        # and the stack's two products per layer
+        "backward_hidden": 2 * nnz * H0 + 10 * in_alone * H0 / B + 2 * stack,
+        "adam": 10 * ((u_out - alone - pool_only) * (H + 1) + (u_in - in_alone) * H0) / B,
         "rehash": 0.0,
     }
     per["total"] = sum(per.values())
@@ -260,8 +277,12 @@ def main(argv=None):
     rate = timed.size / seconds
     rehashes = (model.tables_.builds - builds) if model.tables_ is not None else 0
     shape = (X.shape[1], Y.shape[1], X.nnz / X.shape[0], Y.nnz / Y.shape[0])
-    need = bytes_per_sample(model.resolved_, *shape, rehashes_per_sample=rehashes / timed.size)
-    work = flops_per_sample(model.resolved_, *shape)
+    counts = [np.bincount(Xp[timed[lo:lo + B]].indices, minlength=X.shape[1])
+              for lo in range(0, timed.size, B)]
+    inputs = (np.mean([(c > 0).sum() for c in counts]), np.mean([(c == 1).sum() for c in counts]))
+    need = bytes_per_sample(model.resolved_, *shape, rehashes_per_sample=rehashes / timed.size,
+                            input_rows=inputs)
+    work = flops_per_sample(model.resolved_, *shape, input_rows=inputs)
     # each phase's least time: the later of its two roofs
     least = {k: max(need[k] / bw, work[k] / fl) for k in need if k != "total"}
     memory_limit = bw / need["total"]
@@ -277,7 +298,8 @@ def main(argv=None):
     print(f"{args.preset}, {args.n_train} rows, batch {B}, hidden {model.resolved_['hidden']}, "
           f"active {model.resolved_['active_target']} ({model.resolved_['lsh_cap']} LSH + "
           f"{model.resolved_['pool']} shared), {args.threads} threads; batches {w} to "
-          f"{w + args.steps} timed, {rehashes} rehashes among them")
+          f"{w + args.steps} timed, {rehashes} rehashes among them; input rows a batch: "
+          f"{inputs[0]:.0f} distinct, {inputs[1]:.0f} alone")
     print(f"{'phase':16s} {'KB/sample':>10s} {'MFLOP/sample':>13s} {'bound':>8s} {'least us':>9s} "
           f"{'us/sample':>10s} {'GB/s':>7s} {'GFLOP/s':>8s} {'of roofline':>12s}")
     phases = []
@@ -310,6 +332,7 @@ def main(argv=None):
                               "bandwidth": {"1": bw1, str(args.threads): bw},
                               "matmul_flops": {"1": fl1, str(args.threads): fl},
                               "resolved": model.resolved_, "rehashes_in_window": rehashes,
+                              "input_rows_per_batch": {"distinct": inputs[0], "alone": inputs[1]},
                               "bytes_per_sample": need,
                               "flops_per_sample": work, "phases": phases,
                               "measured_samples_per_second": rate,

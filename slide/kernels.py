@@ -168,8 +168,8 @@ def mark_rows(extra, lists, lengths, owners, in_place, touched):
     """Mark the rows a step touches in ``owners`` uint8 [n_ids] (all UNTOUCHED on entry): with
     ``in_place``, the ids of ``extra`` [m] (the shared pool) POOL and those of ragged ``lists``
     [n, w] (first ``lengths[i]`` of each row: the samples' own sets) ALONE, where no other entry
-    holds them, and SHARED otherwise; without, all SHARED (a batch's input features, or ranks
-    that sum their gradients first). Each distinct row goes once into ``touched``, in the order
+    holds them, and SHARED otherwise; without (ranks that sum their gradients first), all
+    SHARED. Each distinct row goes once into ``touched``, in the order
     first met; returns their count. One thread: the marks must not race, or two samples could
     each take a row for their own."""
     pool_mark, own_mark = (POOL, ALONE) if in_place else (SHARED, SHARED)
@@ -179,6 +179,19 @@ def mark_rows(extra, lists, lengths, owners, in_place, touched):
     for r in range(lists.shape[0]):
         for a in range(lengths[r]):
             n = _mark(owners, lists[r, a], own_mark, touched, n)
+    return n
+
+
+@njit(cache=True, nogil=True)
+def mark_ids(ids, owners, in_place, touched):
+    """Mark ``ids`` [m] in ``owners`` uint8 [n_ids] (all UNTOUCHED on entry): with ``in_place``,
+    an id met once ALONE, and SHARED otherwise (a batch's input features: a feature of one
+    sample's row has its whole gradient in that sample's backward pass). Each distinct id goes
+    once into ``touched``, in the order first met; returns their count. One thread."""
+    first = ALONE if in_place else SHARED
+    n = 0
+    for i in ids:
+        n = _mark(owners, i, first, touched, n)
     return n
 
 
@@ -299,11 +312,15 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
                 zp[j] *= inv * scale
 
 
-@njit(cache=True, nogil=True)
-def _backward_hidden(x_ids, x_vals, act, dh_last, W0, Wh, h_off, sizes, gW0, gb0, gWh, gbh,
-                     b_off, dbuf):
+#: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange
+#: body gets it from parallel=True; a kernel it calls does not)
+@njit(cache=True, nogil=True, error_model="numpy")
+def _backward_hidden(x_ids, x_vals, act, dh_last, W0, M0, V0, owners, k_w, Wh, h_off, sizes, gW0,
+                     gb0, gWh, gbh, b_off, dbuf):
     """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) to all hidden
-    parameters; ``dbuf`` is scratch of size max(sizes) * 2."""
+    parameters; an input row marked ALONE in ``owners`` gets its Adam step here (moments
+    ``M0``, ``V0``; constants ``k_w``), the others add to ``gW0``. ``dbuf`` is scratch of size
+    max(sizes) * 2."""
     n_layers = sizes.size
     # offsets of each layer's activation inside act
     lo_last = 0
@@ -342,22 +359,42 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, Wh, h_off, sizes, gW0, gb0
     for j in range(H0):
         gb0[j] += cur[j]
     for p in range(x_ids.size):
-        g = gW0[x_ids[p]]
+        if p + _AHEAD < x_ids.size:
+            ahead = x_ids[p + _AHEAD]
+            if owners[ahead] == ALONE:
+                prefetch_w(W0[ahead])
+                prefetch_w(M0[ahead])
+                prefetch_w(V0[ahead])
+            else:
+                prefetch_w(gW0[ahead])
+        f = x_ids[p]
         v = x_vals[p]
-        for j in range(H0):
-            g[j] += v * cur[j]
+        if owners[f] == ALONE:
+            _adam_row(W0[f], M0[f], V0[f], cur, v, k_w)
+        else:
+            g = gW0[f]
+            for j in range(H0):
+                g[j] += v * cur[j]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, Wh, h_off, sizes, gW0, gb0, gWh,
-                    gbh, b_off, bounds, dbuf):
+def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, M0, V0, owners, Wh, h_off, sizes,
+                    gW0, gb0, gWh, gbh, b_off, bounds, dbuf, lr, beta1, beta2, eps, step,
+                    weight_decay):
     """Back-propagate ``dH`` [n, H_last] (gradient w.r.t. the last hidden activations, already
-    scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [threads, 2·max H]."""
+    scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [threads, 2·max H].
+
+    An input row marked ALONE in ``owners`` uint8 [n_features] (:func:`mark_ids`: a feature of
+    one sample of the batch, most of them at Amazon-670K shape) has its whole gradient in that
+    sample's pass and gets its Adam step there (moments ``M0``, ``V0``; Adam's hyperparameters
+    for ``step``, as :func:`adam_rows`), while ``W0`` no longer feeds this batch; the others
+    add their gradients to ``gW0`` for Adam after the batch."""
+    k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for c in prange(bounds.size - 1):
         for r in range(bounds[c], bounds[c + 1]):
             lo, hi = x_indptr[r], x_indptr[r + 1]
-            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, Wh, h_off, sizes,
-                             gW0, gb0, gWh, gbh, b_off, dbuf[c])
+            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, M0, V0, owners,
+                             k_w, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off, dbuf[c])
 
 
 # --------------------------------------------------------------------------------------------

@@ -260,10 +260,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 self.hidden_tables_[l] = HashTables(int(sizes[l - 1]), int(sizes[l]),
                                                     TableConfig(**layer["tables"]),
                                                     seed=self._layer_seed(l))
-        # kernels.mark_rows' marks of the output and input rows, all UNTOUCHED between steps
+        # kernels.mark_rows' marks of the output rows and mark_ids' of the input rows, all
+        # UNTOUCHED between steps
         self._owners = np.zeros(self.n_labels_, np.uint8)
         self._mark_in = np.zeros(self.params_["W0"].shape[0], np.uint8)
-        self._no_lists = (np.zeros((0, 1), np.int32), np.zeros(0, np.int64))
         # a label's place in the step's pool, and its membership bit: -1 and 0 between steps
         self._pool_pos = np.full(self.n_labels_, -1, np.int32)
         self._pool_bits = np.zeros((self.n_labels_ + 7) // 8, np.uint8)
@@ -398,8 +398,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         dp = self.distributed_
         # a row whose whole gradient one kernel computes gets its Adam step there; not where
         # ranks sum their gradients before the update
+        in_place = self._updates_in_place()
         n_touched = kernels.mark_rows(pool, self._active[:n], self._n_active[:n], self._owners,
-                                      dp is None or not dp.sums_gradients, self._touched)
+                                      in_place, self._touched)
         hyper = (*self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
         dH = np.empty((n, h.shape[1]), np.float32)
         losses = np.empty(n, np.float32)
@@ -412,17 +413,21 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                m["W.m"], m["W.v"], m["b.m"], m["b.v"], self._owners, g_pool,
                                pool_vec, dH_parts, pool_bounds, *hyper)
         t0 = self._tick("pool_matmul", t0)
+        # the batch's input rows: a feature in one sample's row only (most of them) gets its
+        # Adam step in that sample's backward pass
+        in_touched, in_rows, in_alone = (np.empty(Xb.indices.size, np.int32) for _ in range(3))
+        n_in = kernels.mark_ids(Xb.indices, self._mark_in, in_place, in_touched)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
-                                p["W0"], p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"],
-                                g["Wh"], g["bh"], self._b_off, bounds, self._dbuf)
+                                p["W0"], m["W0.m"], m["W0.v"], self._mark_in, p["Wh"],
+                                self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
+                                self._b_off, bounds, self._dbuf, *hyper)
         t0 = self._tick("backward_hidden", t0)
         n_shared, n_in_place = kernels.read_marks(self._owners, self._touched[:n_touched],
                                                   self._shared, self._in_place)
         out_rows = self._shared[:n_shared]
-        in_rows = np.empty(Xb.indices.size, np.int32)
-        in_rows = in_rows[:kernels.mark_rows(Xb.indices, *self._no_lists, self._mark_in, False,
-                                             in_rows)]
-        self._mark_in[in_rows] = kernels.UNTOUCHED  # marked only to list each row once
+        n_in_shared, n_in_alone = kernels.read_marks(self._mark_in, in_touched[:n_in], in_rows,
+                                                     in_alone)
+        in_rows, in_alone = in_rows[:n_in_shared], in_alone[:n_in_alone]
         if dp is not None:  # sync: the ranks' gradients averaged over the rows any rank touched
             out_rows, in_rows = dp.before_update(self, out_rows, in_rows)
             t0 = self._tick("exchange", t0)
@@ -431,11 +436,16 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.samples_seen_ += n
         if dp is not None:  # local/delayed: parameter averages on their schedule
             dp.after_update(self, np.concatenate((out_rows, self._in_place[:n_in_place])),
-                            in_rows)
+                            np.concatenate((in_rows, in_alone)))
             t0 = self._tick("exchange", t0)
         self._maybe_rehash()
         self._tick("rehash", t0)
         return float(losses.mean())
+
+    def _updates_in_place(self) -> bool:
+        """Whether rows with one source of gradient get their Adam step in the kernel that
+        computes it: not where ranks sum their gradients before the update."""
+        return self.distributed_ is None or not self.distributed_.sums_gradients
 
     def _adam_hyper(self, step: int) -> tuple:
         """Adam's (lr, beta1, beta2, eps, step) for the kernels."""

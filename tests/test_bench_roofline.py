@@ -22,9 +22,10 @@ def test_flops_by_phase_hand_computed():
     assert f["select+output"] == pytest.approx(3 * 2 * 18 * 8 + 10 * alone * 9 / 4)  # 16 + 2 rows
     # three products over the pool
     assert f["pool_matmul"] == pytest.approx(3 * 2 * 32 * 8 + 10 * pool_only * 9 / 4)
-    assert f["backward_hidden"] == 2 * 6 * 8
+    in_alone = 4 * 6 * math.exp(-(4 * 6 - 1) / 100)  # features of one sample's row alone
+    assert f["backward_hidden"] == pytest.approx(2 * 6 * 8 + 10 * in_alone * 8 / 4)
     u_out, u_in = distinct(1000, 4 * 18 + 32), distinct(100, 4 * 6)
-    assert f["adam"] == pytest.approx(10 * ((u_out - alone - pool_only) * 9 + u_in * 8) / 4)
+    assert f["adam"] == pytest.approx(10 * ((u_out - alone - pool_only) * 9 + (u_in - in_alone) * 8) / 4)
     assert f["rehash"] == 0.0
     assert f["total"] == pytest.approx(sum(v for k, v in f.items() if k != "total"))
 
@@ -34,7 +35,7 @@ def test_flops_count_the_hidden_stack_forward_once_and_backward_twice():
     f0 = flops_per_sample(RESOLVED, 100, 1000, 6, 2)
     f1 = flops_per_sample(deep, 100, 1000, 6, 2)
     assert f1["forward_hidden"] - f0["forward_hidden"] == 2 * 8 * 4
-    assert f1["backward_hidden"] - f0["backward_hidden"] == 4 * 8 * 4
+    assert f1["backward_hidden"] - f0["backward_hidden"] == pytest.approx(4 * 8 * 4)
     # the output layer sees the last width
     assert f1["pool_matmul"] == pytest.approx(3 * 2 * 32 * 4 + 10 * 32 * math.exp(-4 * 18 / 1000) * 5 / 4)
 
@@ -55,7 +56,15 @@ def test_bytes_by_phase_hand_computed():
     # (row and bias); the others' gradient rows read and written
     assert b["pool_matmul"] == pytest.approx((32 * 8 * 4 + pool_only * 9 * 5 * 4
                                               + (32 - pool_only) * 8 * 8) / 4)
-    assert b["adam"] == pytest.approx(((u_out - alone - pool_only) * 9 + u_in * 8) * 8 * 4 / 4)
+    # input rows alone: weights and both moments read and written in the backward pass; the
+    # others: gradient rows read and written there, four arrays through Adam
+    in_alone = 4 * 6 * math.exp(-(4 * 6 - 1) / 100)
+    assert b["backward_hidden"] == pytest.approx((in_alone * 8 * 6 * 4 + (u_in - in_alone) * 8 * 8) / 4)
+    assert b["adam"] == pytest.approx(((u_out - alone - pool_only) * 9 + (u_in - in_alone) * 8) * 8 * 4 / 4)
+    # input rows as counted replace the estimate
+    c = bytes_per_sample(RESOLVED, n_features=100, n_labels=1000, nnz=6, labels=2, input_rows=(20, 15))
+    assert c["backward_hidden"] == pytest.approx((15 * 8 * 6 * 4 + 5 * 8 * 8) / 4)
+    assert c["adam"] == pytest.approx(((u_out - alone - pool_only) * 9 + 5 * 8) * 8 * 4 / 4)
     assert b["rehash"] == pytest.approx((1000 * 8 * 4 + 3 * 1000 * 4) / 64)
 
 
@@ -65,7 +74,9 @@ def test_where_the_output_is_whole_no_row_is_alone_and_the_pool_only_rows_skip_a
     u_own, u_out = distinct(1000, 4 * 2), distinct(1000, 4 * 2 + 1000)
     pool_only = 1000 * math.exp(-4 * 2 / 1000)  # every row but the batch's ~8 labels
     assert b["select+output"] == pytest.approx(3 * 5 * 4 + u_own * 8 * 12 / 4)
-    assert b["adam"] == pytest.approx(((u_out - pool_only) * 9 + distinct(100, 4 * 6) * 8) * 8 * 4 / 4)
+    in_alone = 4 * 6 * math.exp(-(4 * 6 - 1) / 100)
+    assert b["adam"] == pytest.approx(((u_out - pool_only) * 9 + (distinct(100, 4 * 6) - in_alone) * 8)
+                                      * 8 * 4 / 4)
 
 
 def test_rehash_bytes_follow_the_rehashes_the_window_ran():

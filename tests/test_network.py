@@ -48,15 +48,15 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data):
         g = self.grads_
         before = {k: v.copy() for k, v in self.params_.items()}
         import slide.kernels as K
-        real = K.adam_rows, K.adam_entries, K.adam_dense, K.mark_rows
+        real = K.adam_rows, K.adam_entries, K.adam_dense
         try:
             K.adam_rows = K.adam_entries = K.adam_dense = lambda *a, **k: None
             # every row through the accumulators (none updated in place), to read them
-            K.mark_rows = lambda extra, lists, lengths, owners, in_place, touched: real[3](
-                extra, lists, lengths, owners, False, touched)
+            self._updates_in_place = lambda: False
             loss = orig(self, Xb, Yb)
         finally:
-            K.adam_rows, K.adam_entries, K.adam_dense, K.mark_rows = real
+            K.adam_rows, K.adam_entries, K.adam_dense = real
+            del self._updates_in_place
         grads.update({k: v.copy() for k, v in g.items()})
         for k in before:
             assert np.array_equal(before[k], self.params_[k])
@@ -410,6 +410,71 @@ def test_rows_a_sample_owns_alone_get_adams_step_in_place():
     assert not np.array_equal(f["W"][alone], ref["W"][alone])  # the rows did move
     assert not f["gW"][alone].any() and not f["gb"][alone].any()
     np.testing.assert_array_equal(fused["zpool"], ref["zpool"])
+
+
+def test_mark_ids_finds_the_features_of_one_sample_alone():
+    """Hand-computed: a feature met once is ALONE, twice SHARED; each listed once, in order."""
+    import slide.kernels as K
+
+    ids = np.array([4, 1, 6, 1, 0, 6, 6], np.int32)
+    owners, touched = np.zeros(8, np.uint8), np.zeros(7, np.int32)
+    n = K.mark_ids(ids, owners, True, touched)
+    assert list(touched[:n]) == [4, 1, 6, 0]
+    assert [owners[i] for i in touched[:n]] == [K.ALONE, K.SHARED, K.SHARED, K.ALONE]
+    shared, alone = np.zeros(7, np.int32), np.zeros(7, np.int32)
+    assert K.read_marks(owners, touched[:n], shared, alone) == (2, 2)
+    assert list(shared[:2]) == [1, 6] and list(alone[:2]) == [4, 0] and not owners.any()
+    n = K.mark_ids(ids, owners, False, touched)
+    assert n == 4 and all(owners[i] == K.SHARED for i in touched[:n])
+
+
+@pytest.mark.parametrize("hidden", [(6,), (6, 4)])
+def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
+    """A feature in one sample's row only gets its Adam step inside backward_hidden: the same
+    input weights and moments, bit for bit, as through the accumulator and adam_rows; features
+    shared by two samples still go through the accumulator."""
+    import scipy.sparse as sp
+
+    import slide.kernels as K
+
+    rng = np.random.default_rng(1)
+    X = sp.csr_matrix(np.array([[1.0, 0, 2, 0, 0, 0.5], [0, 3, 2, 0, 1, 0], [0, 0, 0, 4, 1, 0]],
+                               np.float32))
+    sizes = np.array(hidden, np.int64)
+    n_f, H0 = X.shape[1], hidden[0]
+    blocks = [(hidden[l], hidden[l - 1]) for l in range(1, len(hidden))]
+    h_off = np.cumsum([0] + [a * b for a, b in blocks])[:-1].astype(np.int64)
+    b_off = np.cumsum([0] + [a for a, _ in blocks])[:-1].astype(np.int64)
+    Wh = rng.standard_normal(max(1, sum(a * b for a, b in blocks))).astype(np.float32)
+    acts = np.abs(rng.standard_normal((3, int(sizes.sum())))).astype(np.float32)
+    acts[0, 1] = 0.0  # a ReLU at zero
+    dH = rng.standard_normal((3, hidden[-1])).astype(np.float32)
+    hyper = (1e-2, 0.9, 0.999, 1e-8, 3, 0.1)
+    start = {k: rng.standard_normal((n_f, H0)).astype(np.float32) for k in ("W0", "M0")}
+    start["V0"] = np.abs(rng.standard_normal((n_f, H0))).astype(np.float32)
+    out = {}
+    for in_place in (False, True):
+        p = {k: v.copy() for k, v in start.items()}
+        gW0, gb0 = np.zeros((n_f, H0), np.float32), np.zeros(H0, np.float32)
+        gWh, gbh = np.zeros_like(Wh), np.zeros(max(1, sum(a for a, _ in blocks)), np.float32)
+        owners, touched = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
+        n = K.mark_ids(X.indices, owners, in_place, touched)
+        K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, p["W0"], p["M0"],
+                          p["V0"], owners, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off,
+                          np.array([0, 3], np.int64), np.zeros((1, 2 * max(hidden)), np.float32),
+                          *hyper)
+        shared, alone = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        n_shared, n_alone = K.read_marks(owners, touched[:n], shared, alone)
+        rows = shared[:n_shared]
+        K.adam_rows(rows, rows, p["W0"], p["M0"], p["V0"], gW0, *hyper)
+        out[in_place] = p, alone[:n_alone], gW0, gb0, gWh
+    (ref, none, *ref_g), (fused, alone, *fused_g) = out[False], out[True]
+    assert none.size == 0 and sorted(alone) == [0, 1, 3, 5]  # features of one sample's row
+    for k in ("W0", "M0", "V0"):
+        assert np.array_equal(fused[k], ref[k]), k
+    assert not np.array_equal(fused["W0"][alone], start["W0"][alone])  # they did move
+    for a, b in zip(fused_g, ref_g):  # and the accumulators end equal: all zero for W0
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("bounds", [[0, 37], [0, 5, 5, 20, 37]])
