@@ -2,7 +2,6 @@ import numba
 import numpy as np
 import pytest
 
-from slide import screen
 from slide.metrics import topk
 from slide.screen import has_int8_dot, quantize_rows, screened_topk
 
