@@ -312,6 +312,18 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
                 zp[j] *= inv * scale
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_update(i, in_place, W, M, V, G):
+    """Ask for the rows that row i's update will write: its weights and both moments where it
+    gets its Adam step in place, its gradient row otherwise."""
+    if in_place:
+        prefetch_w(W[i])
+        prefetch_w(M[i])
+        prefetch_w(V[i])
+    else:
+        prefetch_w(G[i])
+
+
 #: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange
 #: body gets it from parallel=True; a kernel it calls does not)
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -361,12 +373,7 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, M0, V0, owners, k_w, Wh, h
     for p in range(x_ids.size):
         if p + _AHEAD < x_ids.size:
             ahead = x_ids[p + _AHEAD]
-            if owners[ahead] == ALONE:
-                prefetch_w(W0[ahead])
-                prefetch_w(M0[ahead])
-                prefetch_w(V0[ahead])
-            else:
-                prefetch_w(gW0[ahead])
+            _prefetch_update(ahead, owners[ahead] == ALONE, W0, M0, V0, gW0)
         f = x_ids[p]
         v = x_vals[p]
         if owners[f] == ALONE:
@@ -463,12 +470,7 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, M, V, bM, bV, owners, g
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
                     ahead = pool[lo + t + _AHEAD]
-                    if owners[ahead] == POOL:
-                        prefetch_w(W[ahead])
-                        prefetch_w(M[ahead])
-                        prefetch_w(V[ahead])
-                    else:
-                        prefetch_w(gW[ahead])
+                    _prefetch_update(ahead, owners[ahead] == POOL, W, M, V, gW)
                 i = pool[lo + t]
                 if owners[i] == POOL:
                     _adam_row(W[i], M[i], V[i], g[t], np.float32(1.0), k_w)
