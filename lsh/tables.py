@@ -251,12 +251,14 @@ def _query_batch(buckets, seen, codes, slots, where, cand, hits, hist, max_out, 
 class QueryScratch:
     """Per-thread query scratch, allocated once and reused across queries and batches: the query
     set ``slots`` int32 [threads, S] (all -1 between queries) with ``where`` int32
-    [threads, S], and ``cand``, ``hits`` int32 [threads, L * bucket_size], ``hist`` int32
-    [threads, L + 2] (see :func:`query_union`). S is the power of two past twice the largest
-    union plus ``extra`` claimed ids (a sample's labels), so the set is at most half full."""
+    [threads, S], and ``cand``, ``hits`` int32 [threads, U], ``hist`` int32 [threads, L + 2]
+    (see :func:`query_union`). U is the largest union, L × bucket_size ids or the ``n_ids``
+    there are if fewer; S is the power of two past twice U plus ``extra`` claimed ids (a
+    sample's labels), so the set is at most half full."""
 
-    def __init__(self, n_threads: int, L: int, bucket_size: int, extra: int = 0):
-        size = L * bucket_size
+    def __init__(self, n_threads: int, L: int, bucket_size: int, extra: int = 0,
+                 n_ids: int | None = None):
+        size = _largest_union(L, bucket_size, n_ids)
         n_slots = 1 << (2 * (size + extra)).bit_length()
         self.slots = np.full((n_threads, n_slots), -1, np.int32)
         self.where = np.zeros((n_threads, n_slots), np.int32)
@@ -264,9 +266,15 @@ class QueryScratch:
         self.hits = np.zeros((n_threads, size), np.int32)
         self.hist = np.zeros((n_threads, L + 2), np.int32)
 
-    def fits(self, n_threads: int, L: int, bucket_size: int, extra: int = 0) -> bool:
-        return self.cand.shape == (n_threads, L * bucket_size) and self.hist.shape[1] == L + 2 \
-            and self.slots.shape[1] > 2 * (L * bucket_size + extra)
+    def fits(self, n_threads: int, L: int, bucket_size: int, extra: int = 0,
+             n_ids: int | None = None) -> bool:
+        size = _largest_union(L, bucket_size, n_ids)
+        return self.cand.shape == (n_threads, size) and self.hist.shape[1] == L + 2 \
+            and self.slots.shape[1] > 2 * (size + extra)
+
+
+def _largest_union(L: int, bucket_size: int, n_ids: int | None) -> int:
+    return L * bucket_size if n_ids is None else max(1, min(L * bucket_size, n_ids))
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,8 +347,9 @@ class HashTables:
         """This thread count's query scratch."""
         t = numba.get_num_threads()
         cfg = self.config
-        if self._scratch is None or not self._scratch.fits(t, cfg.L, cfg.bucket_size):
-            self._scratch = QueryScratch(t, cfg.L, cfg.bucket_size)
+        if self._scratch is None or not self._scratch.fits(t, cfg.L, cfg.bucket_size,
+                                                            n_ids=self.n_ids):
+            self._scratch = QueryScratch(t, cfg.L, cfg.bucket_size, n_ids=self.n_ids)
         return self._scratch
 
     def query_codes(self, codes, max_out: int | None = None, rank: bool = False):

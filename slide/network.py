@@ -282,7 +282,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             width = max(width, old[1] if old else 0)
             n_rows = max(n_rows, old[2] if old else 0)
             tc = self.tables_.config if self.tables_ is not None else None
-            self._qs = QueryScratch(t, tc.L if tc else 1, tc.bucket_size if tc else 1, width)
+            self._qs = QueryScratch(t, tc.L if tc else 1, tc.bucket_size if tc else 1, width,
+                                    self.n_labels_)
             self._active = np.zeros((n_rows, width), np.int32)
             self._n_active = np.zeros(n_rows, np.int64)
             self._logits = np.zeros((t, width), np.float32)

@@ -273,3 +273,7 @@ def test_query_set_at_its_fullest_counts_hits_and_empties_again():
     assert query_one(buckets, seen, np.ones(L, np.int32), s.slots[0], s.where[0], cand, hits,
                      s.hist[0], 3, True, out) == 3
     assert set(out.tolist()) <= set(range(8)) | {4321} and (s.slots == -1).all()
+    # a union can hold no more ids than there are: the scratch is sized by the smaller
+    small = QueryScratch(2, L, cap, extra=2, n_ids=40)
+    assert small.cand.shape == (2, 40) and small.slots.shape[1] == 128
+    assert small.fits(2, L, cap, extra=2, n_ids=40) and not small.fits(2, L, cap, extra=2)
