@@ -298,16 +298,11 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
                 wa = W[i]
                 for j in range(H):
                     dh[j] += gs * wa[j]
-                if owners[i] == ALONE:
-                    # a loop of its own: with dh in it, five arrays would be more than LLVM
-                    # checks for overlap at run time, and it would not vectorise
-                    _adam_row(wa, M[i], V[i], h, gs, k_w)
-                    b[i] -= _adam_step(bM, bV, i, gs, k_b)
-                else:
-                    ga = gW[i]
-                    gb[i] += gs
-                    for j in range(H):
-                        ga[j] += gs * h[j]
+                # a loop of its own: with dh in it, five arrays would be more than LLVM checks
+                # for overlap at run time, and it would not vectorise
+                alone = owners[i] == ALONE
+                _update_row(i, alone, W, M, V, gW, h, gs, k_w)
+                _update_bias(i, alone, b, bM, bV, gb, gs, k_b)
             for j in range(P):
                 zp[j] *= inv * scale
 
@@ -375,13 +370,7 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, M0, V0, owners, k_w, Wh, h
             ahead = x_ids[p + _AHEAD]
             _prefetch_update(ahead, owners[ahead] == ALONE, W0, M0, V0, gW0)
         f = x_ids[p]
-        v = x_vals[p]
-        if owners[f] == ALONE:
-            _adam_row(W0[f], M0[f], V0[f], cur, v, k_w)
-        else:
-            g = gW0[f]
-            for j in range(H0):
-                g[j] += v * cur[j]
+        _update_row(f, owners[f] == ALONE, W0, M0, V0, gW0, cur, x_vals[p], k_w)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -472,12 +461,9 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, M, V, bM, bV, owners, g
                     ahead = pool[lo + t + _AHEAD]
                     _prefetch_update(ahead, owners[ahead] == POOL, W, M, V, gW)
                 i = pool[lo + t]
-                if owners[i] == POOL:
-                    _adam_row(W[i], M[i], V[i], g[t], np.float32(1.0), k_w)
-                    b[i] -= _adam_step(bM, bV, i, sums[t], k_b)
-                else:
-                    gb[i] += sums[t]
-                    gW[i] += g[t]
+                only_pool = owners[i] == POOL
+                _update_row(i, only_pool, W, M, V, gW, g[t], np.float32(1.0), k_w)
+                _update_bias(i, only_pool, b, bM, bV, gb, sums[t], k_b)
             gemm(zc, False, W_pool[lo:hi], False, dH_parts[c], 0.0)
         else:
             dH_parts[c] = 0.0
@@ -524,6 +510,29 @@ def _adam_row(w, m, v, g, scale, k):
     caller's kernel (no accumulator to read or clear)."""
     for j in range(w.size):
         _adam_weight(w, m, v, j, scale * g[j], k)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _update_row(i, in_place, W, M, V, G, g, scale, k):
+    """Row i's share of a step whose gradient for it is ``scale * g`` (g: the row's length):
+    with ``in_place`` (the caller's kernel computes the row's whole gradient) its Adam step on
+    ``W[i]``, ``M[i]``, ``V[i]``, otherwise added to its accumulator row ``G[i]`` (Hogwild) for
+    Adam after the batch."""
+    if in_place:
+        _adam_row(W[i], M[i], V[i], g, scale, k)
+    else:
+        acc = G[i]
+        for j in range(acc.size):
+            acc[j] += scale * g[j]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _update_bias(i, in_place, b, bM, bV, gb, g, k):
+    """:func:`_update_row` for bias entry i with gradient g (``k`` without decay)."""
+    if in_place:
+        b[i] -= _adam_step(bM, bV, i, g, k)
+    else:
+        gb[i] += g
 
 
 @njit(cache=True, nogil=True, inline="always")
