@@ -169,9 +169,9 @@ def mark_rows(extra, lists, lengths, owners, in_place, touched):
     ``in_place``, the ids of ``extra`` [m] (the shared pool) POOL and those of ragged ``lists``
     [n, w] (first ``lengths[i]`` of each row: the samples' own sets) ALONE, where no other entry
     holds them, and SHARED otherwise; without (ranks that sum their gradients first), all
-    SHARED. Each distinct row goes once into ``touched``, in the order
-    first met; returns their count. One thread: the marks must not race, or two samples could
-    each take a row for their own."""
+    SHARED. Each distinct row goes once into ``touched``, in the order first met; returns their
+    count. One thread: the marks must not race, or two samples could each take a row for their
+    own."""
     pool_mark, own_mark = (POOL, ALONE) if in_place else (SHARED, SHARED)
     n = 0
     for i in extra:

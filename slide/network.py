@@ -263,7 +263,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # kernels.mark_rows' marks of the output rows and mark_ids' of the input rows, all
         # UNTOUCHED between steps
         self._owners = np.zeros(self.n_labels_, np.uint8)
-        self._mark_in = np.zeros(self.params_["W0"].shape[0], np.uint8)
+        self._owners_in = np.zeros(self.params_["W0"].shape[0], np.uint8)
         # a label's place in the step's pool, and its membership bit: -1 and 0 between steps
         self._pool_pos = np.full(self.n_labels_, -1, np.int32)
         self._pool_bits = np.zeros((self.n_labels_ + 7) // 8, np.uint8)
@@ -417,16 +417,16 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # the batch's input rows: a feature in one sample's row only (most of them) gets its
         # Adam step in that sample's backward pass
         in_touched, in_rows, in_alone = (np.empty(Xb.indices.size, np.int32) for _ in range(3))
-        n_in = kernels.mark_ids(Xb.indices, self._mark_in, in_place, in_touched)
+        n_in = kernels.mark_ids(Xb.indices, self._owners_in, in_place, in_touched)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
-                                p["W0"], m["W0.m"], m["W0.v"], self._mark_in, p["Wh"],
+                                p["W0"], m["W0.m"], m["W0.v"], self._owners_in, p["Wh"],
                                 self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
                                 self._b_off, bounds, self._dbuf, *hyper)
         t0 = self._tick("backward_hidden", t0)
         n_shared, n_in_place = kernels.read_marks(self._owners, self._touched[:n_touched],
                                                   self._shared, self._in_place)
         out_rows = self._shared[:n_shared]
-        n_in_shared, n_in_alone = kernels.read_marks(self._mark_in, in_touched[:n_in], in_rows,
+        n_in_shared, n_in_alone = kernels.read_marks(self._owners_in, in_touched[:n_in], in_rows,
                                                      in_alone)
         in_rows, in_alone = in_rows[:n_in_shared], in_alone[:n_in_alone]
         if dp is not None:  # sync: the ranks' gradients averaged over the rows any rank touched
