@@ -21,6 +21,8 @@ import scipy.sparse as sp
 from numba import njit, prange
 
 from lsh._threading import thread_chunks
+from lsh.arrays import as_rows
+from lsh.prefetch import prefetch
 
 __all__ = ["SimHash", "WTA", "DWTA", "make_family", "combine_codes"]
 
@@ -143,6 +145,9 @@ def _densify(codes, seed):
 #: lanes. 64 lanes of a transposed block (32 KB at 128 dimensions) stay in L1 and are enough
 #: iterations for LLVM's vectorised loop (16 lanes, unrolled 4 times) to run at all.
 _BLOCK_ROWS = 64
+#: rows asked for ahead of their transpose into a block: where they lie apart in a wider array
+#: (a row block's weights) the hardware does not fetch them ahead on its own
+_AHEAD = 4
 
 
 @njit(cache=True, nogil=True)
@@ -209,6 +214,8 @@ def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
         for r0 in range(bounds[c], bounds[c + 1], _BLOCK_ROWS):
             R = min(_BLOCK_ROWS, bounds[c + 1] - r0)
             for i in range(R):
+                if i + _AHEAD < R:
+                    prefetch(V[r0 + i + _AHEAD])
                 v = V[r0 + i]
                 for d in range(dim):  # DWTA: zeros as -inf, so that no bin's argmax lands on one
                     Vt[d, i] = neg if densify and v[d] == 0 else v[d]
@@ -281,7 +288,7 @@ class _Family:
         return 1 << self.range_pow
 
     def _dense_input(self, V):
-        V = np.ascontiguousarray(V, dtype=np.float32)
+        V = as_rows(V)
         if V.ndim != 2 or V.shape[1] != self.dim:
             raise ValueError(f"expected rows of dimension {self.dim}, got shape {V.shape}")
         return V, np.empty((V.shape[0], self.L), np.int32), thread_chunks(V.shape[0])

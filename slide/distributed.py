@@ -256,8 +256,12 @@ class DataParallel:
         return out
 
     def broadcast(self, a: np.ndarray) -> None:
-        """Overwrite contiguous ``a`` with rank 0's."""
-        self._wait(self.comm.Ibcast(a, root=0), f"broadcast of {a.nbytes} bytes")
+        """Overwrite ``a`` with rank 0's (through a contiguous copy where ``a`` is a view that is
+        not contiguous: a training model's weights and moments in their row block)."""
+        buf = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        self._wait(self.comm.Ibcast(buf, root=0), f"broadcast of {a.nbytes} bytes")
+        if buf is not a:
+            a[...] = buf
 
     @contextlib.contextmanager
     def guard(self):

@@ -8,6 +8,14 @@ Array layout (all float32, C-contiguous):
   [H_l, H_{l-1}]), ``bh`` flat [Σ H_l] with ``b_off``; the stack holds layers 1..n_hidden-1;
 * output layer ``W`` [n_out, H_last] (neuron-major: an active neuron's row is contiguous), ``b``.
 
+The two matrices a step reads by scattered rows, ``W0`` and ``W``, train as *row blocks*
+[n, 3·H]: row i is the weights, Adam's first moment and second moment of row i back to back
+(:func:`row_parts`), so that a row's update reads and writes one 1.5 KB run at H = 128 instead
+of three 512-byte runs in three arrays: memory serves the one run faster (the training step
+1.10x at Amazon-670K shape, bench/README.md). A kernel that only reads weights takes "rows led
+by the weights": the plain matrix [n, H] or its row block, of which it reads the first H
+entries of a row (H from another argument).
+
 Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
 A sample's output active set is its own neurons (its labels and LSH candidates, chosen by
 :func:`select_active`), plus a random pool shared by the batch, whose logits and gradients are
@@ -53,16 +61,17 @@ def _dot(a, b):
 
 @njit(cache=True, nogil=True, parallel=True)
 def forward_input(x_indptr, x_indices, x_data, W0, b0, acts):
-    """First hidden layer, ReLU(x W0 + b0), for a batch of CSR rows into ``acts[:, :H0]``."""
-    H0 = W0.shape[1]
+    """First hidden layer, ReLU(x W0 + b0), for a batch of CSR rows into ``acts[:, :H0]``
+    (``W0``: rows led by the weights, H0 = ``b0.size``)."""
+    H0 = b0.size
     for r in prange(x_indptr.size - 1):
         h = acts[r, :H0]
         h[:] = b0
         end = x_indptr[r + 1]
         for p in range(x_indptr[r], end):
             if p + _AHEAD < end:
-                prefetch(W0[x_indices[p + _AHEAD]])
-            row = W0[x_indices[p]]
+                prefetch(W0[x_indices[p + _AHEAD], :H0])
+            row = W0[x_indices[p], :H0]
             v = x_data[p]
             for j in range(H0):
                 h[j] += v * row[j]
@@ -227,8 +236,8 @@ def read_marks(owners, touched, shared, in_place):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, active, n_active,
-                bounds, logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
+def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, zpool, active, n_active, bounds,
+                logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
     """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
 
     A sample's active set is its own neurons ``active[r, :n_active[r]]`` (its labels first, then
@@ -241,13 +250,14 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
     (scaled by 1/n) and ``losses`` [n] each sample's loss. An own row marked ALONE in ``owners``
     (see :func:`mark_rows`) gets its Adam step here, with the weights still in cache: its whole
     gradient is this sample's, so the step is the same as through the accumulator, and no
-    gradient row is written or read back (moments ``M``, ``V``, ``bM``, ``bV``; Adam's
-    hyperparameters for ``step``, as :func:`adam_rows` and :func:`adam_entries`). Other own rows
-    add their gradients to ``gW``/``gb`` (Hogwild) for Adam after the batch.
+    gradient row is written or read back (``W``: the output layer's row block [n_out, 3H]; the
+    bias moments ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows` and
+    :func:`adam_entries`). Other own rows add their gradients to ``gW`` [n_out, H] / ``gb``
+    (Hogwild) for Adam after the batch.
     """
     n = y_indptr.size - 1
     scale = np.float32(1.0 / n)
-    H = W.shape[1]
+    H = gW.shape[1]
     lo_last = acts.shape[1] - H
     P = zpool.shape[1]
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
@@ -263,8 +273,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
             zmax = np.float32(-np.inf)
             for a in range(k):
                 if a + _AHEAD < k:
-                    prefetch(W[own[a + _AHEAD]])
-                s = b[own[a]] + _dot(W[own[a]], h)
+                    prefetch(W[own[a + _AHEAD], :H])
+                s = b[own[a]] + _dot(W[own[a], :H], h)
                 logits[a] = s
                 zmax = max(zmax, s)
             zmax = max(zmax, fmax(zp, lanes))
@@ -283,38 +293,36 @@ def output_step(y_indptr, acts, W, b, gW, gb, M, V, bM, bV, owners, zpool, activ
             dh[:] = 0.0
             y = np.float32(1.0 / max(n_lab, 1))
             for a in range(k):
-                # the rows this loop writes, and the next sample's first weight rows
+                # the rows this loop writes (a row's weights are in cache from the forward
+                # half: only its moments are asked for), and the next sample's first weights
                 if a + _AHEAD < k:
                     ahead = own[a + _AHEAD]
                     if owners[ahead] == ALONE:
-                        prefetch_w(M[ahead])
-                        prefetch_w(V[ahead])
+                        prefetch_w(W[ahead, H:])
                     else:
                         prefetch_w(gW[ahead])
                 elif r + 1 < bounds[c + 1] and a + _AHEAD - k < n_active[r + 1]:
-                    prefetch(W[active[r + 1, a + _AHEAD - k]])
+                    prefetch(W[active[r + 1, a + _AHEAD - k], :H])
                 gs = (logits[a] * inv - (y if a < n_lab else np.float32(0.0))) * scale
                 i = own[a]
-                wa = W[i]
+                wa = W[i, :H]
                 for j in range(H):
                     dh[j] += gs * wa[j]
                 # a loop of its own: with dh in it, five arrays would be more than LLVM checks
                 # for overlap at run time, and it would not vectorise
                 alone = owners[i] == ALONE
-                _update_row(i, alone, W, M, V, gW, h, gs, k_w)
+                _update_row(i, alone, W, gW, h, gs, k_w)
                 _update_bias(i, alone, b, bM, bV, gb, gs, k_b)
             for j in range(P):
                 zp[j] *= inv * scale
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prefetch_update(i, in_place, W, M, V, G):
-    """Ask for the rows that row i's update will write: its weights and both moments where it
-    gets its Adam step in place, its gradient row otherwise."""
+def _prefetch_update(i, in_place, B, G):
+    """Ask for what row i's update will write: its row of row block ``B`` (weights and both
+    moments) where it gets its Adam step in place, its gradient row otherwise."""
     if in_place:
-        prefetch_w(W[i])
-        prefetch_w(M[i])
-        prefetch_w(V[i])
+        prefetch_w(B[i])
     else:
         prefetch_w(G[i])
 
@@ -322,12 +330,12 @@ def _prefetch_update(i, in_place, W, M, V, G):
 #: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange
 #: body gets it from parallel=True; a kernel it calls does not)
 @njit(cache=True, nogil=True, error_model="numpy")
-def _backward_hidden(x_ids, x_vals, act, dh_last, W0, M0, V0, owners, k_w, Wh, h_off, sizes, gW0,
-                     gb0, gWh, gbh, b_off, dbuf):
+def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, sizes, gW0, gb0,
+                     gWh, gbh, b_off, dbuf):
     """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) to all hidden
-    parameters; an input row marked ALONE in ``owners`` gets its Adam step here (moments
-    ``M0``, ``V0``; constants ``k_w``), the others add to ``gW0``. ``dbuf`` is scratch of size
-    max(sizes) * 2."""
+    parameters; an input row marked ALONE in ``owners`` gets its Adam step here (``W0``: the
+    input layer's row block; constants ``k_w``), the others add to ``gW0``. ``dbuf`` is scratch
+    of size max(sizes) * 2."""
     n_layers = sizes.size
     # offsets of each layer's activation inside act
     lo_last = 0
@@ -368,29 +376,29 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, M0, V0, owners, k_w, Wh, h
     for p in range(x_ids.size):
         if p + _AHEAD < x_ids.size:
             ahead = x_ids[p + _AHEAD]
-            _prefetch_update(ahead, owners[ahead] == ALONE, W0, M0, V0, gW0)
+            _prefetch_update(ahead, owners[ahead] == ALONE, W0, gW0)
         f = x_ids[p]
-        _update_row(f, owners[f] == ALONE, W0, M0, V0, gW0, cur, x_vals[p], k_w)
+        _update_row(f, owners[f] == ALONE, W0, gW0, cur, x_vals[p], k_w)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, M0, V0, owners, Wh, h_off, sizes,
-                    gW0, gb0, gWh, gbh, b_off, bounds, dbuf, lr, beta1, beta2, eps, step,
-                    weight_decay):
+def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, Wh, h_off, sizes, gW0, gb0,
+                    gWh, gbh, b_off, bounds, dbuf, lr, beta1, beta2, eps, step, weight_decay):
     """Back-propagate ``dH`` [n, H_last] (gradient w.r.t. the last hidden activations, already
     scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [threads, 2·max H].
 
     An input row marked ALONE in ``owners`` uint8 [n_features] (:func:`mark_ids`: a feature of
     one sample of the batch, most of them at Amazon-670K shape) has its whole gradient in that
-    sample's pass and gets its Adam step there (moments ``M0``, ``V0``; Adam's hyperparameters
-    for ``step``, as :func:`adam_rows`), while ``W0`` no longer feeds this batch; the others
-    add their gradients to ``gW0`` for Adam after the batch."""
+    sample's pass and gets its Adam step there (``W0``: the input layer's row block
+    [n_features, 3·H0]; Adam's hyperparameters for ``step``, as :func:`adam_rows`), while its
+    weights no longer feed this batch; the others add their gradients to ``gW0`` for Adam after
+    the batch."""
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for c in prange(bounds.size - 1):
         for r in range(bounds[c], bounds[c + 1]):
             lo, hi = x_indptr[r], x_indptr[r + 1]
-            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, M0, V0, owners,
-                             k_w, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off, dbuf[c])
+            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, owners, k_w, Wh,
+                             h_off, sizes, gW0, gb0, gWh, gbh, b_off, dbuf[c])
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,7 +415,8 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, M0, V0, owners, W
 def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
     """The shared pool's logits ``z = h @ W[pool].T + b[pool]``.
 
-    ``h`` float32 [n, H] (the last hidden layer), ``W`` float32 [n_out, H], ``b`` [n_out],
+    ``h`` float32 [n, H] (the last hidden layer), ``W`` the output layer's rows led by the
+    weights (float32 [n_out, H] or its row block), ``b`` [n_out],
     ``pool`` int32 [P]. ``W_pool`` float32 [P, H] receives ``W[pool]`` (the backward pass
     reads it again), ``z`` float32 [n, P] the logits; ``b_pool`` float32 [P] is scratch. Thread
     c takes pool positions ``bounds[c]:bounds[c + 1]`` (int64 [T + 1]).
@@ -416,10 +425,11 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
         lo, hi = bounds[c], bounds[c + 1]
         if hi > lo:
             Wc, bc = W_pool[lo:hi], b_pool[lo:hi]
+            H = Wc.shape[1]
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
-                    prefetch(W[pool[lo + t + _AHEAD]])
-                Wc[t] = W[pool[lo + t]]
+                    prefetch(W[pool[lo + t + _AHEAD], :H])
+                Wc[t] = W[pool[lo + t], :H]
                 bc[t] = b[pool[lo + t]]
             zc = z[:, lo:hi]
             gemm(h, False, Wc, True, zc, 0.0)
@@ -430,14 +440,15 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, M, V, bM, bV, owners, g_pool, col_sums,
+def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, g_pool, col_sums,
                    dH_parts, bounds, lr, beta1, beta2, eps, step, weight_decay):
     """Back through the shared pool, given its logit gradients ``z`` float32 [n, P]:
     ``dH += z @ W_pool`` and the pool rows' gradients ``z.T @ h`` and ``z.sum(0)``.
 
     A pool row marked POOL in ``owners`` (:func:`mark_rows`: no sample's own) has its whole
-    gradient here and gets its Adam step in place (weights ``W``, ``b``, moments ``M``, ``V``,
-    ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows`); the others add
+    gradient here and gets its Adam step in place (``W``: the output layer's row block; ``b``,
+    its moments ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows`); the
+    others add
     their gradients to ``gW``/``gb`` (Hogwild). ``dH`` reads the weights gathered before any
     update (``W_pool``). Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H].
     Scratch: ``g_pool`` [P, H], ``col_sums`` [P] and ``dH_parts`` [T, n, H] (each thread's share
@@ -459,10 +470,10 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, M, V, bM, bV, owners, g
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
                     ahead = pool[lo + t + _AHEAD]
-                    _prefetch_update(ahead, owners[ahead] == POOL, W, M, V, gW)
+                    _prefetch_update(ahead, owners[ahead] == POOL, W, gW)
                 i = pool[lo + t]
                 only_pool = owners[i] == POOL
-                _update_row(i, only_pool, W, M, V, gW, g[t], np.float32(1.0), k_w)
+                _update_row(i, only_pool, W, gW, g[t], np.float32(1.0), k_w)
                 _update_bias(i, only_pool, b, bM, bV, gb, sums[t], k_b)
             gemm(zc, False, W_pool[lo:hi], False, dH_parts[c], 0.0)
         else:
@@ -513,13 +524,22 @@ def _adam_row(w, m, v, g, scale, k):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _update_row(i, in_place, W, M, V, G, g, scale, k):
+def row_parts(B, i):
+    """Row i of row block ``B`` [n, 3H]: views of its weights, first and second moments [H]."""
+    H = B.shape[1] // 3
+    R = B[i]
+    return R[:H], R[H:2 * H], R[2 * H:]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _update_row(i, in_place, B, G, g, scale, k):
     """Row i's share of a step whose gradient for it is ``scale * g`` (g: the row's length):
     with ``in_place`` (the caller's kernel computes the row's whole gradient) its Adam step on
-    ``W[i]``, ``M[i]``, ``V[i]``, otherwise added to its accumulator row ``G[i]`` (Hogwild) for
+    its row of row block ``B``, otherwise added to its accumulator row ``G[i]`` (Hogwild) for
     Adam after the batch."""
     if in_place:
-        _adam_row(W[i], M[i], V[i], g, scale, k)
+        w, m, v = row_parts(B, i)
+        _adam_row(w, m, v, g, scale, k)
     else:
         acc = G[i]
         for j in range(acc.size):
@@ -543,20 +563,18 @@ def _adam(w, m, v, g, j, k):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def adam_rows(rows, grad_rows, W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
-    """Adam on rows ``rows[t]`` of W [n, d] (moments M, V) with gradient ``G[grad_rows[t]]``,
-    zeroed after use: ``grad_rows = rows`` for full-size accumulators, ``arange`` for a compact
-    block of gradient rows. The rows may come in any order: each is prefetched a few ahead."""
+def adam_rows(rows, grad_rows, B, G, lr, beta1, beta2, eps, step, weight_decay):
+    """Adam on rows ``rows[t]`` of row block ``B`` [n, 3d] (weights and moments, see
+    :func:`row_parts`) with gradient ``G[grad_rows[t]]`` [d], zeroed after use:
+    ``grad_rows = rows`` for full-size accumulators, ``arange`` for a compact block of gradient
+    rows. The rows may come in any order: each is prefetched a few ahead."""
     k = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for t in prange(rows.size):
         if t + _AHEAD < rows.size:
-            ahead = rows[t + _AHEAD]
-            prefetch_w(W[ahead])
-            prefetch_w(M[ahead])
-            prefetch_w(V[ahead])
+            prefetch_w(B[rows[t + _AHEAD]])
             prefetch_w(G[grad_rows[t + _AHEAD]])
-        i = rows[t]
-        w, m, v, g = W[i], M[i], V[i], G[grad_rows[t]]
+        w, m, v = row_parts(B, rows[t])
+        g = G[grad_rows[t]]
         for j in range(w.size):
             _adam(w, m, v, g, j, k)
 
@@ -585,7 +603,9 @@ def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
 def score_candidates(acts_last, W, b, cand, lengths, out):
-    """out[r, a] = W[cand[r, a]] · h_r + b for the first lengths[r] candidates, -inf after."""
+    """out[r, a] = W[cand[r, a]] · h_r + b for the first lengths[r] candidates, -inf after
+    (``W``: the output layer's rows led by the weights, see the module's note)."""
+    H = acts_last.shape[1]
     for r in prange(cand.shape[0]):
         h = acts_last[r]
         for a in range(cand.shape[1]):
@@ -593,4 +613,4 @@ def score_candidates(acts_last, W, b, cand, lengths, out):
                 out[r, a] = -np.inf
                 continue
             i = cand[r, a]
-            out[r, a] = b[i] + _dot(W[i], h)
+            out[r, a] = b[i] + _dot(W[i, :H], h)

@@ -15,7 +15,7 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit, prange
 
-from lsh import blas_threads
+from lsh import as_rows, blas_threads
 
 __all__ = ["topk", "topk_product", "precision_at_k", "ndcg_at_k", "psp_at_k", "propensities", "evaluate",
            "PROPENSITY_AB"]
@@ -136,7 +136,7 @@ def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, 
     k = check_k(k)
     n, L = H.shape[0], W.shape[0]
     H = np.ascontiguousarray(H, dtype=np.float32)
-    W, b = np.ascontiguousarray(W, dtype=np.float32), np.ascontiguousarray(b, dtype=np.float32)
+    W, b = as_rows(W), np.ascontiguousarray(b, dtype=np.float32)
     tile = max(1, int(tile or max(64, min(L, (1 << 18) // max(n, 1)))))
     n_tiles = -(-L // tile)
     T = max(1, min(numba.get_num_threads(), n_tiles))

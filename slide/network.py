@@ -224,7 +224,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.params_ = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
                                        self.config_.seed, self.preprocessor_.seen_features(),
                                        self.resolved_["input_init"])
-        self.moments_ = {f"{k}.{s}": np.zeros_like(v) for k, v in self.params_.items() for s in "mv"}
+        # np.zeros maps zero pages lazily: the moments take no memory before row_blocks copies
+        # them (np.zeros_like writes every page)
+        self.moments_ = {f"{k}.{s}": np.zeros(v.shape, v.dtype) for k, v in self.params_.items()
+                         for s in "mv"}
         self.learning_rate_ = self.resolved_["lr"]
         self.step_, self.epoch_, self.samples_seen_ = 0, 0, 0
         self.epoch_position_ = 0
@@ -270,8 +273,34 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._scratch_key = None
         self._pool_buf = None
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
+        self._row_blocks = {}  # W's and W0's row blocks, made when the model first trains
         self._tables_stale = False
         self._int8_rows = None  # exact top-k's int8 copy of W, built when first needed
+
+    def row_blocks(self) -> dict:
+        """The row blocks that ``W`` and ``W0`` train in (:mod:`slide.kernels`): float32
+        [n_labels, 3·H] and [n_features, 3·H0], row i the weights of row i, then its Adam first
+        and second moments; ``params_`` and ``moments_`` hold views of them. Made (a copy) when
+        the model first trains, and again if those arrays were replaced. A model loaded to
+        serve keeps its plain arrays: an inference-only checkpoint's moments are zeros that take
+        no memory until written, and a block would write them all."""
+        p, m = self.params_, self.moments_
+        for name in ("W", "W0"):
+            B = self._row_blocks.get(name)
+            if B is None or not all(a.base is B for a in (p[name], m[name + ".m"], m[name + ".v"])):
+                n, H = p[name].shape
+                B = np.empty((n, 3 * H), np.float32)
+                for j, (d, key) in enumerate(((p, name), (m, name + ".m"), (m, name + ".v"))):
+                    B[:, j * H:(j + 1) * H] = d[key]
+                    d[key] = B[:, j * H:(j + 1) * H]
+                self._row_blocks[name] = B
+        return self._row_blocks
+
+    def _weight_rows(self, name: str) -> np.ndarray:
+        """C-contiguous rows led by the weights of ``W`` or ``W0``, for kernels that only read
+        them: the row block where the model trains, the plain matrix otherwise."""
+        B = self._row_blocks.get(name)
+        return B if B is not None and self.params_[name].base is B else self.params_[name]
 
     def _scratch(self, n_rows: int, max_labels: int):
         """Per-thread and per-batch buffers, grown when a batch needs more."""
@@ -319,7 +348,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Activations of every hidden layer, float32 [n, Σ hidden], for preprocessed rows."""
         p, sizes = self.params_, self._sizes
         acts = np.empty((X.shape[0], int(sizes.sum())), np.float32)
-        kernels.forward_input(X.indptr.astype(np.int64), X.indices, X.data, p["W0"], p["b0"], acts)
+        kernels.forward_input(X.indptr.astype(np.int64), X.indices, X.data, self._weight_rows("W0"),
+                              p["b0"], acts)
         lo = 0
         for l in range(1, sizes.size):
             W, b = self._block(l)
@@ -366,6 +396,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         indices) with labels ``Yb`` (CSR indicator); returns the batch's mean loss. Call it
         inside :func:`lsh.engine_threads` for the model's thread count."""
         p, g = self.params_, self.grads_
+        blocks = self.row_blocks()
         n = Xb.shape[0]
         self._scratch(n, int(np.diff(Yb.indptr).max(initial=0)))
         bounds = thread_chunks(n)
@@ -389,7 +420,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         W_pool, z_pool, g_pool, pool_vec, dH_parts = self._pool_blocks(n, pool.size, h.shape[1],
                                                                        pool_bounds.size - 1)
         h_pool = np.ascontiguousarray(h)  # a view into acts' columns when there are 2+ layers
-        kernels.pool_logits(h_pool, p["W"], p["b"], pool, W_pool, z_pool, pool_vec, pool_bounds)
+        kernels.pool_logits(h_pool, blocks["W"], p["b"], pool, W_pool, z_pool, pool_vec, pool_bounds)
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
         kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.slots, qs.where,
@@ -406,21 +437,20 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         dH = np.empty((n, h.shape[1]), np.float32)
         losses = np.empty(n, np.float32)
         m = self.moments_
-        kernels.output_step(y_indptr, acts, p["W"], p["b"], g["W"], g["b"], m["W.m"], m["W.v"],
-                            m["b.m"], m["b.v"], self._owners, z_pool, self._active, self._n_active,
-                            bounds, self._logits, dH, losses, *hyper)
+        kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"], m["b.v"],
+                            self._owners, z_pool, self._active, self._n_active, bounds,
+                            self._logits, dH, losses, *hyper)
         t0 = self._tick("select+output", t0)
-        kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, p["W"], p["b"], g["W"], g["b"],
-                               m["W.m"], m["W.v"], m["b.m"], m["b.v"], self._owners, g_pool,
-                               pool_vec, dH_parts, pool_bounds, *hyper)
+        kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, blocks["W"], p["b"], g["W"], g["b"],
+                               m["b.m"], m["b.v"], self._owners, g_pool, pool_vec, dH_parts,
+                               pool_bounds, *hyper)
         t0 = self._tick("pool_matmul", t0)
         # the batch's input rows: a feature in one sample's row only (most of them) gets its
         # Adam step in that sample's backward pass
         in_touched, in_rows, in_alone = (np.empty(Xb.indices.size, np.int32) for _ in range(3))
         n_in = kernels.mark_ids(Xb.indices, self._owners_in, in_place, in_touched)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
-                                p["W0"], m["W0.m"], m["W0.v"], self._owners_in, p["Wh"],
-                                self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
+                                blocks["W0"], self._owners_in, p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
                                 self._b_off, bounds, self._dbuf, *hyper)
         t0 = self._tick("backward_hidden", t0)
         n_shared, n_in_place = kernels.read_marks(self._owners, self._touched[:n_touched],
@@ -459,14 +489,15 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         row, or with ``compact`` blocks whose row t belongs to ``out_rows[t]`` / ``in_rows[t]``.
         Weight decay applies to weights, not biases."""
         p, m = self.params_, self.moments_
+        blocks = self.row_blocks()
         self.step_ += 1
         hp = self._adam_hyper(self.step_)
         wd = self.resolved_["weight_decay"]
         g_out = np.arange(out_rows.size, dtype=np.int32) if compact else out_rows
         g_in = np.arange(in_rows.size, dtype=np.int32) if compact else in_rows
-        kernels.adam_rows(out_rows, g_out, p["W"], m["W.m"], m["W.v"], gW, *hp, wd)
+        kernels.adam_rows(out_rows, g_out, blocks["W"], gW, *hp, wd)
         kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], dense_grads["b"], *hp, 0.0)
-        kernels.adam_rows(in_rows, g_in, p["W0"], m["W0.m"], m["W0.v"], gW0, *hp, wd)
+        kernels.adam_rows(in_rows, g_in, blocks["W0"], gW0, *hp, wd)
         for k, decay in (("b0", 0.0), ("Wh", wd), ("bh", 0.0)):
             if p[k].size:
                 kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], dense_grads[k], *hp, decay)
@@ -644,7 +675,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             with self._serving(hi - lo):
                 cand, n_c = tables.query(h, rank=True)
                 cs = np.empty(cand.shape, np.float32)
-                kernels.score_candidates(np.ascontiguousarray(h), W, b, cand, n_c, cs)
+                kernels.score_candidates(np.ascontiguousarray(h), self._weight_rows("W"), b, cand,
+                                         n_c, cs)
                 pos, scores[lo:hi] = topk(cs, k)
             ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
             ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1

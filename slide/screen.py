@@ -29,6 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from lsh import as_rows
 from slide.metrics import _heap_push, _heap_sorted, check_k, topk_product
 
 __all__ = ["Int8Rows", "quantize_rows", "screened_topk", "has_int8_dot", "SCREEN_MIN_LABELS"]
@@ -161,8 +162,9 @@ def _quantize_rows(W, packed, scale, norm, error):
 
 
 def quantize_rows(W) -> Int8Rows:
-    """:class:`Int8Rows` of ``W`` float32 [L, d] (C-contiguous); 0.25 bytes per weight extra."""
-    W = np.ascontiguousarray(W, dtype=np.float32)
+    """:class:`Int8Rows` of ``W`` float32 [L, d] (rows contiguous); 0.25 bytes per weight
+    extra."""
+    W = as_rows(W)
     L, d = W.shape
     Lp = -(-L // TILE_LABELS) * TILE_LABELS
     packed = np.zeros((Lp // TILE_LABELS, -(-d // 4), 4 * TILE_LABELS), np.int8)
@@ -319,7 +321,7 @@ def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
     """
     k = check_k(k)
     H = np.ascontiguousarray(H, dtype=np.float32)
-    W, b = np.ascontiguousarray(W, dtype=np.float32), np.ascontiguousarray(b, dtype=np.float32)
+    W, b = as_rows(W), np.ascontiguousarray(b, dtype=np.float32)
     n, d = H.shape
     if rows.n_rows != W.shape[0] or rows.dim != d or W.shape[1] != d:
         raise ValueError(f"the int8 rows are of a [{rows.n_rows}, {rows.dim}] matrix; "

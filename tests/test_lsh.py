@@ -5,7 +5,7 @@ import scipy.sparse as sp
 from scipy import stats
 
 import lsh
-from lsh import DWTA, WTA, HashTables, SimHash, TableConfig, autotune
+from lsh import DWTA, WTA, HashTables, SimHash, TableConfig, as_rows, autotune
 from lsh.families import _densify
 
 
@@ -82,6 +82,11 @@ def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family):
             _wta_dense_codes(fam.bins, v, codes)
         combine_codes(codes, fam.K, fam.L, fam.bits, fam.range_pow, expect[r])
     np.testing.assert_array_equal(fam.hash_dense(V), expect)
+    # rows inside a wider array (a row block's weights) hash in place, to the same codes
+    wide = np.concatenate([V, -V, V], axis=1)
+    assert np.shares_memory(as_rows(wide[:, :48]), wide)
+    assert as_rows(V.T).strides[1] == 4  # columns of a matrix: copied into rows
+    np.testing.assert_array_equal(fam.hash_dense(wide[:, :48]), expect)
 
 
 def test_dwta_sparse_and_dense_hashing_agree(rng):

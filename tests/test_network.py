@@ -129,6 +129,13 @@ def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
     first = SlideClassifier(**kw, epochs=1).fit(X, Y)
     first.save(tmp_path / "ck")
     loaded = SlideClassifier.load(tmp_path / "ck")
+    # the trained model's weights and moments are views of its row blocks, the loaded model's
+    # plain arrays until it trains: both answer the same
+    blocks = first.row_blocks()
+    for name in ("W", "W0"):
+        for a in (first.params_[name], first.moments_[name + ".m"], first.moments_[name + ".v"]):
+            assert a.base is blocks[name]
+        assert loaded.params_[name].flags.c_contiguous
     for mode in ("exact", "lsh"):
         a, sa = first.predict_topk(Xte[:50], 5, mode=mode)
         b, sb = loaded.predict_topk(Xte[:50], 5, mode=mode)
@@ -140,6 +147,11 @@ def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
         assert np.array_equal(straight.params_[k], loaded.params_[k]), k
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert files == ["config.json", f"model-{first.step_}.npz"]
+    # a weight array replaced from outside goes into a new row block when the model trains
+    loaded.params_["W"] = loaded.params_["W"] * 2
+    want = loaded.params_["W"].copy()
+    B = loaded.row_blocks()["W"]
+    assert loaded.params_["W"].base is B and np.array_equal(loaded.params_["W"], want)
 
 
 def test_dense_and_engine_checkpoints_are_interchangeable(tmp_path, tiny_data):
@@ -310,6 +322,17 @@ def test_mark_rows_lists_each_row_once_and_finds_rows_with_one_source_of_gradien
         assert not owners.any()
 
 
+def _row_block(W, M, V):
+    """The kernels' row block of a matrix: row i its weights, then both moments."""
+    return np.concatenate([W, M, V], axis=1)
+
+
+def _row_parts(B):
+    """Weights, first and second moments: views of row block ``B``."""
+    H = B.shape[1] // 3
+    return B[:, :H], B[:, H:2 * H], B[:, 2 * H:]
+
+
 def _output_case(in_place: bool):
     """One sample through select_active, mark_rows and output_step on a 40-label layer whose
     LSH union is larger than the cap; returns what the test below checks."""
@@ -344,15 +367,16 @@ def _output_case(in_place: bool):
     assert (qs.slots == -1).all()  # the query set is empty again
     owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
     n_touched = K.mark_rows(pool, active, n_active, owners, in_place, touched)
-    params = {"W": W.copy(), "b": b.copy(), "gW": np.zeros_like(W), "gb": np.zeros_like(b),
-              "M": np.zeros_like(W), "V": np.zeros_like(W), "bM": np.zeros_like(b),
-              "bV": np.zeros_like(b)}
+    B = _row_block(W, np.zeros_like(W), np.zeros_like(W))
+    params = {"B": B, "b": b.copy(), "gW": np.zeros_like(W), "gb": np.zeros_like(b),
+              "bM": np.zeros_like(b), "bV": np.zeros_like(b)}
+    params["W"], params["M"], params["V"] = _row_parts(B)
     p = params
     dH, losses = np.zeros((1, H), np.float32), np.zeros(1, np.float32)
     hyper = (4e-3, 0.9, 0.999, 1e-8, 3, 0.5)  # lr, beta1, beta2, eps, step, weight decay
-    K.output_step(y_indptr, h, p["W"], p["b"], p["gW"], p["gb"], p["M"], p["V"], p["bM"], p["bV"],
-                  owners, zpool, active, n_active, bounds, np.zeros((1, cap + 1), np.float32), dH,
-                  losses, *hyper)
+    K.output_step(y_indptr, h, p["B"], p["b"], p["gW"], p["gb"], p["bM"], p["bV"], owners, zpool,
+                  active, n_active, bounds, np.zeros((1, cap + 1), np.float32), dH, losses,
+                  *hyper)
     shared, rest = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
     n_shared, n_in_place = K.read_marks(owners, touched[:n_touched], shared, rest)
     assert not owners.any()  # every mark cleared for the next step
@@ -403,7 +427,7 @@ def test_rows_a_sample_owns_alone_get_adams_step_in_place():
     r, f = ref["params"], fused["params"]
     lr, beta1, beta2, eps, step, decay = ref["hyper"]
     rows = alone.astype(np.int32)
-    K.adam_rows(rows, rows, r["W"], r["M"], r["V"], r["gW"], lr, beta1, beta2, eps, step, decay)
+    K.adam_rows(rows, rows, r["B"], r["gW"], lr, beta1, beta2, eps, step, decay)
     K.adam_entries(rows, rows, r["b"], r["bM"], r["bV"], r["gb"], lr, beta1, beta2, eps, step, 0.0)
     for k in ("W", "b", "M", "V", "bM", "bV", "gW", "gb"):
         assert np.array_equal(f[k], r[k]), k
@@ -454,19 +478,19 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
     start["V0"] = np.abs(rng.standard_normal((n_f, H0))).astype(np.float32)
     out = {}
     for in_place in (False, True):
-        p = {k: v.copy() for k, v in start.items()}
+        B = _row_block(start["W0"], start["M0"], start["V0"])
+        p = dict(zip(("W0", "M0", "V0"), _row_parts(B)))
         gW0, gb0 = np.zeros((n_f, H0), np.float32), np.zeros(H0, np.float32)
         gWh, gbh = np.zeros_like(Wh), np.zeros(max(1, sum(a for a, _ in blocks)), np.float32)
         owners, touched = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
         n = K.mark_ids(X.indices, owners, in_place, touched)
-        K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, p["W0"], p["M0"],
-                          p["V0"], owners, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off,
-                          np.array([0, 3], np.int64), np.zeros((1, 2 * max(hidden)), np.float32),
-                          *hyper)
+        K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, B, owners, Wh,
+                          h_off, sizes, gW0, gb0, gWh, gbh, b_off, np.array([0, 3], np.int64),
+                          np.zeros((1, 2 * max(hidden)), np.float32), *hyper)
         shared, alone = np.zeros(n, np.int32), np.zeros(n, np.int32)
         n_shared, n_alone = K.read_marks(owners, touched[:n], shared, alone)
         rows = shared[:n_shared]
-        K.adam_rows(rows, rows, p["W0"], p["M0"], p["V0"], gW0, *hyper)
+        K.adam_rows(rows, rows, B, gW0, *hyper)
         out[in_place] = p, alone[:n_alone], gW0, gb0, gWh
     (ref, none, *ref_g), (fused, alone, *fused_g) = out[False], out[True]
     assert none.size == 0 and sorted(alone) == [0, 1, 3, 5]  # features of one sample's row
@@ -495,6 +519,9 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     P, T = pool.size, bounds.size - 1
     W_pool, z, vec = np.empty((P, H), np.float32), np.empty((n, P), np.float32), np.empty(P, np.float32)
     K.pool_logits(h, W, b, pool, W_pool, z, vec, bounds)
+    z_block = np.empty_like(z)  # the row block's rows are led by the same weights
+    K.pool_logits(h, _row_block(W, W + 1, W + 2), b, pool, W_pool, z_block, vec, bounds)
+    np.testing.assert_array_equal(z_block, z)
     np.testing.assert_allclose(z, h @ W[pool].T + b[pool], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(W_pool, W[pool])
 
@@ -505,15 +532,15 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     owners[pool] = K.SHARED
     lone = pool[::3]
     owners[lone] = K.POOL
-    state = {"W": W.copy(), "b": b.copy(), "M": np.full_like(W, 0.1), "V": np.full_like(W, 0.2),
-             "bM": np.full_like(b, 0.1), "bV": np.full_like(b, 0.2)}
+    B = _row_block(W, np.full_like(W, 0.1), np.full_like(W, 0.2))
+    state = {"B": B, "b": b.copy(), "bM": np.full_like(b, 0.1), "bV": np.full_like(b, 0.2)}
     before = {k: v.copy() for k, v in state.items()}
     hyper = (1e-2, 0.9, 0.999, 1e-8, 4, 0.5)  # lr, beta1, beta2, eps, step, weight decay
     dH, gW, gb = dH0.copy(), np.ones_like(W), np.ones_like(b)
     g_pool = np.empty((P, H), np.float32)
-    K.pool_gradients(h, W_pool, dz.copy(), pool, dH, state["W"], state["b"], gW, gb, state["M"],
-                     state["V"], state["bM"], state["bV"], owners, g_pool, vec,
-                     np.full((T, n, H), np.nan, np.float32), bounds, *hyper)
+    K.pool_gradients(h, W_pool, dz.copy(), pool, dH, state["B"], state["b"], gW, gb, state["bM"],
+                     state["bV"], owners, g_pool, vec, np.full((T, n, H), np.nan, np.float32),
+                     bounds, *hyper)
     np.testing.assert_allclose(dH, dH0 + dz @ W[pool], rtol=1e-5, atol=1e-5)  # weights before
     np.testing.assert_allclose(g_pool, dz.T @ h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(vec, dz.sum(axis=0), rtol=1e-5, atol=1e-5)
@@ -524,11 +551,11 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     # the rows updated in place: as adam_rows / adam_entries with the same gradients
     at = np.flatnonzero(~shared).astype(np.int32)
     ref = {k: v.copy() for k, v in before.items()}
-    K.adam_rows(lone, at, ref["W"], ref["M"], ref["V"], g_pool.copy(), *hyper)
+    K.adam_rows(lone, at, ref["B"], g_pool.copy(), *hyper)
     K.adam_entries(lone, at, ref["b"], ref["bM"], ref["bV"], vec.copy(), *hyper[:-1], 0.0)
     for k in state:
         np.testing.assert_array_equal(state[k], ref[k], err_msg=k)
-    assert not np.array_equal(state["W"][lone], W[lone])
+    assert not np.array_equal(_row_parts(state["B"])[0][lone], W[lone])
     rest = np.setdiff1d(np.arange(n_out), lone)
     assert all(np.array_equal(state[k][rest], before[k][rest]) for k in state)
     rest = np.setdiff1d(np.arange(n_out), pool)
