@@ -47,9 +47,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     training data by :func:`slide.config.resolve`).
 
     Fitted attributes: ``config_`` (the validated settings), ``resolved_`` (the concrete
-    ones), ``n_features_in_``, ``n_labels_``, ``preprocessor_``, ``params_`` (dict of float32
-    arrays), ``learning_rate_`` (lowered on plateaus), ``step_``, ``epoch_``, ``history_``
-    (per-epoch records), ``stopping_`` (the epoch kept and why training stopped),
+    ones), ``n_features_in_``, ``n_labels_``, ``preprocessor_``, ``params_`` and ``moments_``
+    (dicts of float32 arrays; once the model trains, ``W``, ``W0`` and their moments are views
+    of :meth:`row_blocks`), ``learning_rate_`` (lowered on plateaus), ``step_``, ``epoch_``,
+    ``history_`` (per-epoch records), ``stopping_`` (the epoch kept and why training stopped),
     ``timings_`` (seconds per phase).
     """
 
