@@ -48,11 +48,12 @@
    batches, over ``--steps`` batches), and the fraction of the roofline it reaches: per phase
    ``least time / measured time``, and overall ``measured samples/s / limit``; the fraction of
    the memory roof alone is reported beside it.
-5. **What scattered rows allow**: the step's rows are scattered 4 x H-byte reads and writes,
-   which no memory system serves at the triad's rate. ``scattered_bandwidth`` times Adam's
-   pattern with no arithmetic (a batch's distinct output rows, in increasing order, of four
-   arrays the output layer's size, each read and written); the same bytes at that rate, the
-   rehash at the triad's, give an attainable limit, reported beside the roofline.
+5. **What scattered rows allow**: the step's rows are scattered reads and writes of a few H
+   floats each, which no memory system serves at the triad's rate. ``scattered_bandwidth``
+   times Adam's pattern with no arithmetic (a batch's distinct output rows, in increasing
+   order, each read and written: its row of a row block the output layer's size, weights and
+   both moments in one run, and its gradient row); the same bytes at that rate, the rehash at
+   the triad's, give an attainable limit, reported beside the roofline.
 
 Writes the figures as JSON to the path given with ``--out``.
 """
@@ -91,27 +92,32 @@ def stream_bandwidth(mb: int, threads: int, reps: int = 5) -> float:
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _scattered_update(rows, A, B, C, D):
+def _scattered_update(rows, R, D):
+    """Rows ``rows`` of row block ``R`` [n, 3w] and gradient ``D`` [n, w] read and written as
+    Adam writes them (weights += first moment += second moment += gradient; gradient = 0)."""
+    w = D.shape[1]
     for t in prange(rows.size):
         i = rows[t]
-        a, b, c, d = A[i], B[i], C[i], D[i]
-        for j in range(a.size):
-            a[j] += b[j]
-            b[j] += c[j]
-            c[j] += d[j]
+        r, d = R[i], D[i]
+        for j in range(w):
+            r[j] += r[w + j]
+            r[w + j] += r[2 * w + j]
+            r[2 * w + j] += d[j]
             d[j] = 0.0
 
 
 def scattered_bandwidth(n_rows: int, width: int, touched: int, threads: int,
                         reps: int = 5) -> float:
     """Bytes per second (read + written) of one pass over ``touched`` distinct random rows,
-    in increasing order, of four float32 [n_rows, width] arrays, each row read and written:
+    in increasing order, of a float32 row block [n_rows, 3·width] (a row's weights and both
+    moments, :mod:`slide.kernels`) and a gradient [n_rows, width], each row read and written:
     Adam's access pattern with no arithmetic, on ``threads`` numba threads (median of
     ``reps`` passes, each over fresh rows)."""
     from lsh import set_num_threads
     set_num_threads(threads)
     rng = np.random.default_rng(0)
-    arrays = [np.ones((n_rows, width), np.float32) for _ in range(4)]  # paged in
+    arrays = [np.ones((n_rows, 3 * width), np.float32),  # paged in
+              np.ones((n_rows, width), np.float32)]
     sets = [np.unique(rng.integers(0, n_rows, touched)).astype(np.int32) for _ in range(reps + 1)]
     _scattered_update(sets[0], *arrays)  # compile
     times = []
@@ -324,8 +330,8 @@ def main(argv=None):
           f"roofline {limit:.0f} samples/s (memory roof alone {memory_limit:.0f} at "
           f"{bw / 1e9:.1f} GB/s); measured {rate:.0f} samples/s = {rate / limit:.1%} of it "
           f"({rate / memory_limit:.1%} of the memory roof alone)")
-    print(f"scattered rows (Adam's pattern, {max(u_out, 1)} rows of {H} floats in 4 arrays): "
-          f"{sbw / 1e9:.1f} GB/s; at that rate the step could reach {attainable_limit:.0f} "
+    print(f"scattered rows (Adam's pattern, {max(u_out, 1)} rows of a row block of 3 x {H} floats "
+          f"and of a gradient): {sbw / 1e9:.1f} GB/s; at that rate the step could reach {attainable_limit:.0f} "
           f"samples/s: measured {rate / attainable_limit:.1%} of it")
     if args.out:
         write_json(args.out, {"machine": machine(), "args": vars(args),
