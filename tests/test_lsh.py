@@ -65,11 +65,13 @@ def test_dwta_densification_leaves_no_empty_code(rng):
 
 
 @pytest.mark.parametrize("family", [WTA, DWTA])
-def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family):
+@pytest.mark.parametrize("bin_size", [2, 8])
+def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family, bin_size):
     """Rows hashed in transposed blocks (several blocks, a partial one, ties and zeros among
-    them) get the codes of the one-row reference loop."""
+    them; bins compared two and four positions a pass) get the codes of the one-row reference
+    loop."""
     from lsh.families import _wta_dense_codes, combine_codes
-    fam = family(48, K=3, L=7, range_pow=6, seed=5)
+    fam = family(48, K=3, L=7, range_pow=6, seed=5, bin_size=bin_size)
     V = rng.integers(-2, 3, (150, 48)).astype(np.float32)  # small integers: ties and zeros
     V[7] = 0.0  # DWTA: every bin empty
     codes = np.empty(fam.K * fam.L, np.int64)
