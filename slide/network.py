@@ -285,6 +285,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         the model first trains, and again if those arrays were replaced. A model loaded to
         serve keeps its plain arrays: an inference-only checkpoint's moments are zeros that take
         no memory until written, and a block would write them all."""
+        if not self._is_fitted():
+            raise NotFittedError("this SlideClassifier is not fitted yet: it has no weights")
         p, m = self.params_, self.moments_
         for name in ("W", "W0"):
             B = self._row_blocks.get(name)

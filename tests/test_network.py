@@ -147,6 +147,8 @@ def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
         assert np.array_equal(straight.params_[k], loaded.params_[k]), k
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert files == ["config.json", f"model-{first.step_}.npz"]
+    with pytest.raises(NotFittedError):
+        SlideClassifier().row_blocks()
     # a weight array replaced from outside goes into a new row block when the model trains
     loaded.params_["W"] = loaded.params_["W"] * 2
     want = loaded.params_["W"].copy()
