@@ -4,7 +4,10 @@
 
 1. **This machine's memory bandwidth**: a STREAM-like triad ``a = b + s·c`` over float32 arrays
    of ``--stream-mb`` each (far larger than any cache), numba-parallel, on 1 thread and on
-   ``--threads``; best of 5 (STREAM's convention: 3 arrays' bytes per pass).
+   ``--threads``; best of 5 (STREAM's convention: 3 arrays' bytes per pass). It and the
+   matrix product (3.) are measured before and again after the timed window, and the higher
+   of the two is the roof: on a machine shared with other tenants one measurement can fall in
+   a slow minute, and a roof measured low would flatter the fraction.
 2. **The bytes one training sample must move**, from the engine's resolved settings and the
    data's shape (per batch, divided by the batch size), counting each distinct row once (the
    least any implementation of this step moves), by phase:
@@ -126,6 +129,12 @@ def scattered_bandwidth(n_rows: int, width: int, touched: int, threads: int,
         _scattered_update(rows, *arrays)
         times.append((time.perf_counter() - t0) / rows.size)
     return 8 * width * 4 / float(np.median(times))
+
+
+def machine_roofs(stream_mb: int, threads: int) -> tuple:
+    """(triad bytes/s on 1 thread, on ``threads``, sgemm FLOP/s on 1 thread, on ``threads``)."""
+    return (stream_bandwidth(stream_mb, 1), stream_bandwidth(stream_mb, threads),
+            matmul_flops(1), matmul_flops(threads))
 
 
 def matmul_flops(threads: int, n: int = 2048, reps: int = 3) -> float:
@@ -256,11 +265,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    bw1 = stream_bandwidth(args.stream_mb, 1)
-    bw = stream_bandwidth(args.stream_mb, args.threads)
-    fl1, fl = matmul_flops(1), matmul_flops(args.threads)
-    print(f"triad bandwidth: {bw1 / 1e9:.1f} GB/s on 1 thread, {bw / 1e9:.1f} GB/s on {args.threads}; "
-          f"sgemm: {fl1 / 1e9:.0f} GFLOP/s on 1 thread, {fl / 1e9:.0f} GFLOP/s on {args.threads}")
+    before = machine_roofs(args.stream_mb, args.threads)
 
     X, Y, _, _ = dataset(args.preset, args.n_train, 10)
     model = SlideClassifier(threads=args.threads, early_stopping=False, seed=0,
@@ -281,6 +286,12 @@ def main(argv=None):
     model.train_rows(Xp, Y, timed)
     seconds = time.perf_counter() - t0
     rate = timed.size / seconds
+    after = machine_roofs(args.stream_mb, args.threads)
+    bw1, bw, fl1, fl = (max(a, b) for a, b in zip(before, after))
+    for when, roofs in (("before", before), ("after", after)):
+        print(f"{when} the window: triad {roofs[0] / 1e9:.1f} GB/s on 1 thread, "
+              f"{roofs[1] / 1e9:.1f} GB/s on {args.threads}; sgemm {roofs[2] / 1e9:.0f} GFLOP/s "
+              f"on 1 thread, {roofs[3] / 1e9:.0f} GFLOP/s on {args.threads}")
     rehashes = (model.tables_.builds - builds) if model.tables_ is not None else 0
     shape = (X.shape[1], Y.shape[1], X.nnz / X.shape[0], Y.nnz / Y.shape[0])
     counts = [np.bincount(Xp[timed[lo:lo + B]].indices, minlength=X.shape[1])
@@ -337,6 +348,8 @@ def main(argv=None):
         write_json(args.out, {"machine": machine(), "args": vars(args),
                               "bandwidth": {"1": bw1, str(args.threads): bw},
                               "matmul_flops": {"1": fl1, str(args.threads): fl},
+                              "roofs_before_after": {"before": list(before),
+                                                     "after": list(after)},
                               "resolved": model.resolved_, "rehashes_in_window": rehashes,
                               "input_rows_per_batch": {"distinct": inputs[0], "alone": inputs[1]},
                               "bytes_per_sample": need,
