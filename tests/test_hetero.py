@@ -100,7 +100,9 @@ class _FailingGPU(HeteroTrainer):
 
 def test_worker_error_stops_run_and_keeps_last_checkpoint(tmp_path, tiny_data):
     Xtr, Ytr = tiny_data[0][:1000], tiny_data[1][:1000]
-    h = _trainer(cls=_FailingGPU)
+    # min_speed 0: the worker must not retire in epoch 1 (on numpy it can be slower than half
+    # the engine), or it would never reach the failure injected in epoch 2
+    h = _trainer(cls=_FailingGPU, min_speed=0.0)
     saved_steps = []
 
     def checkpoint(trainer, record):
