@@ -287,23 +287,34 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         no memory until written, and a block would write them all."""
         if not self._is_fitted():
             raise NotFittedError("this SlideClassifier is not fitted yet: it has no weights")
-        p, m = self.params_, self.moments_
         for name in ("W", "W0"):
-            B = self._row_blocks.get(name)
-            if B is None or not all(a.base is B for a in (p[name], m[name + ".m"], m[name + ".v"])):
-                n, H = p[name].shape
+            if self._live_block(name) is None:
+                parts = self._block_parts(name)
+                n, H = self.params_[name].shape
                 B = np.empty((n, 3 * H), np.float32)
-                for j, (d, key) in enumerate(((p, name), (m, name + ".m"), (m, name + ".v"))):
+                for j, (d, key) in enumerate(parts):
                     B[:, j * H:(j + 1) * H] = d[key]
                     d[key] = B[:, j * H:(j + 1) * H]
                 self._row_blocks[name] = B
         return self._row_blocks
 
+    def _block_parts(self, name: str) -> tuple:
+        """(dict, key) of the weights and the two moments a row block of ``name`` holds."""
+        return ((self.params_, name), (self.moments_, name + ".m"), (self.moments_, name + ".v"))
+
+    def _live_block(self, name: str):
+        """``name``'s row block if the weights and both moments are still views of it, else
+        None (not made yet, or an array was replaced since)."""
+        B = self._row_blocks.get(name)
+        if B is None or any(d[key].base is not B for d, key in self._block_parts(name)):
+            return None
+        return B
+
     def _weight_rows(self, name: str) -> np.ndarray:
         """C-contiguous rows led by the weights of ``W`` or ``W0``, for kernels that only read
         them: the row block where the model trains, the plain matrix otherwise."""
-        B = self._row_blocks.get(name)
-        return B if B is not None and self.params_[name].base is B else self.params_[name]
+        B = self._live_block(name)
+        return self.params_[name] if B is None else B
 
     def _scratch(self, n_rows: int, max_labels: int):
         """Per-thread and per-batch buffers, grown when a batch needs more."""
@@ -453,8 +464,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         in_touched, in_rows, in_alone = (np.empty(Xb.indices.size, np.int32) for _ in range(3))
         n_in = kernels.mark_ids(Xb.indices, self._owners_in, in_place, in_touched)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
-                                blocks["W0"], self._owners_in, p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
-                                self._b_off, bounds, self._dbuf, *hyper)
+                                blocks["W0"], self._owners_in, p["Wh"], self._h_off, self._sizes,
+                                g["W0"], g["b0"], g["Wh"], g["bh"], self._b_off, bounds,
+                                self._dbuf, *hyper)
         t0 = self._tick("backward_hidden", t0)
         n_shared, n_in_place = kernels.read_marks(self._owners, self._touched[:n_touched],
                                                   self._shared, self._in_place)
