@@ -174,24 +174,21 @@ def _wta_block_codes(bins, Vt, codes, best):
             if step == 4:
                 x2, x3 = Vt[row[j + 2]], Vt[row[j + 3]]
                 for i in range(R):  # written as selects: the loop vectorises across the columns
-                    b, c = best[i], code[i]
-                    g = x0[i] > b
-                    b, c = (x0[i], j) if g else (b, c)
-                    g = x1[i] > b
-                    b, c = (x1[i], j + 1) if g else (b, c)
-                    g = x2[i] > b
-                    b, c = (x2[i], j + 2) if g else (b, c)
-                    g = x3[i] > b
-                    b, c = (x3[i], j + 3) if g else (b, c)
-                    best[i], code[i] = b, c
+                    b, c = _keep_max(x0, i, j, best[i], code[i])
+                    b, c = _keep_max(x1, i, j + 1, b, c)
+                    b, c = _keep_max(x2, i, j + 2, b, c)
+                    best[i], code[i] = _keep_max(x3, i, j + 3, b, c)
             else:
                 for i in range(R):
-                    b, c = best[i], code[i]
-                    g = x0[i] > b
-                    b, c = (x0[i], j) if g else (b, c)
-                    g = x1[i] > b
-                    b, c = (x1[i], j + 1) if g else (b, c)
-                    best[i], code[i] = b, c
+                    b, c = _keep_max(x0, i, j, best[i], code[i])
+                    best[i], code[i] = _keep_max(x1, i, j + 1, b, c)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _keep_max(x, i, j, b, c):
+    """(x[i], j) where x[i] beats the running maximum b (strictly: the first position keeps
+    a tie), (b, c) otherwise; a select, so the caller's loop vectorises."""
+    return (x[i], j) if x[i] > b else (b, c)
 
 
 @njit(cache=True, nogil=True)
