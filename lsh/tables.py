@@ -164,8 +164,9 @@ def claim(slots, where, i):
 @njit(cache=True, nogil=True)
 def query_union(buckets, seen, codes, slots, where, cand, hits):
     """The deduplicated union of the ids in the L buckets ``codes`` [L], written to ``cand``
-    (int32, room for the largest union: :class:`QueryScratch`) in discovery order, with each one's hit count (the tables it
-    was found in) at the same position of ``hits``; returns its size. Ids go through the
+    (int32, room for the largest union: :class:`QueryScratch`) in discovery order, with each
+    one's hit count (the tables it was found in) at the same position of ``hits``; returns its
+    size. Ids go through the
     query set ``slots`` (int32 [S], -1 where empty; ``where`` int32 [S] holds each id's
     position in ``cand``, -1 for a claimed one); the caller empties it (``slots[:] = -1``)
     after the query."""

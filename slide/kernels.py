@@ -416,8 +416,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
     """The shared pool's logits ``z = h @ W[pool].T + b[pool]``.
 
     ``h`` float32 [n, H] (the last hidden layer), ``W`` the output layer's rows led by the
-    weights (float32 [n_out, H] or its row block), ``b`` [n_out],
-    ``pool`` int32 [P]. ``W_pool`` float32 [P, H] receives ``W[pool]`` (the backward pass
+    weights (float32 [n_out, H] or its row block), ``b`` [n_out], ``pool`` int32 [P]. ``W_pool`` float32 [P, H] receives ``W[pool]`` (the backward pass
     reads it again), ``z`` float32 [n, P] the logits; ``b_pool`` float32 [P] is scratch. Thread
     c takes pool positions ``bounds[c]:bounds[c + 1]`` (int64 [T + 1]).
     """
@@ -448,8 +447,7 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, g_pool,
     A pool row marked POOL in ``owners`` (:func:`mark_rows`: no sample's own) has its whole
     gradient here and gets its Adam step in place (``W``: the output layer's row block; ``b``,
     its moments ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows`); the
-    others add
-    their gradients to ``gW``/``gb`` (Hogwild). ``dH`` reads the weights gathered before any
+    others add their gradients to ``gW``/``gb`` (Hogwild). ``dH`` reads the weights gathered before any
     update (``W_pool``). Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H].
     Scratch: ``g_pool`` [P, H], ``col_sums`` [P] and ``dH_parts`` [T, n, H] (each thread's share
     of dH, summed after: a block of the pool adds to every row of dH).
