@@ -239,6 +239,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._next_rehash = self.resolved_["rehash_every"]
         self._rehash_interval = float(self.resolved_["rehash_every"])
         self._next_rebuild = self.resolved_["rebuild_every"]
+        # a model initialised here trains: its weights go into their row blocks now, so that
+        # the tables are first hashed from them (a rehash in a timed step then compiles nothing)
+        self.row_blocks()
         self._refresh_tables()
 
     def _setup(self):
@@ -274,7 +277,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._scratch_key = None
         self._pool_buf = None
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
-        self._row_blocks = {}  # W's and W0's row blocks, made when the model first trains
+        self._row_blocks = {}  # W's and W0's row blocks: see row_blocks
         self._tables_stale = False
         self._int8_rows = None  # exact top-k's int8 copy of W, built when first needed
 
@@ -282,8 +285,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """The row blocks that ``W`` and ``W0`` train in (:mod:`slide.kernels`): float32
         [n_labels, 3·H] and [n_features, 3·H0], row i the weights of row i, then its Adam first
         and second moments; ``params_`` and ``moments_`` hold views of them. Made (a copy) when
-        the model first trains, and again if those arrays were replaced. A model loaded to
-        serve keeps its plain arrays: an inference-only checkpoint's moments are zeros that take
+        the model is initialised for training or first trains after a load, and again if those
+        arrays were replaced. A model loaded to serve keeps its plain arrays: an inference-only checkpoint's moments are zeros that take
         no memory until written, and a block would write them all."""
         if not self._is_fitted():
             raise NotFittedError("this SlideClassifier is not fitted yet: it has no weights")
