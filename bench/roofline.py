@@ -342,8 +342,8 @@ def main(argv=None):
           f"{bw / 1e9:.1f} GB/s); measured {rate:.0f} samples/s = {rate / limit:.1%} of it "
           f"({rate / memory_limit:.1%} of the memory roof alone)")
     print(f"scattered rows (Adam's pattern, {max(u_out, 1)} rows of a row block of 3 x {H} floats "
-          f"and of a gradient): {sbw / 1e9:.1f} GB/s; at that rate the step could reach {attainable_limit:.0f} "
-          f"samples/s: measured {rate / attainable_limit:.1%} of it")
+          f"and of a gradient): {sbw / 1e9:.1f} GB/s; at that rate the step could reach "
+          f"{attainable_limit:.0f} samples/s: measured {rate / attainable_limit:.1%} of it")
     if args.out:
         write_json(args.out, {"machine": machine(), "args": vars(args),
                               "bandwidth": {"1": bw1, str(args.threads): bw},
