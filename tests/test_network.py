@@ -468,10 +468,10 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
                                np.float32))
     sizes = np.array(hidden, np.int64)
     n_f, H0 = X.shape[1], hidden[0]
-    blocks = [(hidden[l], hidden[l - 1]) for l in range(1, len(hidden))]
-    h_off = np.cumsum([0] + [a * b for a, b in blocks])[:-1].astype(np.int64)
-    b_off = np.cumsum([0] + [a for a, _ in blocks])[:-1].astype(np.int64)
-    Wh = rng.standard_normal(max(1, sum(a * b for a, b in blocks))).astype(np.float32)
+    blocks = hidden_blocks(hidden)  # the stack's offsets, as the engine lays them out
+    h_off = np.array([blk[0] for blk in blocks] or [0], np.int64)
+    b_off = np.array([blk[1] for blk in blocks] or [0], np.int64)
+    Wh = rng.standard_normal(max(1, sum(blk[2] * blk[3] for blk in blocks))).astype(np.float32)
     acts = np.abs(rng.standard_normal((3, int(sizes.sum())))).astype(np.float32)
     acts[0, 1] = 0.0  # a ReLU at zero
     dH = rng.standard_normal((3, hidden[-1])).astype(np.float32)
@@ -483,7 +483,7 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
         B = _row_block(start["W0"], start["M0"], start["V0"])
         p = dict(zip(("W0", "M0", "V0"), _row_parts(B)))
         gW0, gb0 = np.zeros((n_f, H0), np.float32), np.zeros(H0, np.float32)
-        gWh, gbh = np.zeros_like(Wh), np.zeros(max(1, sum(a for a, _ in blocks)), np.float32)
+        gWh, gbh = np.zeros_like(Wh), np.zeros(max(1, sum(blk[2] for blk in blocks)), np.float32)
         owners, touched = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
         n = K.mark_ids(X.indices, owners, in_place, touched)
         K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, B, owners, Wh,
