@@ -7,6 +7,14 @@ for ``--epochs`` epochs (early stopping on, so the validation slice and the best
 are counted) and reports the process's peak resident set size (``ru_maxrss``, which includes
 the data) beside the engine's own estimate of the model's bytes
 (:func:`slide.resources.model_memory_bytes`) and the data's. Writes ``OUT.json`` with ``--out``.
+
+Resuming from a checkpoint, measured in a process of its own (the peak is the process's)::
+
+    python -m bench.memory --n-train 100000 --epochs 1 --save /tmp/memory_model
+    python -m bench.memory --n-train 100000 --epochs 1 --resume /tmp/memory_model
+
+``--save DIR`` writes the fitted model (a training checkpoint: weights, Adam moments, the best
+weights); ``--resume DIR`` loads it instead of starting afresh and trains ``--epochs`` more.
 """
 from __future__ import annotations
 
@@ -27,6 +35,9 @@ def main(argv=None):
     p.add_argument("--n-train", type=int, default=100000)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--save", default=None, metavar="DIR", help="save the fitted model here")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="load this checkpoint and train --epochs more (the same data)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -34,10 +45,16 @@ def main(argv=None):
     data_bytes = sum(a.nbytes for M in (X, Y) for a in (M.data, M.indices, M.indptr))
     gen = time.perf_counter() - t0
     rss_data = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    model = SlideClassifier(epochs=args.epochs, threads=args.threads)
     t0 = time.perf_counter()
+    if args.resume:
+        model = SlideClassifier.load(args.resume)
+        model.set_params(warm_start=True, epochs=model.epoch_ + args.epochs, threads=args.threads)
+    else:
+        model = SlideClassifier(epochs=args.epochs, threads=args.threads)
     model.fit(X, Y)
     fit = time.perf_counter() - t0
+    if args.save:
+        model.save(args.save)
     p1 = model.evaluate(Xte, Yte)["P@1"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     estimate = model_memory_bytes(model.resolved_, X.shape[1], Y.shape[1],
@@ -46,7 +63,7 @@ def main(argv=None):
            "peak_rss_bytes": peak, "rss_after_data_bytes": rss_data, "data_bytes": data_bytes,
            "model_estimate_bytes": estimate, "generate_seconds": gen, "fit_seconds": fit,
            "test_P@1": p1, "samples_per_second": model.history_[-1]["samples_per_second"]}
-    print(f"{args.preset}, {X.shape[0]} train rows: peak RSS {peak / 2**30:.2f} GiB (data "
+    print(f"{args.preset}, {X.shape[0]} train rows{', resumed' if args.resume else ''}: peak RSS {peak / 2**30:.2f} GiB (data "
           f"{data_bytes / 2**30:.2f} GiB, model estimate {estimate / 2**30:.2f} GiB); fit "
           f"{fit:.0f} s for {args.epochs} epoch(s), P@1 {p1:.4f}")
     if args.out:

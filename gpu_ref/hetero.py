@@ -193,8 +193,8 @@ class HeteroTrainer:
     def preprocess(self, X):
         return self.model.preprocess(X)
 
-    def snapshot(self):
-        return self.model.snapshot()
+    def snapshot(self, out=None):
+        return self.model.snapshot(out)
 
     def restore(self, state):
         self.model.restore(state)

@@ -6,13 +6,18 @@ previous checkpoint loadable, and a failed write removes its temporary file. The
 and the dense reference share this format.
 
 Reading checks everything before a model is built from it: the JSON's keys and types, that the
-arrays file lies inside the model directory, that the npz opens, and (through
-:meth:`Checkpoint.arrays_like`) each array's shape and dtype against the configuration, so a
+arrays file lies inside the model directory, that the npz opens and each member's header
+matches its stored size, and (through :meth:`Checkpoint.arrays_like` and
+:meth:`Checkpoint.read_into`) each array's shape and dtype against the configuration, so a
 damaged or mismatched checkpoint gives a :class:`CheckpointError` naming the file and problem,
-never a crash inside a kernel.
+never a crash inside a kernel. Arrays are read when asked for, one at a time: a model can read
+its largest ones straight into the memory that will hold them (at 670K labels the output
+layer, its moments and its best copy are 1.4 GB, which a load that read every array first
+would hold beside that memory).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 import os
@@ -24,6 +29,9 @@ __all__ = ["CheckpointError", "Checkpoint", "write_checkpoint", "read_checkpoint
 
 # 2: preprocessing and early-stopping state; version 1 files load with identity preprocessing
 FORMAT_VERSION = 2
+
+#: bytes :meth:`Checkpoint.read_into` reads from the file at a time
+READ_BYTES = 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -74,11 +82,11 @@ def write_checkpoint(path, arrays: dict, meta: dict, step: int) -> None:
 
 
 class Checkpoint:
-    """A checkpoint read from disk: ``meta`` (the JSON) and ``arrays`` (name → ndarray), with
-    checked accessors for what a model needs."""
+    """A checkpoint read from disk: ``meta`` (the JSON) and its arrays file's checked members
+    (read on demand), with checked accessors for what a model needs."""
 
-    def __init__(self, path: str, meta: dict, arrays: dict):
-        self.path, self.meta, self.arrays = path, meta, arrays
+    def __init__(self, path: str, meta: dict, members: dict):
+        self.path, self.meta, self._members = path, meta, members
         self._where = os.path.join(path, "config.json")
         self.n_features = self.int("n_features", minimum=1)
         self.n_labels = self.int("n_labels", minimum=1)
@@ -152,6 +160,41 @@ class Checkpoint:
         return {k: (tuple(v) if isinstance(v, list) else v)
                 for k, v in self.meta["config"].items() if k in names}
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._members
+
+    def array(self, key: str) -> np.ndarray:
+        """The whole array ``key`` (a member of the arrays file), read now."""
+        with self._member(key) as fh:
+            return np.lib.format.read_array(fh, allow_pickle=False)
+
+    def read_into(self, key: str, out: np.ndarray) -> None:
+        """Read float32 array ``key`` into ``out`` [n, d] (any row stride, e.g. a column block
+        of a wider array), checked against ``out``'s shape, a few megabytes at a time."""
+        self._check(key, out.shape)
+        fortran = self._members[key][2]
+        if fortran or out.ndim != 2 or out.size == 0:  # not what np.save writes for a matrix
+            out[...] = self.array(key)
+            return
+        rows = max(1, READ_BYTES // (4 * out.shape[1]))
+        buf = np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
+        with self._member(key) as fh:
+            fmt = np.lib.format
+            major, _ = fmt.read_magic(fh)
+            (fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0)(fh)
+            for lo in range(0, out.shape[0], rows):
+                part = buf[:min(rows, out.shape[0] - lo)]
+                view = memoryview(part).cast("B")
+                got = 0
+                while got < view.nbytes:
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        raise EOFError("the array's data ends early")
+                    got += n
+                out[lo:lo + part.shape[0]] = part
+            if fh.read(1):  # and the zip's checksum is checked at the member's end
+                raise ValueError("data after the array")
+
     def arrays_like(self, shapes: dict, prefix: str = "", suffixes=("",), zeros: bool = False,
                     missing_ok: bool = False) -> dict:
         """float32 arrays ``prefix + name + suffix`` for every ``name`` in ``shapes``, checked
@@ -161,20 +204,38 @@ class Checkpoint:
         for name, shape in shapes.items():
             for suffix in suffixes:
                 key = f"{prefix}{name}{suffix}"
-                a = self.arrays.get(key)
-                if a is None:
+                if key not in self._members:
                     if zeros:
                         out[f"{name}{suffix}"] = np.zeros(shape, np.float32)
                         continue
                     if missing_ok:
                         continue
-                    raise CheckpointError(f"{self.npz_path}: array '{key}' is missing")
-                if a.shape != tuple(shape) or a.dtype != np.float32:
-                    raise CheckpointError(
-                        f"{self.npz_path}: array '{key}' is {a.dtype} {a.shape}, the configuration "
-                        f"({self._where}) needs float32 {tuple(shape)}")
-                out[f"{name}{suffix}"] = np.ascontiguousarray(a)
+                self._check(key, shape)
+                out[f"{name}{suffix}"] = np.ascontiguousarray(self.array(key))
         return out
+
+    def _check(self, key: str, shape) -> None:
+        """That member ``key`` exists and is float32 of ``shape``."""
+        if key not in self._members:
+            raise CheckpointError(f"{self.npz_path}: array '{key}' is missing")
+        _, stored, _, dtype = self._members[key]
+        if stored != tuple(shape) or dtype != np.float32:
+            raise CheckpointError(
+                f"{self.npz_path}: array '{key}' is {dtype} {stored}, the configuration "
+                f"({self._where}) needs float32 {tuple(shape)}")
+
+    @contextlib.contextmanager
+    def _member(self, key: str):
+        """Member ``key`` of the arrays file, open for reading; whatever its bytes make numpy or
+        zipfile trip over (a bad checksum, a truncated stream) is a :class:`CheckpointError`."""
+        try:
+            with zipfile.ZipFile(self.npz_path) as zf, zf.open(self._members[key][0]) as fh:
+                yield fh
+        except CheckpointError:
+            raise
+        except Exception as e:  # untrusted bytes
+            raise CheckpointError(f"{self.npz_path}: array '{key}' is unreadable "
+                                  f"({type(e).__name__}: {e})") from None
 
     @property
     def npz_path(self) -> str:
@@ -183,7 +244,7 @@ class Checkpoint:
     def preprocessor(self, n_features: int):
         from slide.preprocess import Preprocessor
         meta = self.meta.get("preprocessing")
-        arrays = {k[4:]: v for k, v in self.arrays.items() if k.startswith("pre.")}
+        arrays = {k[4:]: self.array(k) for k in self._members if k.startswith("pre.")}
         if meta is None:  # written before preprocessing was part of the model: rows as given
             meta = {"norm": None, "tfidf": False, "n_documents": 1}
             arrays = {"document_frequency": np.ones(n_features, np.int64)}
@@ -226,19 +287,20 @@ def read_checkpoint(path) -> Checkpoint:
     if not os.path.exists(npz):
         raise CheckpointError(f"{npz}: missing (named by {cfg_path})")
     try:
-        arrays = _read_npz(npz)
+        members = _npz_members(npz)
     except CheckpointError:
         raise
     except Exception as e:  # untrusted bytes: whatever numpy or zipfile trip over is "unreadable"
         raise CheckpointError(f"{npz}: unreadable ({type(e).__name__}: {e})") from None
-    return Checkpoint(path, meta, arrays)
+    return Checkpoint(path, meta, members)
 
 
-def _read_npz(npz: str) -> dict:
-    """The arrays of an uncompressed or compressed .npz, each member's header checked against
-    its stored size before anything is allocated (a corrupted shape cannot ask for terabytes)."""
+def _npz_members(npz: str) -> dict:
+    """The members of an uncompressed or compressed .npz: name → (zip entry, shape, Fortran
+    order, dtype), each header checked against its stored size before anything is allocated
+    (a corrupted shape cannot ask for terabytes). The data is read later, when asked for."""
     fmt = np.lib.format
-    arrays = {}
+    members = {}
     with zipfile.ZipFile(npz) as zf:
         for info in zf.infolist():
             if not info.filename.endswith(".npy"):
@@ -253,6 +315,5 @@ def _read_npz(npz: str) -> dict:
                 if need != info.file_size - fh.tell():
                     raise CheckpointError(f"{npz}: {info.filename} declares {shape} {dtype} but "
                                           f"stores {info.file_size - fh.tell()} bytes")
-            with zf.open(info) as fh:
-                arrays[info.filename[:-4]] = fmt.read_array(fh, allow_pickle=False)
-    return arrays
+            members[info.filename[:-4]] = (info, tuple(shape), bool(fortran), dtype)
+    return members

@@ -15,7 +15,8 @@ that is not engine-specific):
   (the mixin runs ``train_step`` over consecutive batches of ``batch_size_``); returns a dict
   with the epoch's mean ``loss`` and anything else worth recording;
 * ``train_step(Xp_batch, Y_batch) -> float``: one optimizer step on a preprocessed batch;
-* ``snapshot()`` / ``restore(state)``: copy the parameters out and put them back;
+* ``snapshot(out=None)`` / ``restore(state)``: copy the parameters out (into ``out``'s
+  arrays where given) and put them back;
 * ``validation_metric()``: after ``initialize``, the early-stopping score, ``"loss"`` or
   ``"nDCG@5"`` (see :class:`EarlyStopping`);
 * ``evaluate(X, Y, k)``; attributes ``learning_rate_``, ``epoch_``, ``history_``.
@@ -292,7 +293,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             improved, _ = stopper.update(model.epoch_, record)  # drops: stopper.lowered
             if improved:
                 # copied now because training moves on; restored at the end if nothing beats it
-                model.best_params_ = model.snapshot()
+                model.best_params_ = model.snapshot(out=model.best_params_)
             record["best_epoch"] = stopper.best_epoch
         model.history_.append(record)
         if on_epoch is not None:
@@ -504,9 +505,17 @@ class TrainableMixin:
             return {"loss": total / max(order.size, 1), "first_batch_seconds": compile_seconds}
         return {"loss": total / max(order.size, 1)}
 
-    def snapshot(self) -> dict:
-        """A copy of the parameters (device arrays stay on their device)."""
-        return {k: v.copy() for k, v in self.params_.items()}
+    def snapshot(self, out: dict | None = None) -> dict:
+        """A copy of the parameters (device arrays stay on their device); with ``out``, an
+        earlier snapshot of the same arrays, copied into its arrays instead of new ones (early
+        stopping's best weights: a second copy made beside the first was the peak of a whole
+        run, 413 MB above the rest at 670K labels)."""
+        if out is None or out.keys() != self.params_.keys() or \
+                any(out[k].shape != v.shape for k, v in self.params_.items()):
+            return {k: v.copy() for k, v in self.params_.items()}
+        for k, v in self.params_.items():
+            out[k][...] = v
+        return out
 
     def restore(self, state: dict) -> None:
         """Put parameters from :meth:`snapshot` back in place."""

@@ -82,11 +82,18 @@ def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
     m = _Scripted(hidden=(8,), sparsity=0.5, epochs=20, n_iter_no_change=4, seed=0, lr=1e-3,
                   refit=False)
     m.script = [0.1, 0.3, 0.2, 0.25, 0.2, 0.1, 0.1, 0.1]
-    weights = {}
-    m.fit(X, Y, on_epoch=lambda model, rec: weights.__setitem__(rec["epoch"], model.params_["W"].copy()))
+    weights, best = {}, {}
+
+    def record(model, rec):
+        weights[rec["epoch"]] = model.params_["W"].copy()
+        best[rec["epoch"]] = model.best_params_["W"]
+
+    m.fit(X, Y, on_epoch=record)
     assert m.epoch_ == 6 and m.stopping_["kept_epoch"] == 2
     assert "no improvement" in m.stopping_["reason"] and m.stopping_["validation"].startswith("held out")
     np.testing.assert_array_equal(m.params_["W"], weights[2])
+    # epoch 2's best weights were copied into epoch 1's arrays, not beside them
+    assert best[2] is best[1] and np.array_equal(best[2], weights[2])
     # still in the first third of the planned 20 epochs: only the plateau drop after epoch 4
     rates = [h["learning_rate"] for h in m.history_]
     assert rates == pytest.approx([1e-3] * 4 + [1e-3 * PLATEAU_FACTOR] * 2)
