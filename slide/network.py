@@ -222,6 +222,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                       self.config_.threads or numba.config.NUMBA_NUM_THREADS),
                    f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "
                    f"and {self.n_labels_} labels")
+        self._row_blocks = {}  # a previous fit's blocks go before the new arrays are made
         self.params_ = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
                                        self.config_.seed, self.preprocessor_.seen_features(),
                                        self.resolved_["input_init"])
@@ -277,29 +278,37 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._scratch_key = None
         self._pool_buf = None
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
-        self._row_blocks = {}  # W's and W0's row blocks: see row_blocks
         self._tables_stale = False
         self._int8_rows = None  # exact top-k's int8 copy of W, built when first needed
 
     def row_blocks(self) -> dict:
         """The row blocks that ``W`` and ``W0`` train in (:mod:`slide.kernels`): float32
         [n_labels, 3·H] and [n_features, 3·H0], row i the weights of row i, then its Adam first
-        and second moments; ``params_`` and ``moments_`` hold views of them. Made (a copy) when
-        the model is initialised for training or first trains after a load, and again if those
-        arrays were replaced. A model loaded to serve keeps its plain arrays: an inference-only checkpoint's moments are zeros that take
-        no memory until written, and a block would write them all."""
+        and second moments; ``params_`` and ``moments_`` hold views of them. Made when the model
+        is initialised for training, filled from the file when a checkpoint with moments is
+        loaded, and made again (a copy) at the next step if those arrays were replaced. A model
+        loaded from an inference-only checkpoint keeps its plain arrays until it trains: its
+        moments are zeros that take no memory until written, and a block would write them
+        all."""
         if not self._is_fitted():
             raise NotFittedError("this SlideClassifier is not fitted yet: it has no weights")
         for name in ("W", "W0"):
             if self._live_block(name) is None:
-                parts = self._block_parts(name)
-                n, H = self.params_[name].shape
-                B = np.empty((n, 3 * H), np.float32)
-                for j, (d, key) in enumerate(parts):
-                    B[:, j * H:(j + 1) * H] = d[key]
-                    d[key] = B[:, j * H:(j + 1) * H]
-                self._row_blocks[name] = B
+                self._make_block(name, self.params_[name].shape,
+                                 lambda part, d, key: np.copyto(part, d[key]))
         return self._row_blocks
+
+    def _make_block(self, name: str, shape: tuple, fill) -> None:
+        """Make ``name``'s row block float32 [n, 3·H] for its [n, H] ``shape``:
+        ``fill(part, d, key)`` writes each of its three column blocks (the weights, the first
+        moment, the second), which then replaces ``d[key]`` (``params_`` or ``moments_``)."""
+        n, H = shape
+        B = np.empty((n, 3 * H), np.float32)
+        for j, (d, key) in enumerate(self._block_parts(name)):
+            part = B[:, j * H:(j + 1) * H]
+            fill(part, d, key)
+            d[key] = part
+        self._row_blocks[name] = B
 
     def _block_parts(self, name: str) -> tuple:
         """(dict, key) of the weights and the two moments a row block of ``name`` holds."""
@@ -750,8 +759,19 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.rare_share_, self.width_ = ck.rare_share, ck.width
         self.resolved_ = self._resolve(self.config_)
         shapes = parameter_shapes(self.resolved_["hidden"], self.n_features_in_, self.n_labels_)
-        self.params_ = ck.arrays_like(shapes)
-        self.moments_ = ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True)
+        # a checkpoint with moments was saved to train on: its layers W and W0 are read straight
+        # into the row blocks they train in. Read whole and then copied, they would be held
+        # beside their blocks (1 GB more at 670K labels, above the peak of training itself)
+        blocked = [k for k in ("W", "W0") if f"adam.{k}.m" in ck and f"adam.{k}.v" in ck]
+        rest = {k: v for k, v in shapes.items() if k not in blocked}
+        self.params_ = ck.arrays_like(rest)
+        self.moments_ = ck.arrays_like(rest, prefix="adam.", suffixes=(".m", ".v"), zeros=True)
+        self._row_blocks = {}
+        for name in blocked:
+            self._make_block(name, shapes[name], lambda part, d, key, name=name: ck.read_into(
+                key if key == name else f"adam.{key}", part))
+        self.params_ = {k: self.params_[k] for k in shapes}  # the order saved and exchanged
+        self.moments_ = {f"{k}.{s}": self.moments_[f"{k}.{s}"] for k in shapes for s in "mv"}
         self.inference_only_ = bool(ck.meta.get("inference_only", False))
         best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
         self.best_params_ = best or None

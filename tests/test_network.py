@@ -128,19 +128,30 @@ def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
     straight = SlideClassifier(**kw, epochs=2).fit(X, Y)
     first = SlideClassifier(**kw, epochs=1).fit(X, Y)
     first.save(tmp_path / "ck")
+    first.save(tmp_path / "serve", inference_only=True)
     loaded = SlideClassifier.load(tmp_path / "ck")
-    # the trained model's weights and moments are views of its row blocks, the loaded model's
-    # plain arrays until it trains: both answer the same
-    blocks = first.row_blocks()
+    served = SlideClassifier.load(tmp_path / "serve")
+    # the trained model's weights and moments are views of its row blocks, and so are the
+    # model's loaded from a training checkpoint (read into them); a model loaded to serve holds
+    # plain arrays: all three answer the same
+    for model in (first, loaded):
+        blocks = model.row_blocks()
+        for name in ("W", "W0"):
+            for key, d in ((name, model.params_), (name + ".m", model.moments_),
+                           (name + ".v", model.moments_)):
+                assert d[key].base is blocks[name]
+                src = first.params_ if d is model.params_ else first.moments_
+                np.testing.assert_array_equal(d[key], src[key])
+    assert list(loaded.params_) == list(first.params_)
+    assert list(loaded.moments_) == list(first.moments_)
     for name in ("W", "W0"):
-        for a in (first.params_[name], first.moments_[name + ".m"], first.moments_[name + ".v"]):
-            assert a.base is blocks[name]
-        assert loaded.params_[name].flags.c_contiguous
+        assert served.params_[name].flags.c_contiguous
     for mode in ("exact", "lsh"):
         a, sa = first.predict_topk(Xte[:50], 5, mode=mode)
-        b, sb = loaded.predict_topk(Xte[:50], 5, mode=mode)
-        np.testing.assert_array_equal(a, b)
-        np.testing.assert_array_equal(sa, sb)
+        for other in (loaded, served):
+            b, sb = other.predict_topk(Xte[:50], 5, mode=mode)
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(sa, sb)
     loaded.set_params(warm_start=True).fit(X, Y)
     assert loaded.epoch_ == 2 and loaded.step_ == straight.step_
     for k in straight.params_:
