@@ -247,7 +247,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
         self.width_ = width
         self.resolved_ = self._resolve(self.config_)
-        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1),
+        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1,
+                                      compact_gradients=False),
                    f"a dense model of {self.n_features_in_} features, hidden "
                    f"{self.resolved_['hidden']} and {self.n_labels_} labels")
         self._xp = None

@@ -205,8 +205,8 @@ REFIT_ROWS = 10_000
 #: Enron 0.776 -> 0.775, the others unchanged (bench/results/accuracy_experiments.md)
 WIDE_HIDDEN = 2048
 
-#: a sampled output layer is as wide as its optimizer state (weights, two Adam moments and the
-#: gradient accumulator: 16 bytes a weight) allows within this budget, 512 at most, 128 at least.
+#: a sampled output layer is as wide as its state (weights, two Adam moments and early
+#: stopping's best weights: 16 bytes a weight) allows within this budget, 512 at most, 128 at least.
 #: Width is what a few thousand labels lack (eurlex-4k preset, P@1 0.70 at 128, 0.82 at 512); at
 #: 670K labels 256 learned more per sample but trained at two thirds the samples/s, even in time,
 #: and its output layer alone would hold 2.7 GB (bench/results/accuracy_experiments.md)

@@ -116,9 +116,11 @@ class _Parts:
         one = np.zeros(1, np.int32)
         pieces = [(arrays["W"], out_ids), (arrays["b"].reshape(-1, 1), out_ids),
                   (arrays["W0"], in_ids), (arrays["b0"].reshape(1, -1), one)]
+        self.names = ["W", "b", "W0", "b0"]
         for k in ("Wh", "bh"):
             if arrays[k].size:
                 pieces.append((arrays[k].reshape(1, -1), one))
+                self.names.append(k)
         self.pieces, self.views = pieces, []
         sizes = [ids.size * a.shape[1] for a, ids in pieces]
         self.buffer = storage(int(sum(sizes)))
@@ -215,7 +217,7 @@ class DataParallel:
     @property
     def sums_gradients(self) -> bool:
         """Whether a step's gradients are summed across ranks before the update (``sync`` on
-        two or more ranks): then every touched row must go through the gradient accumulators."""
+        two or more ranks): then every touched row's gradient must wait for the ranks' sum."""
         return self.mode == "sync" and self.size > 1
 
     def reset_counters(self):
@@ -362,26 +364,38 @@ class DataParallel:
         mask[self._n_out + in_rows] = True
         return mask
 
-    def before_update(self, model, out_rows, in_rows):
-        """``sync``: average the step's gradients (rows touched on any rank) in
-        ``model.grads_``; returns the rows the update must cover. Other modes: unchanged."""
+    def before_update(self, model, out_rows, in_rows, grads):
+        """``sync``: average the step's gradients over the ranks, on the rows any rank touched.
+        ``grads`` holds this rank's compact gradients: row t of ``grads["W"]`` and entry t of
+        ``grads["b"]`` for output row ``out_rows[t]``, row t of ``grads["W0"]`` for input row
+        ``in_rows[t]``, and the dense ``b0``, ``Wh``, ``bh``. Returns the rows of the union and
+        their averaged gradients in the same form (views of the exchange buffer), and leaves
+        this rank's zeroed. Other modes: the arguments, unchanged."""
         if not self.sums_gradients:
-            return out_rows, in_rows
+            return out_rows, in_rows, grads
         out_ids, in_ids = self._union(self._mark(out_rows, in_rows))
         self.exchanged_rows_.append((out_ids.size, in_ids.size))
         t0 = time.perf_counter()
-        parts = _Parts(model.grads_, out_ids, in_ids, self._buffer("gradients"))
-        buf = parts.gather()
+        parts = _Parts(model.params_, out_ids, in_ids, self._buffer("gradients"))  # the layout
+        parts.buffer[:] = 0.0  # a row this rank did not touch: no gradient from it
+        one = np.zeros(1, np.int32)
+        at = {"W": np.searchsorted(out_ids, out_rows).astype(np.int32),
+              "W0": np.searchsorted(in_ids, in_rows).astype(np.int32)}
+        at["b"] = at["W"]
+        for name, view in zip(parts.names, parts.views):
+            local = grads[name].reshape(-1, view.shape[1])
+            _scatter_rows(view, at.get(name, one), local, np.float32(1.0))
+            local[...] = 0.0
         self.pack_seconds_ += time.perf_counter() - t0
+        buf = parts.buffer
         self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, buf, op=self._MPI.SUM),
                    f"gradient allreduce of {buf.nbytes} bytes")
         self.bytes_sent_ += buf.nbytes
-        t0 = time.perf_counter()
-        inv = np.float32(1.0 / self.size)
-        for (a, ids), v in zip(parts.pieces, parts.views):
-            _scatter_rows(a, ids, v, inv)
-        self.pack_seconds_ += time.perf_counter() - t0
-        return out_ids, in_ids
+        buf *= np.float32(1.0 / self.size)
+        averaged = dict(grads)  # a Wh or bh of size 0 travels nowhere
+        for name, view in zip(parts.names, parts.views):
+            averaged[name] = view if name in ("W", "W0") else view.reshape(-1)
+        return out_ids, in_ids, averaged
 
     def after_update(self, model, out_rows, in_rows) -> None:
         """Count the step; ``local``/``delayed``: mark the rows it changed, finish the average

@@ -19,13 +19,14 @@ entries of a row (H from another argument).
 Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
 A sample's output active set is its own neurons (its labels and LSH candidates, chosen by
 :func:`select_active`), plus a random pool shared by the batch, whose logits and gradients are
-matrix products (:func:`pool_logits`, :func:`pool_gradients`). Gradients go into shared
-accumulators shaped like the parameters, lock-free (Hogwild): threads may race on a row and lose
-an addition, by design; Adam then updates the rows the batch touched (:func:`adam_rows`). A row
-whose whole gradient one kernel computes skips the accumulator and gets its Adam step there,
-while its weights are in cache (:func:`mark_rows`): an own row that no other sample and not the
-pool touches, in :func:`output_step` (most of them at 670K labels), and a pool row that is no
-sample's own, in :func:`pool_gradients`. With one thread everything is deterministic.
+matrix products (:func:`pool_logits`, :func:`pool_gradients`). A row whose whole gradient one
+kernel computes gets its Adam step there, while its weights are in cache (:func:`mark_rows`):
+an own row that no other sample and not the pool touches, in :func:`output_step` (most of them
+at 670K labels), and a pool row that is no sample's own, in :func:`pool_gradients`. The other
+rows' gradients are summed in the step's *compact gradient*, a row for each of them (its slot,
+given by :func:`mark_rows`) instead of a full-size array that a step would write at scattered
+rows, lock-free (Hogwild): threads may race on a row and lose an addition, by design; Adam then
+updates those rows (:func:`adam_rows`). With one thread everything is deterministic.
 """
 import numpy as np
 from numba import njit, prange
@@ -168,19 +169,22 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, slots, where, cand,
 
 #: ``owners`` marks of :func:`mark_rows`: untouched; in one sample's own set and nowhere else;
 #: in the shared pool and no sample's own set; touched otherwise. A row ALONE or POOL has its
-#: whole gradient in one kernel, which gives it its Adam step in place.
+#: whole gradient in one kernel, which gives it its Adam step in place; a SHARED row's gradient
+#: is summed in the step's compact gradient, at its slot (``slots[i]``: its place in the list
+#: of SHARED rows) for Adam after the batch.
 UNTOUCHED, ALONE, POOL, SHARED = 0, 1, 2, 3
 
 
 @njit(cache=True, nogil=True)
-def mark_rows(extra, lists, lengths, owners, in_place, touched):
+def mark_rows(extra, lists, lengths, owners, in_place, touched, slots, shared):
     """Mark the rows a step touches in ``owners`` uint8 [n_ids] (all UNTOUCHED on entry): with
     ``in_place``, the ids of ``extra`` [m] (the shared pool) POOL and those of ragged ``lists``
     [n, w] (first ``lengths[i]`` of each row: the samples' own sets) ALONE, where no other entry
     holds them, and SHARED otherwise; without (ranks that sum their gradients first), all
-    SHARED. Each distinct row goes once into ``touched``, in the order first met; returns their
-    count. One thread: the marks must not race, or two samples could each take a row for their
-    own."""
+    SHARED. Each distinct row goes once into ``touched``, in the order first met, and each
+    SHARED row once into ``shared``, in the same order, with its place there in ``slots`` int32
+    [n_ids] (the row of the step's compact gradient it adds to). Returns both counts. One
+    thread: the marks must not race, or two samples could each take a row for their own."""
     pool_mark, own_mark = (POOL, ALONE) if in_place else (SHARED, SHARED)
     n = 0
     for i in extra:
@@ -188,20 +192,20 @@ def mark_rows(extra, lists, lengths, owners, in_place, touched):
     for r in range(lists.shape[0]):
         for a in range(lengths[r]):
             n = _mark(owners, lists[r, a], own_mark, touched, n)
-    return n
+    return n, _list_shared(owners, touched[:n], slots, shared)
 
 
 @njit(cache=True, nogil=True)
-def mark_ids(ids, owners, in_place, touched):
+def mark_ids(ids, owners, in_place, touched, slots, shared):
     """Mark ``ids`` [m] in ``owners`` uint8 [n_ids] (all UNTOUCHED on entry): with ``in_place``,
     an id met once ALONE, and SHARED otherwise (a batch's input features: a feature of one
-    sample's row has its whole gradient in that sample's backward pass). Each distinct id goes
-    once into ``touched``, in the order first met; returns their count. One thread."""
+    sample's row has its whole gradient in that sample's backward pass). Lists and slots as
+    :func:`mark_rows`; returns both counts. One thread."""
     first = ALONE if in_place else SHARED
     n = 0
     for i in ids:
         n = _mark(owners, i, first, touched, n)
-    return n
+    return n, _list_shared(owners, touched[:n], slots, shared)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -216,28 +220,47 @@ def _mark(owners, i, first, touched, n):
     return n
 
 
-@njit(cache=True, nogil=True)
-def read_marks(owners, touched, shared, in_place):
-    """Split the rows ``touched`` [m] that :func:`mark_rows` listed by their mark: SHARED ones
-    (for Adam through the accumulators) into ``shared``, ALONE and POOL ones (updated in place)
-    into ``in_place``, each in the order listed; ``owners`` is all UNTOUCHED again on return.
-    Returns the two counts. A pass over the listed rows only (a scan of all the marks for them,
-    in increasing order, cost 0.45 ms a batch at 670K rows)."""
-    n_shared = n_in_place = 0
+@njit(cache=True, nogil=True, inline="always")
+def _list_shared(owners, touched, slots, shared):
+    """The SHARED rows of ``touched`` into ``shared``, in order, each with its place there in
+    ``slots``; returns their count. A pass of its own: giving a row its slot in the marking
+    loop, as it became SHARED, made that loop 35 times slower (2.1 against 0.06 ms a batch at
+    Amazon-670K shape)."""
+    k = 0
     for i in touched:
         if owners[i] == SHARED:
-            shared[n_shared] = i
-            n_shared += 1
-        else:
+            slots[i] = k
+            shared[k] = i
+            k += 1
+    return k
+
+
+@njit(cache=True, nogil=True)
+def clear_marks(owners, touched, in_place):
+    """List the rows of ``touched`` [m] (:func:`mark_rows`' list) that were updated in place
+    (ALONE or POOL) into ``in_place``, in the order listed, and set every mark back to
+    UNTOUCHED; returns their count. A pass over the listed rows only (a scan of all the marks,
+    in increasing order, cost 0.45 ms a batch at 670K rows)."""
+    n_in_place = 0
+    for i in touched:
+        if owners[i] != SHARED:
             in_place[n_in_place] = i
             n_in_place += 1
         owners[i] = UNTOUCHED
-    return n_shared, n_in_place
+    return n_in_place
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _grad_row(owners, slots, i, own):
+    """Where row i's gradient goes in this step: -1 where its mark is ``own`` (the calling
+    kernel computes its whole gradient and gives it its Adam step in place), otherwise its
+    row of the step's compact gradient."""
+    return -1 if owners[i] == own else slots[i]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, zpool, active, n_active, bounds,
-                logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
+def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, active, n_active,
+                bounds, logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
     """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
 
     A sample's active set is its own neurons ``active[r, :n_active[r]]`` (its labels first, then
@@ -249,11 +272,12 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, zpool, active, n_a
     products, ``dH`` [n, H] the own set's share of the gradient w.r.t. the last hidden layer
     (scaled by 1/n) and ``losses`` [n] each sample's loss. An own row marked ALONE in ``owners``
     (see :func:`mark_rows`) gets its Adam step here, with the weights still in cache: its whole
-    gradient is this sample's, so the step is the same as through the accumulator, and no
+    gradient is this sample's, so the step is the same as through Adam after the batch, and no
     gradient row is written or read back (``W``: the output layer's row block [n_out, 3H]; the
     bias moments ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows` and
-    :func:`adam_entries`). Other own rows add their gradients to ``gW`` [n_out, H] / ``gb``
-    (Hogwild) for Adam after the batch.
+    :func:`adam_entries`). Other own rows add their gradients to the step's compact gradient
+    ``gW`` [S, H] / ``gb`` [S] at their ``slots`` (:func:`mark_rows`; Hogwild) for Adam after
+    the batch.
     """
     n = y_indptr.size - 1
     scale = np.float32(1.0 / n)
@@ -300,7 +324,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, zpool, active, n_a
                     if owners[ahead] == ALONE:
                         prefetch_w(W[ahead, H:])
                     else:
-                        prefetch_w(gW[ahead])
+                        prefetch_w(gW[slots[ahead]])
                 elif r + 1 < bounds[c + 1] and a + _AHEAD - k < n_active[r + 1]:
                     prefetch(W[active[r + 1, a + _AHEAD - k], :H])
                 gs = (logits[a] * inv - (y if a < n_lab else np.float32(0.0))) * scale
@@ -310,32 +334,33 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, zpool, active, n_a
                     dh[j] += gs * wa[j]
                 # a loop of its own: with dh in it, five arrays would be more than LLVM checks
                 # for overlap at run time, and it would not vectorise
-                alone = owners[i] == ALONE
-                _update_row(i, alone, W, gW, h, gs, k_w)
-                _update_bias(i, alone, b, bM, bV, gb, gs, k_b)
+                at = _grad_row(owners, slots, i, ALONE)
+                _update_row(i, at, W, gW, h, gs, k_w)
+                _update_bias(i, at, b, bM, bV, gb, gs, k_b)
             for j in range(P):
                 zp[j] *= inv * scale
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prefetch_update(i, in_place, B, G):
+def _prefetch_update(i, at, B, G):
     """Ask for what row i's update will write: its row of row block ``B`` (weights and both
-    moments) where it gets its Adam step in place, its gradient row otherwise."""
-    if in_place:
+    moments) where it gets its Adam step in place (``at`` -1), its gradient row ``G[at]``
+    otherwise."""
+    if at < 0:
         prefetch_w(B[i])
     else:
-        prefetch_w(G[i])
+        prefetch_w(G[at])
 
 
 #: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange
 #: body gets it from parallel=True; a kernel it calls does not)
 @njit(cache=True, nogil=True, error_model="numpy")
-def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, sizes, gW0, gb0,
-                     gWh, gbh, b_off, dbuf):
+def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, slots, k_w, Wh, h_off, sizes, gW0,
+                     gb0, gWh, gbh, b_off, dbuf):
     """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) to all hidden
     parameters; an input row marked ALONE in ``owners`` gets its Adam step here (``W0``: the
-    input layer's row block; constants ``k_w``), the others add to ``gW0``. ``dbuf`` is scratch
-    of size max(sizes) * 2."""
+    input layer's row block; constants ``k_w``), the others add to row ``slots[f]`` of the
+    compact gradient ``gW0``. ``dbuf`` is scratch of size max(sizes) * 2."""
     n_layers = sizes.size
     # offsets of each layer's activation inside act
     lo_last = 0
@@ -376,14 +401,15 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, si
     for p in range(x_ids.size):
         if p + _AHEAD < x_ids.size:
             ahead = x_ids[p + _AHEAD]
-            _prefetch_update(ahead, owners[ahead] == ALONE, W0, gW0)
+            _prefetch_update(ahead, _grad_row(owners, slots, ahead, ALONE), W0, gW0)
         f = x_ids[p]
-        _update_row(f, owners[f] == ALONE, W0, gW0, cur, x_vals[p], k_w)
+        _update_row(f, _grad_row(owners, slots, f, ALONE), W0, gW0, cur, x_vals[p], k_w)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, Wh, h_off, sizes, gW0, gb0,
-                    gWh, gbh, b_off, bounds, dbuf, lr, beta1, beta2, eps, step, weight_decay):
+def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, Wh, h_off, sizes,
+                    gW0, gb0, gWh, gbh, b_off, bounds, dbuf, lr, beta1, beta2, eps, step,
+                    weight_decay):
     """Back-propagate ``dH`` [n, H_last] (gradient w.r.t. the last hidden activations, already
     scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [threads, 2·max H].
 
@@ -391,14 +417,15 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, Wh, h_off
     one sample of the batch, most of them at Amazon-670K shape) has its whole gradient in that
     sample's pass and gets its Adam step there (``W0``: the input layer's row block
     [n_features, 3·H0]; Adam's hyperparameters for ``step``, as :func:`adam_rows`), while its
-    weights no longer feed this batch; the others add their gradients to ``gW0`` for Adam after
-    the batch."""
+    weights no longer feed this batch; the others add their gradients to the step's compact
+    gradient ``gW0`` [S, H0] at their ``slots`` int32 [n_features] (:func:`mark_ids`) for Adam
+    after the batch."""
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for c in prange(bounds.size - 1):
         for r in range(bounds[c], bounds[c + 1]):
             lo, hi = x_indptr[r], x_indptr[r + 1]
-            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, owners, k_w, Wh,
-                             h_off, sizes, gW0, gb0, gWh, gbh, b_off, dbuf[c])
+            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, owners, slots,
+                             k_w, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off, dbuf[c])
 
 
 # --------------------------------------------------------------------------------------------
@@ -439,7 +466,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, g_pool, col_sums,
+def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, slots, g_pool, col_sums,
                    dH_parts, bounds, lr, beta1, beta2, eps, step, weight_decay):
     """Back through the shared pool, given its logit gradients ``z`` float32 [n, P]:
     ``dH += z @ W_pool`` and the pool rows' gradients ``z.T @ h`` and ``z.sum(0)``.
@@ -447,7 +474,8 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, g_pool,
     A pool row marked POOL in ``owners`` (:func:`mark_rows`: no sample's own) has its whole
     gradient here and gets its Adam step in place (``W``: the output layer's row block; ``b``,
     its moments ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows`); the
-    others add their gradients to ``gW``/``gb`` (Hogwild). ``dH`` reads the weights gathered before any
+    others add their gradients to the step's compact gradient ``gW``/``gb`` at their ``slots``
+    (Hogwild). ``dH`` reads the weights gathered before any
     update (``W_pool``). Shapes and ``bounds`` as in :func:`pool_logits`; ``dH`` float32 [n, H].
     Scratch: ``g_pool`` [P, H], ``col_sums`` [P] and ``dH_parts`` [T, n, H] (each thread's share
     of dH, summed after: a block of the pool adds to every row of dH).
@@ -468,11 +496,11 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, g_pool,
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
                     ahead = pool[lo + t + _AHEAD]
-                    _prefetch_update(ahead, owners[ahead] == POOL, W, gW)
+                    _prefetch_update(ahead, _grad_row(owners, slots, ahead, POOL), W, gW)
                 i = pool[lo + t]
-                only_pool = owners[i] == POOL
-                _update_row(i, only_pool, W, gW, g[t], np.float32(1.0), k_w)
-                _update_bias(i, only_pool, b, bM, bV, gb, sums[t], k_b)
+                at = _grad_row(owners, slots, i, POOL)
+                _update_row(i, at, W, gW, g[t], np.float32(1.0), k_w)
+                _update_bias(i, at, b, bM, bV, gb, sums[t], k_b)
             gemm(zc, False, W_pool[lo:hi], False, dH_parts[c], 0.0)
         else:
             dH_parts[c] = 0.0
@@ -516,7 +544,7 @@ def _adam_weight(w, m, v, j, gj, k):
 @njit(cache=True, nogil=True, inline="always")
 def _adam_row(w, m, v, g, scale, k):
     """Adam on a row w (moments m, v) whose whole gradient is ``scale * g``, computed by the
-    caller's kernel (no accumulator to read or clear)."""
+    caller's kernel (no gradient row to read or clear)."""
     for j in range(w.size):
         _adam_weight(w, m, v, j, scale * g[j], k)
 
@@ -530,32 +558,32 @@ def row_parts(B, i):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _update_row(i, in_place, B, G, g, scale, k):
+def _update_row(i, at, B, G, g, scale, k):
     """Row i's share of a step whose gradient for it is ``scale * g`` (g: the row's length):
-    with ``in_place`` (the caller's kernel computes the row's whole gradient) its Adam step on
-    its row of row block ``B``, otherwise added to its accumulator row ``G[i]`` (Hogwild) for
-    Adam after the batch."""
-    if in_place:
+    with ``at`` -1 (the caller's kernel computes the row's whole gradient) its Adam step on its
+    row of row block ``B``, otherwise added to row ``G[at]`` of the step's compact gradient
+    (Hogwild) for Adam after the batch (:func:`_grad_row`)."""
+    if at < 0:
         w, m, v = row_parts(B, i)
         _adam_row(w, m, v, g, scale, k)
     else:
-        acc = G[i]
+        acc = G[at]
         for j in range(acc.size):
             acc[j] += scale * g[j]
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _update_bias(i, in_place, b, bM, bV, gb, g, k):
+def _update_bias(i, at, b, bM, bV, gb, g, k):
     """:func:`_update_row` for bias entry i with gradient g (``k`` without decay)."""
-    if in_place:
+    if at < 0:
         b[i] -= _adam_step(bM, bV, i, g, k)
     else:
-        gb[i] += g
+        gb[at] += g
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _adam(w, m, v, g, j, k):
-    """:func:`_adam_weight` with the gradient g[j] of an accumulator, zeroed after use."""
+    """:func:`_adam_weight` with the gradient g[j] of a gradient row, zeroed after use."""
     _adam_weight(w, m, v, j, g[j], k)
     g[j] = 0.0
 
@@ -563,9 +591,9 @@ def _adam(w, m, v, g, j, k):
 @njit(cache=True, nogil=True, parallel=True)
 def adam_rows(rows, grad_rows, B, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on rows ``rows[t]`` of row block ``B`` [n, 3d] (weights and moments, see
-    :func:`row_parts`) with gradient ``G[grad_rows[t]]`` [d], zeroed after use:
-    ``grad_rows = rows`` for full-size accumulators, ``arange`` for a compact block of gradient
-    rows. The rows may come in any order: each is prefetched a few ahead."""
+    :func:`row_parts`) with gradient ``G[grad_rows[t]]`` [d], zeroed after use (``arange`` for
+    a step's compact gradient, row t for ``rows[t]``). The rows may come in any order: each is
+    prefetched a few ahead."""
     k = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for t in prange(rows.size):
         if t + _AHEAD < rows.size:

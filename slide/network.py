@@ -255,9 +255,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # the kernels take the offsets as arrays (at least one entry, even with no stack)
         self._h_off = np.array([b[0] for b in self._blocks] or [0], np.int64)
         self._b_off = np.array([b[1] for b in self._blocks] or [0], np.int64)
-        # np.zeros maps zero pages lazily: a row's gradient memory becomes resident when a step
-        # first writes it (a served model never does), not here (1 s and 343 MB at 670K x 128)
-        self.grads_ = {k: np.zeros(v.shape, v.dtype) for k, v in self.params_.items()}
+        # the small dense parameters' gradients; those of W, b and W0 are compact, a row for each
+        # row a step adds gradients to (_scratch)
+        self.grads_ = {k: np.zeros(self.params_[k].shape, np.float32) for k in ("b0", "Wh", "bh")}
         self.tables_, self.serving_tables_ = None, None
         if r["sampled"]:
             self.tables_ = HashTables(int(sizes[-1]), self.n_labels_, TableConfig(**r["tables"]),
@@ -269,9 +269,11 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                                     TableConfig(**layer["tables"]),
                                                     seed=self._layer_seed(l))
         # kernels.mark_rows' marks of the output rows and mark_ids' of the input rows, all
-        # UNTOUCHED between steps
+        # UNTOUCHED between steps, and the rows' slots in a step's compact gradients
         self._owners = np.zeros(self.n_labels_, np.uint8)
         self._owners_in = np.zeros(self.params_["W0"].shape[0], np.uint8)
+        self._slots = np.zeros(self.n_labels_, np.int32)
+        self._slots_in = np.zeros(self.params_["W0"].shape[0], np.int32)
         # a label's place in the step's pool, and its membership bit: -1 and 0 between steps
         self._pool_pos = np.full(self.n_labels_, -1, np.int32)
         self._pool_bits = np.zeros((self.n_labels_ + 7) // 8, np.uint8)
@@ -328,10 +330,22 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         B = self._live_block(name)
         return self.params_[name] if B is None else B
 
-    def _scratch(self, n_rows: int, max_labels: int):
-        """Per-thread and per-batch buffers, grown when a batch needs more."""
+    def _scratch(self, n_rows: int, max_labels: int, nnz: int):
+        """Per-thread and per-batch buffers, grown when a batch needs more (``nnz``: the batch's
+        non-zero features).
+
+        Among them the step's compact gradients ``grads_["W"]`` [S, H], ``grads_["b"]`` [S]
+        and ``grads_["W0"]`` [S0, H0]: row k for the k-th row a step adds gradients to (its
+        slot, :func:`slide.kernels.mark_rows`), zero between steps (Adam zeroes the rows it
+        reads). A full-size accumulator would hold a row for every label (343 MB at 670K x
+        128), and its pages, written at random rows, all come back within an epoch."""
         t = numba.get_num_threads()
         width = self.resolved_["lsh_cap"] + max_labels
+        n_features, H0 = self.params_["W0"].shape
+        need = min(nnz, n_features)  # the batch's distinct features, at most
+        if "W0" not in self.grads_ or self.grads_["W0"].shape[0] < need:
+            # a quarter more room, so that a slightly fuller batch does not allocate again
+            self.grads_["W0"] = np.zeros((min(need + need // 4, n_features), H0), np.float32)
         old = self._scratch_key
         if old is None or old[0] != t or old[1] < width or old[2] < n_rows:
             width = max(width, old[1] if old else 0)
@@ -346,6 +360,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._touched = np.zeros(n_rows * width + self.resolved_["pool"], np.int32)
             self._shared = np.zeros_like(self._touched)
             self._in_place = np.zeros_like(self._touched)
+            rows = min(self._touched.size, self.n_labels_)  # the step's distinct rows, at most
+            self.grads_["W"] = np.zeros((rows, self.params_["W"].shape[1]), np.float32)
+            self.grads_["b"] = np.zeros(rows, np.float32)
             self._scratch_key = (t, width, n_rows)
 
     def _pool_blocks(self, n_rows: int, n_pool: int, width: int, threads: int):
@@ -424,7 +441,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         p, g = self.params_, self.grads_
         blocks = self.row_blocks()
         n = Xb.shape[0]
-        self._scratch(n, int(np.diff(Yb.indptr).max(initial=0)))
+        self._scratch(n, int(np.diff(Yb.indptr).max(initial=0)), Xb.indices.size)
         bounds = thread_chunks(n)
         y_indptr = Yb.indptr.astype(np.int64)
         t0 = time.perf_counter()
@@ -457,39 +474,42 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # a row whose whole gradient one kernel computes gets its Adam step there; not where
         # ranks sum their gradients before the update
         in_place = self._updates_in_place()
-        n_touched = kernels.mark_rows(pool, self._active[:n], self._n_active[:n], self._owners,
-                                      in_place, self._touched)
+        n_touched, n_shared = kernels.mark_rows(pool, self._active[:n], self._n_active[:n],
+                                                self._owners, in_place, self._touched, self._slots,
+                                                self._shared)
         hyper = (*self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
         dH = np.empty((n, h.shape[1]), np.float32)
         losses = np.empty(n, np.float32)
         m = self.moments_
         kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"], m["b.v"],
-                            self._owners, z_pool, self._active, self._n_active, bounds,
-                            self._logits, dH, losses, *hyper)
+                            self._owners, self._slots, z_pool, self._active, self._n_active,
+                            bounds, self._logits, dH, losses, *hyper)
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, blocks["W"], p["b"], g["W"], g["b"],
-                               m["b.m"], m["b.v"], self._owners, g_pool, pool_vec, dH_parts,
-                               pool_bounds, *hyper)
+                               m["b.m"], m["b.v"], self._owners, self._slots, g_pool, pool_vec,
+                               dH_parts, pool_bounds, *hyper)
         t0 = self._tick("pool_matmul", t0)
         # the batch's input rows: a feature in one sample's row only (most of them) gets its
         # Adam step in that sample's backward pass
         in_touched, in_rows, in_alone = (np.empty(Xb.indices.size, np.int32) for _ in range(3))
-        n_in = kernels.mark_ids(Xb.indices, self._owners_in, in_place, in_touched)
+        n_in, n_in_shared = kernels.mark_ids(Xb.indices, self._owners_in, in_place, in_touched,
+                                             self._slots_in, in_rows)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
-                                blocks["W0"], self._owners_in, p["Wh"], self._h_off, self._sizes,
-                                g["W0"], g["b0"], g["Wh"], g["bh"], self._b_off, bounds,
-                                self._dbuf, *hyper)
+                                blocks["W0"], self._owners_in, self._slots_in, p["Wh"],
+                                self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
+                                self._b_off, bounds, self._dbuf, *hyper)
         t0 = self._tick("backward_hidden", t0)
-        n_shared, n_in_place = kernels.read_marks(self._owners, self._touched[:n_touched],
-                                                  self._shared, self._in_place)
-        out_rows = self._shared[:n_shared]
-        n_in_shared, n_in_alone = kernels.read_marks(self._owners_in, in_touched[:n_in], in_rows,
-                                                     in_alone)
-        in_rows, in_alone = in_rows[:n_in_shared], in_alone[:n_in_alone]
+        n_in_place = kernels.clear_marks(self._owners, self._touched[:n_touched], self._in_place)
+        n_in_alone = kernels.clear_marks(self._owners_in, in_touched[:n_in], in_alone)
+        out_rows, in_rows = self._shared[:n_shared], in_rows[:n_in_shared]
+        in_alone = in_alone[:n_in_alone]
+        # the rows' gradients, row t for out_rows[t] / in_rows[t] (their slots)
+        grads = {"W": g["W"][:n_shared], "b": g["b"][:n_shared], "W0": g["W0"][:n_in_shared],
+                 "b0": g["b0"], "Wh": g["Wh"], "bh": g["bh"]}
         if dp is not None:  # sync: the ranks' gradients averaged over the rows any rank touched
-            out_rows, in_rows = dp.before_update(self, out_rows, in_rows)
+            out_rows, in_rows, grads = dp.before_update(self, out_rows, in_rows, grads)
             t0 = self._tick("exchange", t0)
-        self._adam_update(out_rows, in_rows, g, g["W"], g["W0"])
+        self._adam_update(out_rows, in_rows, grads)
         t0 = self._tick("adam", t0)
         self.samples_seen_ += n
         if dp is not None:  # local/delayed: parameter averages on their schedule
@@ -510,24 +530,23 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         c = self.config_
         return self.learning_rate_, c.beta1, c.beta2, c.eps, step
 
-    def _adam_update(self, out_rows, in_rows, dense_grads, gW, gW0, compact=False):
-        """One Adam step on the touched output rows (and their biases), the touched input rows,
-        and the small dense parameters. ``gW``/``gW0`` are full-size accumulators indexed by
-        row, or with ``compact`` blocks whose row t belongs to ``out_rows[t]`` / ``in_rows[t]``.
-        Weight decay applies to weights, not biases."""
+    def _adam_update(self, out_rows, in_rows, grads):
+        """One Adam step on output rows ``out_rows`` (and their biases), input rows ``in_rows``
+        and the small dense parameters, from compact gradients (:meth:`apply_gradients`' form);
+        the gradients are zeroed on return. Weight decay applies to weights, not biases."""
         p, m = self.params_, self.moments_
         blocks = self.row_blocks()
         self.step_ += 1
         hp = self._adam_hyper(self.step_)
         wd = self.resolved_["weight_decay"]
-        g_out = np.arange(out_rows.size, dtype=np.int32) if compact else out_rows
-        g_in = np.arange(in_rows.size, dtype=np.int32) if compact else in_rows
-        kernels.adam_rows(out_rows, g_out, blocks["W"], gW, *hp, wd)
-        kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], dense_grads["b"], *hp, 0.0)
-        kernels.adam_rows(in_rows, g_in, blocks["W0"], gW0, *hp, wd)
+        g_out = np.arange(out_rows.size, dtype=np.int32)
+        g_in = np.arange(in_rows.size, dtype=np.int32)
+        kernels.adam_rows(out_rows, g_out, blocks["W"], grads["W"], *hp, wd)
+        kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], grads["b"], *hp, 0.0)
+        kernels.adam_rows(in_rows, g_in, blocks["W0"], grads["W0"], *hp, wd)
         for k, decay in (("b0", 0.0), ("Wh", wd), ("bh", 0.0)):
             if p[k].size:
-                kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], dense_grads[k], *hp, decay)
+                kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], grads[k], *hp, decay)
         self._tables_stale = True
         self._int8_rows = None
 
@@ -536,8 +555,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         worker): ``grads["W"]`` [len(out_rows), H] and ``grads["b"]`` [len(out_rows)] for output
         rows ``out_rows``, ``grads["W0"]`` [len(in_rows), H0] for input rows ``in_rows``, and full
         ``b0``, ``Wh``, ``bh``. All float32 host arrays; they are zeroed on return."""
-        self._adam_update(np.asarray(out_rows, np.int32), np.asarray(in_rows, np.int32), grads,
-                          grads["W"], grads["W0"], compact=True)
+        self._adam_update(np.asarray(out_rows, np.int32), np.asarray(in_rows, np.int32), grads)
 
     def _tables(self):
         """(tables, weights, seed) of every sampled layer: hidden ones, then the output."""
@@ -607,10 +625,6 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if self.n_labels_ < SCREEN_MIN_LABELS or not has_int8_dot():
             return None
         if self._int8_rows is None:
-            # the full-size output gradient holds zeros between steps: a fresh zeroed array
-            # gives its pages back (they are mapped again only as steps write rows), so the int8
-            # copy built here keeps evaluation during training inside training's peak memory
-            self.grads_["W"] = np.zeros(self.grads_["W"].shape, np.float32)
             set_num_threads(self.config_.threads)
             self._int8_rows = quantize_rows(self.params_["W"])
         return self._int8_rows

@@ -56,18 +56,23 @@ def available_memory_bytes() -> int | None:
 
 
 def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: int,
-                       copies: int = 4) -> dict:
+                       compact_gradients: bool = True) -> dict:
     """Bytes a model needs, by part, for :func:`slide.config.resolve`'s settings ``resolved``.
 
-    ``copies`` float32 arrays per parameter: the weights, two Adam moments and the gradient
-    accumulator (the dense reference has no accumulator but the same order of temporaries);
-    one more for the best weights kept by early stopping; LSH tables and per-thread scratch.
+    Per parameter, float32 weights and two Adam moments, and one more for the best weights kept
+    by early stopping; LSH tables and per-thread scratch. Gradients: with ``compact_gradients``
+    (the engine's), a row for each output row one step can add gradients to (the batch's LSH
+    candidates and labels and the shared pool, at most every label) and for each input row
+    (at most every feature); otherwise (the dense reference) a full array per parameter.
     """
     hidden = [int(h) for h in resolved["hidden"]]
     n_params = n_features * hidden[0] + sum(a * b for a, b in zip(hidden[:-1], hidden[1:])) \
         + n_labels * (hidden[-1] + 1) + sum(hidden)
-    parts = {"parameters": 4 * n_params, "adam_moments": 8 * n_params,
-             "gradients": 4 * n_params * (copies - 3)}
+    gradients = n_params
+    if compact_gradients:
+        out_rows = min(n_labels, resolved["batch_size"] * (resolved["lsh_cap"] + 1) + resolved["pool"])
+        gradients -= (n_labels - out_rows) * (hidden[-1] + 1)
+    parts = {"parameters": 4 * n_params, "adam_moments": 8 * n_params, "gradients": 4 * gradients}
     parts["best_weights"] = 4 * n_params
     tables = 0
     for t in [resolved.get("tables")] + [l["tables"] for l in resolved.get("hidden_layers", []) if l]:

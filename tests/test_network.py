@@ -41,32 +41,22 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data):
     """Finite differences of the dense loss (float64) against the engine's accumulated gradient."""
     X, Y = _small(tiny_data, n=8, labels=40)
     eng = SlideClassifier(hidden=(12, 5), sparsity=1.0, threads=1, batch_size=8, seed=1)
+    eng.initialize(X, Y)
+    before = {k: v.copy() for k, v in eng.params_.items()}
     grads = {}
-    orig = SlideClassifier.train_step
 
-    def capture(self, Xb, Yb):
-        g = self.grads_
-        before = {k: v.copy() for k, v in self.params_.items()}
-        import slide.kernels as K
-        real = K.adam_rows, K.adam_entries, K.adam_dense
-        try:
-            K.adam_rows = K.adam_entries = K.adam_dense = lambda *a, **k: None
-            # every row through the accumulators (none updated in place), to read them
-            self._updates_in_place = lambda: False
-            loss = orig(self, Xb, Yb)
-        finally:
-            K.adam_rows, K.adam_entries, K.adam_dense = real
-            del self._updates_in_place
-        grads.update({k: v.copy() for k, v in g.items()})
-        for k in before:
-            assert np.array_equal(before[k], self.params_[k])
-        return loss
+    def capture(out_rows, in_rows, g):
+        """In place of Adam: the step's compact gradients, laid out by row."""
+        for name, rows in (("W", out_rows), ("b", out_rows), ("W0", in_rows)):
+            grads[name] = _expand(g[name], rows, eng.params_[name].shape[0])
+        grads.update({k: g[k].copy() for k in ("b0", "Wh", "bh")})
 
-    SlideClassifier.train_step = capture
-    try:
-        eng.partial_fit(X, Y)
-    finally:
-        SlideClassifier.train_step = orig
+    eng._adam_update = capture
+    eng._updates_in_place = lambda: False  # every row through the gradients, to read them
+    eng.partial_fit(X, Y)
+    assert eng.step_ == 0 and grads
+    for k in before:  # nothing was updated
+        assert np.array_equal(before[k], eng.params_[k])
     params = {k: v.astype(np.float64) for k, v in eng.params_.items()}
     Xp, T = eng.preprocess(X), uniform_targets(Y)
     blocks = hidden_blocks(eng.resolved_["hidden"])
@@ -315,7 +305,8 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
 def test_mark_rows_lists_each_row_once_and_finds_rows_with_one_source_of_gradient():
     """Hand-computed: a row in one own set and nowhere else is ALONE, a pool row in no own set
     POOL, a row in two own sets or in the pool and an own set SHARED; every row is listed once,
-    in the order first met, and the marks are cleared when read."""
+    in the order first met, each SHARED row once more with its slot, in the same order, and the
+    marks are cleared with the rows updated in place listed."""
     import slide.kernels as K
 
     pool = np.array([5, 9], np.int32)
@@ -325,12 +316,15 @@ def test_mark_rows_lists_each_row_once_and_finds_rows_with_one_source_of_gradien
     marks = {True: [K.POOL, K.SHARED, K.ALONE, K.SHARED, K.ALONE], False: [K.SHARED] * 5}
     for in_place, want_shared, want_in_place in ((True, [9, 2], [5, 1, 3]),
                                                  (False, [5, 9, 1, 2, 3], [])):
-        n = K.mark_rows(pool, lists, lengths, owners, in_place, touched)
+        slots, shared = np.full(10, -1, np.int32), np.zeros(10, np.int32)
+        n, n_shared = K.mark_rows(pool, lists, lengths, owners, in_place, touched, slots, shared)
         assert list(touched[:n]) == [5, 9, 1, 2, 3]
         assert [owners[i] for i in touched[:n]] == marks[in_place]
-        shared, rest = np.zeros(10, np.int32), np.zeros(10, np.int32)
-        n_shared, n_in_place = K.read_marks(owners, touched[:n], shared, rest)
         assert list(shared[:n_shared]) == want_shared
+        assert list(slots[want_shared]) == list(range(n_shared))
+        assert (slots[want_in_place] == -1).all()  # no slot: updated in place
+        rest = np.zeros(10, np.int32)
+        n_in_place = K.clear_marks(owners, touched[:n], rest)
         assert list(rest[:n_in_place]) == want_in_place
         assert not owners.any()
 
@@ -344,6 +338,13 @@ def _row_parts(B):
     """Weights, first and second moments: views of row block ``B``."""
     H = B.shape[1] // 3
     return B[:, :H], B[:, H:2 * H], B[:, 2 * H:]
+
+
+def _expand(compact, rows, n):
+    """A step's compact gradient as a full-size array of n rows: row ``rows[t]`` holds row t."""
+    full = np.zeros((n,) + compact.shape[1:], compact.dtype)
+    full[rows] = compact[:rows.size]
+    return full
 
 
 def _output_case(in_place: bool):
@@ -379,7 +380,9 @@ def _output_case(in_place: bool):
     assert (pool_pos == -1).all() and not pool_bits.any()  # left as found
     assert (qs.slots == -1).all()  # the query set is empty again
     owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
-    n_touched = K.mark_rows(pool, active, n_active, owners, in_place, touched)
+    slots, shared = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
+    n_touched, n_shared = K.mark_rows(pool, active, n_active, owners, in_place, touched, slots,
+                                      shared)
     B = _row_block(W, np.zeros_like(W), np.zeros_like(W))
     params = {"B": B, "b": b.copy(), "gW": np.zeros_like(W), "gb": np.zeros_like(b),
               "bM": np.zeros_like(b), "bV": np.zeros_like(b)}
@@ -387,15 +390,18 @@ def _output_case(in_place: bool):
     p = params
     dH, losses = np.zeros((1, H), np.float32), np.zeros(1, np.float32)
     hyper = (4e-3, 0.9, 0.999, 1e-8, 3, 0.5)  # lr, beta1, beta2, eps, step, weight decay
-    K.output_step(y_indptr, h, p["B"], p["b"], p["gW"], p["gb"], p["bM"], p["bV"], owners, zpool,
-                  active, n_active, bounds, np.zeros((1, cap + 1), np.float32), dH, losses,
-                  *hyper)
-    shared, rest = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
-    n_shared, n_in_place = K.read_marks(owners, touched[:n_touched], shared, rest)
+    K.output_step(y_indptr, h, p["B"], p["b"], p["gW"], p["gb"], p["bM"], p["bV"], owners, slots,
+                  zpool, active, n_active, bounds, np.zeros((1, cap + 1), np.float32), dH,
+                  losses, *hyper)
+    rest = np.zeros(n_labels, np.int32)
+    n_in_place = K.clear_marks(owners, touched[:n_touched], rest)
     assert not owners.any()  # every mark cleared for the next step
+    shared = shared[:n_shared]
+    # the compact gradients (row t for shared[t]) laid out by label, for the checks
+    p["gW"], p["gb"] = _expand(p["gW"], shared, n_labels), _expand(p["gb"], shared, n_labels)
     return dict(W=W, b=b, h=h, label=label, found=found, pool=pool, zpool=zpool,
                 own=active[0, :n_active[0]], params=params, losses=losses, hyper=hyper,
-                shared=shared[:n_shared], in_place=rest[:n_in_place])
+                shared=shared, in_place=rest[:n_in_place])
 
 
 def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
@@ -455,14 +461,17 @@ def test_mark_ids_finds_the_features_of_one_sample_alone():
 
     ids = np.array([4, 1, 6, 1, 0, 6, 6], np.int32)
     owners, touched = np.zeros(8, np.uint8), np.zeros(7, np.int32)
-    n = K.mark_ids(ids, owners, True, touched)
-    assert list(touched[:n]) == [4, 1, 6, 0]
-    assert [owners[i] for i in touched[:n]] == [K.ALONE, K.SHARED, K.SHARED, K.ALONE]
-    shared, alone = np.zeros(7, np.int32), np.zeros(7, np.int32)
-    assert K.read_marks(owners, touched[:n], shared, alone) == (2, 2)
-    assert list(shared[:2]) == [1, 6] and list(alone[:2]) == [4, 0] and not owners.any()
-    n = K.mark_ids(ids, owners, False, touched)
-    assert n == 4 and all(owners[i] == K.SHARED for i in touched[:n])
+    slots, shared = np.full(8, -1, np.int32), np.zeros(7, np.int32)
+    assert K.mark_ids(ids, owners, True, touched, slots, shared) == (4, 2)
+    assert list(touched[:4]) == [4, 1, 6, 0]
+    assert [owners[i] for i in touched[:4]] == [K.ALONE, K.SHARED, K.SHARED, K.ALONE]
+    assert list(shared[:2]) == [1, 6] and slots[1] == 0 and slots[6] == 1
+    alone = np.zeros(7, np.int32)
+    assert K.clear_marks(owners, touched[:4], alone) == 2
+    assert list(alone[:2]) == [4, 0] and not owners.any()
+    n, n_shared = K.mark_ids(ids, owners, False, touched, slots, shared)
+    assert n == n_shared == 4 and all(owners[i] == K.SHARED for i in touched[:n])
+    assert list(shared[:4]) == [4, 1, 6, 0] and list(slots[shared[:4]]) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("hidden", [(6,), (6, 4)])
@@ -496,14 +505,15 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
         gW0, gb0 = np.zeros((n_f, H0), np.float32), np.zeros(H0, np.float32)
         gWh, gbh = np.zeros_like(Wh), np.zeros(max(1, sum(blk[2] for blk in blocks)), np.float32)
         owners, touched = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
-        n = K.mark_ids(X.indices, owners, in_place, touched)
-        K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, B, owners, Wh,
-                          h_off, sizes, gW0, gb0, gWh, gbh, b_off, np.array([0, 3], np.int64),
-                          np.zeros((1, 2 * max(hidden)), np.float32), *hyper)
-        shared, alone = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        n_shared, n_alone = K.read_marks(owners, touched[:n], shared, alone)
-        rows = shared[:n_shared]
-        K.adam_rows(rows, rows, B, gW0, *hyper)
+        slots, shared = np.zeros(n_f, np.int32), np.zeros(X.nnz, np.int32)
+        n, n_shared = K.mark_ids(X.indices, owners, in_place, touched, slots, shared)
+        K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, B, owners,
+                          slots, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off,
+                          np.array([0, 3], np.int64), np.zeros((1, 2 * max(hidden)), np.float32),
+                          *hyper)
+        alone = np.zeros(n, np.int32)
+        n_alone = K.clear_marks(owners, touched[:n], alone)
+        K.adam_rows(shared[:n_shared], np.arange(n_shared, dtype=np.int32), B, gW0, *hyper)
         out[in_place] = p, alone[:n_alone], gW0, gb0, gWh
     (ref, none, *ref_g), (fused, alone, *fused_g) = out[False], out[True]
     assert none.size == 0 and sorted(alone) == [0, 1, 3, 5]  # features of one sample's row
@@ -545,6 +555,7 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     owners[pool] = K.SHARED
     lone = pool[::3]
     owners[lone] = K.POOL
+    slots = rng.permutation(n_out).astype(np.int32)  # the SHARED rows' rows of the gradient
     B = _row_block(W, np.full_like(W, 0.1), np.full_like(W, 0.2))
     state = {"B": B, "b": b.copy(), "bM": np.full_like(b, 0.1), "bV": np.full_like(b, 0.2)}
     before = {k: v.copy() for k, v in state.items()}
@@ -552,15 +563,15 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     dH, gW, gb = dH0.copy(), np.ones_like(W), np.ones_like(b)
     g_pool = np.empty((P, H), np.float32)
     K.pool_gradients(h, W_pool, dz.copy(), pool, dH, state["B"], state["b"], gW, gb, state["bM"],
-                     state["bV"], owners, g_pool, vec, np.full((T, n, H), np.nan, np.float32),
+                     state["bV"], owners, slots, g_pool, vec, np.full((T, n, H), np.nan, np.float32),
                      bounds, *hyper)
     np.testing.assert_allclose(dH, dH0 + dz @ W[pool], rtol=1e-5, atol=1e-5)  # weights before
     np.testing.assert_allclose(g_pool, dz.T @ h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(vec, dz.sum(axis=0), rtol=1e-5, atol=1e-5)
     shared = owners[pool] == K.SHARED
-    np.testing.assert_array_equal(gW[pool[shared]], 1 + g_pool[shared])
-    np.testing.assert_array_equal(gb[pool[shared]], 1 + vec[shared])
-    assert (gW[lone] == 1).all() and (gb[lone] == 1).all()  # no gradient row for these
+    np.testing.assert_array_equal(gW[slots[pool[shared]]], 1 + g_pool[shared])
+    np.testing.assert_array_equal(gb[slots[pool[shared]]], 1 + vec[shared])
+    assert (gW[slots[lone]] == 1).all() and (gb[slots[lone]] == 1).all()  # no gradient row
     # the rows updated in place: as adam_rows / adam_entries with the same gradients
     at = np.flatnonzero(~shared).astype(np.int32)
     ref = {k: v.copy() for k, v in before.items()}
@@ -571,5 +582,5 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     assert not np.array_equal(_row_parts(state["B"])[0][lone], W[lone])
     rest = np.setdiff1d(np.arange(n_out), lone)
     assert all(np.array_equal(state[k][rest], before[k][rest]) for k in state)
-    rest = np.setdiff1d(np.arange(n_out), pool)
+    rest = slots[np.setdiff1d(np.arange(n_out), pool)]
     assert (gW[rest] == 1).all() and (gb[rest] == 1).all()
