@@ -68,3 +68,27 @@ def test_features_absent_from_training_start_at_zero(tiny_data):
 def test_bad_norm():
     with pytest.raises(ValueError, match="norm"):
         Preprocessor(norm="l1")
+
+
+@pytest.mark.parametrize("tfidf", [False, True])
+def test_rows_weighed_in_place_match_the_whole_matrix_formula(tfidf):
+    """The row kernel gives, bit for bit, the numpy formula over the whole matrix: idf per
+    value, float64 row norms, float32 division; empty rows stay empty."""
+    rng = np.random.default_rng(0)
+    X = sp.random(300, 50, density=0.1, format="csr", dtype=np.float32, random_state=rng)
+    X.data = rng.integers(1, 9, X.nnz).astype(np.float32)
+    X.data[X.indptr[7]:X.indptr[8]] = 0  # an empty row
+    X.eliminate_zeros()
+    pre = Preprocessor(tfidf=tfidf).fit(X)
+    want = X.copy()
+    if tfidf:
+        want.data *= pre.idf_[want.indices]
+    rows = np.repeat(np.arange(X.shape[0]), np.diff(want.indptr))
+    norms = np.sqrt(np.bincount(rows, weights=np.square(want.data, dtype=np.float64),
+                                minlength=X.shape[0]))
+    norms[norms == 0] = 1.0
+    want.data /= norms[rows].astype(np.float32)
+    got = pre.transform(X)
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.data, want.data)
+    assert got.getrow(7).nnz == 0
