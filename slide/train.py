@@ -240,7 +240,8 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             model.best_params_ = None
     model.early_stopping_ = stopper
     metric = model.validation_metric() if stopper is None else stopper.metric
-    Xp = model.preprocess(X)
+    n_rows, Xp = X.shape[0], model.preprocess(X)
+    del X  # the rows as split: not needed again (0.27 GB at the full Amazon-670K size)
     first = model.epoch_
     epochs = max(0, (first + model.resolved_["epochs"] if until_epoch is None else int(until_epoch)) - first)
     for _ in range(epochs):
@@ -248,8 +249,8 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
             break
         model.learning_rate_ = epoch_learning_rate(model.resolved_["lr"], model.epoch_, first + epochs,
                                                    stopper.lowered if stopper is not None else 0)
-        bar = _progress_bar(progress, X.shape[0], f"epoch {model.epoch_ + 1}/{first + epochs}")
-        order = _epoch_order(s["seed"], model.epoch_, X.shape[0])
+        bar = _progress_bar(progress, n_rows, f"epoch {model.epoch_ + 1}/{first + epochs}")
+        order = _epoch_order(s["seed"], model.epoch_, n_rows)
         start = min(getattr(model, "epoch_position_", 0), order.size) if continue_training else 0
         order = order[start:]  # a checkpoint taken inside this epoch already holds these rows
         if distributed is not None:
