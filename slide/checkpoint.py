@@ -179,9 +179,7 @@ class Checkpoint:
         rows = max(1, READ_BYTES // (4 * out.shape[1]))
         buf = np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
         with self._member(key) as fh:
-            fmt = np.lib.format
-            major, _ = fmt.read_magic(fh)
-            (fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0)(fh)
+            _read_header(fh)  # checked at open; the data follows it
             for lo in range(0, out.shape[0], rows):
                 part = buf[:min(rows, out.shape[0] - lo)]
                 view = memoryview(part).cast("B")
@@ -299,16 +297,13 @@ def _npz_members(npz: str) -> dict:
     """The members of an uncompressed or compressed .npz: name → (zip entry, shape, Fortran
     order, dtype), each header checked against its stored size before anything is allocated
     (a corrupted shape cannot ask for terabytes). The data is read later, when asked for."""
-    fmt = np.lib.format
     members = {}
     with zipfile.ZipFile(npz) as zf:
         for info in zf.infolist():
             if not info.filename.endswith(".npy"):
                 raise CheckpointError(f"{npz}: unexpected member {info.filename!r}")
             with zf.open(info) as fh:
-                major, _ = fmt.read_magic(fh)
-                read_header = fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0
-                shape, fortran, dtype = read_header(fh)
+                shape, fortran, dtype = _read_header(fh)
                 if dtype.hasobject:
                     raise CheckpointError(f"{npz}: {info.filename} holds Python objects")
                 need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -317,3 +312,10 @@ def _npz_members(npz: str) -> dict:
                                           f"stores {info.file_size - fh.tell()} bytes")
             members[info.filename[:-4]] = (info, tuple(shape), bool(fortran), dtype)
     return members
+
+
+def _read_header(fh) -> tuple:
+    """(shape, Fortran order, dtype) of the .npy stream ``fh``, which is left at its data."""
+    fmt = np.lib.format
+    major, _ = fmt.read_magic(fh)
+    return (fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0)(fh)
