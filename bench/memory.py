@@ -63,9 +63,9 @@ def main(argv=None):
            "peak_rss_bytes": peak, "rss_after_data_bytes": rss_data, "data_bytes": data_bytes,
            "model_estimate_bytes": estimate, "generate_seconds": gen, "fit_seconds": fit,
            "test_P@1": p1, "samples_per_second": model.history_[-1]["samples_per_second"]}
-    print(f"{args.preset}, {X.shape[0]} train rows{', resumed' if args.resume else ''}: peak RSS {peak / 2**30:.2f} GiB (data "
-          f"{data_bytes / 2**30:.2f} GiB, model estimate {estimate / 2**30:.2f} GiB); fit "
-          f"{fit:.0f} s for {args.epochs} epoch(s), P@1 {p1:.4f}")
+    print(f"{args.preset}, {X.shape[0]} train rows{', resumed' if args.resume else ''}: "
+          f"peak RSS {peak / 2**30:.2f} GiB (data {data_bytes / 2**30:.2f} GiB, model estimate "
+          f"{estimate / 2**30:.2f} GiB); fit {fit:.0f} s for {args.epochs} epoch(s), P@1 {p1:.4f}")
     if args.out:
         write_json(args.out, doc)
 

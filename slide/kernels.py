@@ -443,9 +443,10 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
     """The shared pool's logits ``z = h @ W[pool].T + b[pool]``.
 
     ``h`` float32 [n, H] (the last hidden layer), ``W`` the output layer's rows led by the
-    weights (float32 [n_out, H] or its row block), ``b`` [n_out], ``pool`` int32 [P]. ``W_pool`` float32 [P, H] receives ``W[pool]`` (the backward pass
-    reads it again), ``z`` float32 [n, P] the logits; ``b_pool`` float32 [P] is scratch. Thread
-    c takes pool positions ``bounds[c]:bounds[c + 1]`` (int64 [T + 1]).
+    weights (float32 [n_out, H] or its row block), ``b`` [n_out], ``pool`` int32 [P].
+    ``W_pool`` float32 [P, H] receives ``W[pool]`` (the backward pass reads it again), ``z``
+    float32 [n, P] the logits; ``b_pool`` float32 [P] is scratch. Thread c takes pool positions
+    ``bounds[c]:bounds[c + 1]`` (int64 [T + 1]).
     """
     for c in prange(bounds.size - 1):
         lo, hi = bounds[c], bounds[c + 1]

@@ -70,7 +70,8 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
         + n_labels * (hidden[-1] + 1) + sum(hidden)
     gradients = n_params
     if compact_gradients:
-        out_rows = min(n_labels, resolved["batch_size"] * (resolved["lsh_cap"] + 1) + resolved["pool"])
+        out_rows = min(n_labels,
+                       resolved["batch_size"] * (resolved["lsh_cap"] + 1) + resolved["pool"])
         gradients -= (n_labels - out_rows) * (hidden[-1] + 1)
     parts = {"parameters": 4 * n_params, "adam_moments": 8 * n_params, "gradients": 4 * gradients}
     parts["best_weights"] = 4 * n_params
