@@ -58,6 +58,14 @@
    both moments in one run, and its gradient row); the same bytes at that rate, the rehash at
    the triad's, give an attainable limit, reported beside the roofline.
 
+6. **Rounds** (``--rounds R``): the timed batches in R rounds, with the ``--threads`` roofs
+   (triad and matrix product) measured again just before each round and after the last. Each
+   round's fraction is against the higher of the two measurements either side of it, and the
+   median of the rounds is reported beside the whole window's fraction, which is against the
+   highest roofs measured at any point. On a shared machine whose neighbours take bandwidth
+   and cores for minutes at a time, a roof measured a minute away from the batches it judges
+   can belong to another load; the rounds' spread shows how much of a fraction is the hour's.
+
 Writes the figures as JSON to the path given with ``--out``.
 """
 from __future__ import annotations
@@ -79,19 +87,25 @@ def _triad(a, b, c, s):
         a[i] = b[i] + s * c[i]
 
 
-def stream_bandwidth(mb: int, threads: int, reps: int = 5) -> float:
-    """Bytes per second of the triad on ``threads`` numba threads (best of ``reps``)."""
+def triad_arrays(mb: int) -> tuple:
+    """The triad's three float32 arrays of ``mb`` MiB each, paged in."""
+    n = mb * (1 << 20) // 4
+    return np.zeros(n, np.float32), np.ones(n, np.float32), np.full(n, 2.0, np.float32)
+
+
+def stream_bandwidth(mb: int, threads: int, reps: int = 5, arrays=None) -> float:
+    """Bytes per second of the triad on ``threads`` numba threads (best of ``reps``), over
+    ``arrays`` (:func:`triad_arrays`) or three fresh arrays of ``mb`` MiB."""
     from lsh import set_num_threads
     set_num_threads(threads)
-    n = mb * (1 << 20) // 4
-    a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.full(n, 2.0, np.float32)
+    a, b, c = triad_arrays(mb) if arrays is None else arrays
     _triad(a, b, c, np.float32(3.0))  # compile, page in
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
         _triad(a, b, c, np.float32(3.0))
         best = min(best, time.perf_counter() - t0)
-    return 3 * n * 4 / best
+    return 3 * a.size * 4 / best
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -251,6 +265,24 @@ def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     return per
 
 
+#: seconds BLAS's worker threads keep spinning after a product on several threads: a round
+#: that started sooner would share its cores with them (it ran at a fifth of its rate)
+_BLAS_SPIN = 0.5
+
+
+def roofline_limit(need: dict, work: dict, bw: float, fl: float) -> tuple:
+    """(each phase's least seconds per sample, the roofline in samples/s) for the bytes ``need``
+    and operations ``work`` per sample (:func:`bytes_per_sample`, :func:`flops_per_sample`) at
+    ``bw`` bytes/s and ``fl`` FLOP/s: a phase's least time is the later of its two roofs."""
+    least = {k: max(need[k] / bw, work[k] / fl) for k in need if k != "total"}
+    return least, 1.0 / sum(least.values())
+
+
+def _builds(model) -> int:
+    """The output layer's table builds so far (0 where every neuron is active)."""
+    return model.tables_.builds if model.tables_ is not None else 0
+
+
 def main(argv=None):
     from slide.network import SlideClassifier
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -260,6 +292,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=40, help="timed batches")
     p.add_argument("--warm-steps", type=int, default=8,
                    help="batches before the timed ones (compile, the first rehashes)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split the timed batches into rounds, the roofs measured between them")
     p.add_argument("--stream-mb", type=int, default=512)
     p.add_argument("--config", default="{}", help="JSON overrides of the engine's settings")
     p.add_argument("--out", default=None)
@@ -278,21 +312,41 @@ def main(argv=None):
     if (w + args.steps) * B > X.shape[0]:
         p.error(f"--warm-steps + --steps batches need {(w + args.steps) * B} rows, "
                 f"--n-train has {X.shape[0]}")
+    if not 1 <= args.rounds <= args.steps:
+        p.error(f"--rounds must be between 1 and --steps ({args.steps}), got {args.rounds}")
     model.train_rows(Xp, Y, order[:w * B])  # compile, first rehashes
     model.timings_ = {}
     timed = order[w * B:(w + args.steps) * B]
-    builds = model.tables_.builds if model.tables_ is not None else 0
-    t0 = time.perf_counter()
-    model.train_rows(Xp, Y, timed)
-    seconds = time.perf_counter() - t0
+    cuts = np.arange(args.rounds + 1) * args.steps // args.rounds * B
+    # the N-thread roofs just before each round, and after the last (the window's own
+    # measurements where there is one round)
+    arrays = triad_arrays(args.stream_mb) if args.rounds > 1 else None
+    probes = [] if args.rounds > 1 else [(before[1], before[3])]
+    rounds = []
+    for r in range(args.rounds):
+        if arrays is not None:
+            probes.append((stream_bandwidth(args.stream_mb, args.threads, 3, arrays),
+                           matmul_flops(args.threads)))
+            time.sleep(_BLAS_SPIN)
+        part = timed[cuts[r]:cuts[r + 1]]
+        builds = _builds(model)
+        t0 = time.perf_counter()
+        model.train_rows(Xp, Y, part)
+        rounds.append({"samples": int(part.size), "seconds": time.perf_counter() - t0,
+                       "rehashes": _builds(model) - builds})
+    del arrays
+    seconds = sum(r["seconds"] for r in rounds)
     rate = timed.size / seconds
     after = machine_roofs(args.stream_mb, args.threads)
-    bw1, bw, fl1, fl = (max(a, b) for a, b in zip(before, after))
+    probes.append((after[1], after[3]))
+    # the whole window against the highest roofs measured around it
+    bw1, fl1 = max(before[0], after[0]), max(before[2], after[2])
+    bw, fl = (max(x) for x in zip((before[1], before[3]), *probes))
     for when, roofs in (("before", before), ("after", after)):
         print(f"{when} the window: triad {roofs[0] / 1e9:.1f} GB/s on 1 thread, "
               f"{roofs[1] / 1e9:.1f} GB/s on {args.threads}; sgemm {roofs[2] / 1e9:.0f} GFLOP/s "
               f"on 1 thread, {roofs[3] / 1e9:.0f} GFLOP/s on {args.threads}")
-    rehashes = (model.tables_.builds - builds) if model.tables_ is not None else 0
+    rehashes = sum(r["rehashes"] for r in rounds)
     shape = (X.shape[1], Y.shape[1], X.nnz / X.shape[0], Y.nnz / Y.shape[0])
     counts = [np.bincount(Xp[timed[lo:lo + B]].indices, minlength=X.shape[1])
               for lo in range(0, timed.size, B)]
@@ -300,10 +354,16 @@ def main(argv=None):
     need = bytes_per_sample(model.resolved_, *shape, rehashes_per_sample=rehashes / timed.size,
                             input_rows=inputs)
     work = flops_per_sample(model.resolved_, *shape, input_rows=inputs)
-    # each phase's least time: the later of its two roofs
-    least = {k: max(need[k] / bw, work[k] / fl) for k in need if k != "total"}
+    least, limit = roofline_limit(need, work, bw, fl)
     memory_limit = bw / need["total"]
-    limit = 1.0 / sum(least.values())
+    for r, round_ in enumerate(rounds):  # each round against the higher of its two probes
+        r_bw, r_fl = (max(x) for x in zip(probes[r], probes[r + 1]))
+        r_need = bytes_per_sample(model.resolved_, *shape, input_rows=inputs,
+                                  rehashes_per_sample=round_["rehashes"] / round_["samples"])
+        r_rate = round_["samples"] / round_["seconds"]
+        round_.update(bandwidth=r_bw, matmul_flops=r_fl, samples_per_second=r_rate,
+                      roofline_samples_per_second=roofline_limit(r_need, work, r_bw, r_fl)[1])
+        round_["fraction"] = r_rate / round_["roofline_samples_per_second"]
     # what scattered rows allow: the same bytes at Adam's pattern's rate instead of the
     # triad's, for every phase but the rehash (which streams the weights)
     H = int(model.resolved_["hidden"][-1])
@@ -344,12 +404,23 @@ def main(argv=None):
     print(f"scattered rows (Adam's pattern, {max(u_out, 1)} rows of a row block of 3 x {H} floats "
           f"and of a gradient): {sbw / 1e9:.1f} GB/s; at that rate the step could reach "
           f"{attainable_limit:.0f} samples/s: measured {rate / attainable_limit:.1%} of it")
+    if args.rounds > 1:
+        fractions = [r["fraction"] for r in rounds]
+        print(f"{'round':>5s} {'batches':>8s} {'samples/s':>10s} {'triad GB/s':>11s} "
+              f"{'GFLOP/s':>8s} {'roofline':>9s} {'fraction':>9s}")
+        for r, round_ in enumerate(rounds):
+            print(f"{r + 1:5d} {round_['samples'] // B:8d} {round_['samples_per_second']:10.0f} "
+                  f"{round_['bandwidth'] / 1e9:11.1f} {round_['matmul_flops'] / 1e9:8.0f} "
+                  f"{round_['roofline_samples_per_second']:9.0f} {round_['fraction']:9.1%}")
+        print(f"rounds against the roofs measured either side: median {np.median(fractions):.1%} "
+              f"of the roofline (from {min(fractions):.1%} to {max(fractions):.1%})")
     if args.out:
         write_json(args.out, {"machine": machine(), "args": vars(args),
                               "bandwidth": {"1": bw1, str(args.threads): bw},
                               "matmul_flops": {"1": fl1, str(args.threads): fl},
                               "roofs_before_after": {"before": list(before),
                                                      "after": list(after)},
+                              "probes": [list(x) for x in probes],
                               "resolved": model.resolved_, "rehashes_in_window": rehashes,
                               "input_rows_per_batch": {"distinct": inputs[0], "alone": inputs[1]},
                               "bytes_per_sample": need,
@@ -361,7 +432,10 @@ def main(argv=None):
                               "fraction_of_memory_roof": rate / memory_limit,
                               "scattered_bandwidth": sbw,
                               "attainable_samples_per_second": attainable_limit,
-                              "fraction_of_attainable": rate / attainable_limit})
+                              "fraction_of_attainable": rate / attainable_limit,
+                              "rounds": rounds,
+                              "fraction_median_of_rounds": float(np.median(
+                                  [r["fraction"] for r in rounds]))})
 
 
 if __name__ == "__main__":

@@ -99,3 +99,34 @@ def test_scattered_pass_touches_exactly_the_listed_rows():
     assert (R[rows] == 2).all() and (D[rows] == 0).all()
     assert (R[other] == 1).all() and (D[other] == 1).all()
     assert 0 < scattered_bandwidth(2000, 8, 300, threads=1, reps=2) < math.inf
+
+
+def test_roofline_limit_takes_each_phase_at_its_later_roof():
+    from bench.roofline import roofline_limit
+    need = {"a": 100.0, "b": 10.0, "total": 110.0}  # bytes per sample
+    work = {"a": 1.0, "b": 1000.0, "total": 1001.0}  # operations per sample
+    least, limit = roofline_limit(need, work, bw=10.0, fl=100.0)
+    assert least == {"a": 10.0, "b": 10.0}  # a by memory (100 / 10), b by arithmetic (1000 / 100)
+    assert limit == pytest.approx(1 / 20)
+
+
+def test_rounds_are_each_measured_against_the_roofs_either_side(tmp_path):
+    import json
+
+    from bench.roofline import main
+    out = tmp_path / "roofline.json"
+    main(["--preset", "demo", "--n-train", "600", "--warm-steps", "1", "--steps", "3",
+          "--rounds", "3", "--stream-mb", "4", "--out", str(out)])
+    d = json.loads(out.read_text())
+    rounds, probes = d["rounds"], d["probes"]
+    assert len(rounds) == 3 and len(probes) == 4  # one before each round, one after the last
+    assert sum(r["samples"] for r in rounds) == 3 * d["resolved"]["batch_size"]
+    for r, round_ in enumerate(rounds):
+        assert round_["bandwidth"] == max(probes[r][0], probes[r + 1][0])
+        assert round_["matmul_flops"] == max(probes[r][1], probes[r + 1][1])
+        assert round_["fraction"] == pytest.approx(
+            round_["samples_per_second"] / round_["roofline_samples_per_second"])
+    # the whole window against the highest roofs of all
+    assert d["bandwidth"]["2"] >= max(p[0] for p in probes)
+    assert d["fraction_median_of_rounds"] == pytest.approx(
+        sorted(r["fraction"] for r in rounds)[1])
