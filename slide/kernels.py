@@ -458,12 +458,13 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
                     prefetch(W[pool[lo + t + _AHEAD], :H])
                 Wc[t] = W[pool[lo + t], :H]
                 bc[t] = b[pool[lo + t]]
+            # the biases first, the product added to them: BLAS zeroes C in a pass of its own
+            # where beta is 0, and adding the biases after took another (0.82 -> 0.72 ms a
+            # batch at Amazon-670K shape on 2 threads)
             zc = z[:, lo:hi]
-            gemm(h, False, Wc, True, zc, 0.0)
             for r in range(zc.shape[0]):
-                zr = zc[r]
-                for t in range(hi - lo):
-                    zr[t] += bc[t]
+                zc[r] = bc
+            gemm(h, False, Wc, True, zc, 1.0)
 
 
 @njit(cache=True, nogil=True, parallel=True)
