@@ -459,8 +459,8 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
                 Wc[t] = W[pool[lo + t], :H]
                 bc[t] = b[pool[lo + t]]
             # the biases first, the product added to them: BLAS zeroes C in a pass of its own
-            # where beta is 0, and adding the biases after took another (0.82 -> 0.72 ms a
-            # batch at Amazon-670K shape on 2 threads)
+            # where beta is 0, and adding the biases after took another (about 8% of this
+            # kernel on 2 threads at Amazon-670K shape, bench/test_bench_pool.py)
             zc = z[:, lo:hi]
             for r in range(zc.shape[0]):
                 zc[r] = bc

@@ -1,0 +1,81 @@
+"""The shared pool's two kernels on their own, at Amazon-670K shape, on 1 and 2 threads.
+
+    pytest bench/test_bench_pool.py --benchmark-only --benchmark-json OUT.json
+
+A batch of 128 hidden rows (H = 128) against a pool of 3,095 rows drawn afresh each round from
+an output layer of 670,091 rows, held as the row block it trains in (weights and both Adam
+moments, 1 GB): ``pool_logits`` (gather the pool's rows, its logits as one product per thread)
+and ``pool_gradients`` (the pool rows' gradients and Adam steps in place, every pool row in no
+sample's own set, and the hidden gradient). These are the pool phase of the training step
+without the rest of it, so that a change to them can be timed at a resolution the whole step,
+on a shared machine, does not give. Medians over rounds; compile in the warm-up round.
+"""
+import numpy as np
+import pytest
+
+from lsh import engine_threads, thread_chunks
+from slide import kernels
+
+N_LABELS, H, POOL, BATCH = 670_091, 128, 3_095, 128
+
+
+@pytest.fixture(scope="module")
+def layer():
+    rng = np.random.default_rng(0)
+    block = np.zeros((N_LABELS, 3 * H), np.float32)  # weights, then both moments, per row
+    block[:, :H] = rng.standard_normal((N_LABELS, H), np.float32) * 0.01
+    return {"block": block, "b": np.zeros(N_LABELS, np.float32),
+            "bM": np.zeros(N_LABELS, np.float32), "bV": np.zeros(N_LABELS, np.float32),
+            "h": np.abs(rng.standard_normal((BATCH, H), np.float32)),
+            "owners": np.zeros(N_LABELS, np.uint8), "slots": np.zeros(N_LABELS, np.int32),
+            "rng": rng}
+
+
+def _pool(layer):
+    return np.sort(layer["rng"].choice(N_LABELS, POOL, replace=False)).astype(np.int32)
+
+
+def _buffers(threads):
+    return (np.empty((POOL, H), np.float32), np.empty((BATCH, POOL), np.float32),
+            np.empty(POOL, np.float32), np.empty((POOL, H), np.float32),
+            np.empty((threads, BATCH, H), np.float32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pool_logits(benchmark, layer, threads):
+    with engine_threads(threads) as n:
+        bounds = thread_chunks(POOL)
+        W_pool, z, vec, _, _ = _buffers(n)
+
+        def one_batch(pool):
+            kernels.pool_logits(layer["h"], layer["block"], layer["b"], pool, W_pool, z, vec, bounds)
+
+        benchmark.pedantic(one_batch, setup=lambda: ((_pool(layer),), {}), rounds=60,
+                           warmup_rounds=1)
+    benchmark.extra_info.update(threads=n, pool=POOL, n_labels=N_LABELS)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pool_gradients(benchmark, layer, threads):
+    owners = layer["owners"]
+    with engine_threads(threads) as n:
+        bounds = thread_chunks(POOL)
+        W_pool, z, vec, g_pool, dH_parts = _buffers(n)
+        dH = np.zeros((BATCH, H), np.float32)
+        grads = np.zeros((1, H), np.float32), np.zeros(1, np.float32)  # no row is SHARED
+
+        def setup():
+            pool = _pool(layer)
+            owners[:] = kernels.UNTOUCHED
+            owners[pool] = kernels.POOL  # in no sample's own set: Adam in place
+            kernels.pool_logits(layer["h"], layer["block"], layer["b"], pool, W_pool, z, vec, bounds)
+            np.multiply(z, np.float32(1e-3), out=z)  # stands for the logit gradients
+            return (pool,), {}
+
+        def one_batch(pool):
+            kernels.pool_gradients(layer["h"], W_pool, z, pool, dH, layer["block"], layer["b"],
+                                   *grads, layer["bM"], layer["bV"], owners, layer["slots"],
+                                   g_pool, vec, dH_parts, bounds, 1e-3, 0.9, 0.999, 1e-8, 10, 0.1)
+
+        benchmark.pedantic(one_batch, setup=setup, rounds=60, warmup_rounds=1)
+    benchmark.extra_info.update(threads=n, pool=POOL, n_labels=N_LABELS)
