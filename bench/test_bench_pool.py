@@ -15,6 +15,7 @@ import pytest
 
 from lsh import engine_threads, thread_chunks
 from slide import kernels
+from slide.sampling import shared_negatives
 
 N_LABELS, H, POOL, BATCH = 670_091, 128, 3_095, 128
 
@@ -32,7 +33,8 @@ def layer():
 
 
 def _pool(layer):
-    return np.sort(layer["rng"].choice(N_LABELS, POOL, replace=False)).astype(np.int32)
+    """The step's own draw of a pool (no batch labels joined to it here)."""
+    return shared_negatives(layer["rng"], N_LABELS, POOL, np.empty(0, np.int32))
 
 
 def _buffers(threads):
