@@ -27,10 +27,19 @@ rows' gradients are summed in the step's *compact gradient*, a row for each of t
 given by :func:`mark_rows`) instead of a full-size array that a step would write at scattered
 rows, lock-free (Hogwild): threads may race on a row and lose an addition, by design; Adam then
 updates those rows (:func:`adam_rows`). With one thread everything is deterministic.
+
+The per-sample kernels (:func:`select_active`, :func:`output_step`, :func:`backward_hidden`)
+run one loop on each of ``n_threads`` threads, each claiming the batch's next unclaimed sample
+from a shared counter whenever it finishes one (:func:`lsh.atomics.fetch_add`), instead of a
+fixed chunk each: a sample's cost varies with its labels, its candidates and its cache misses,
+and with fixed chunks the threads sat idle about 5% of the output and backward kernels at
+Amazon-670K shape on 2 threads, waiting for the slowest chunk. Their scratch is per thread; with
+one thread the samples go in order.
 """
 import numpy as np
 from numba import njit, prange
 
+from lsh.atomics import fetch_add
 from lsh.prefetch import prefetch, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
@@ -126,7 +135,7 @@ def _select_own(labels, codes, buckets, seen, slots, where, cand, hits, hist, ls
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
 def select_active(y_indptr, y_indices, codes, buckets, seen, slots, where, cand, hits, hist,
-                  lsh_cap, pool, pool_pos, pool_bits, zpool, active, n_active, bounds):
+                  lsh_cap, pool, pool_pos, pool_bits, zpool, active, n_active, n_threads):
     """Each sample's own active neurons into ``active`` [n, w] / ``n_active`` [n] (its labels,
     then up to ``lsh_cap`` LSH candidates, see :func:`_select_own`), and its row of the pool's
     logits ``zpool`` [n, P] cut to the random rest of the layer.
@@ -139,14 +148,18 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, slots, where, cand,
     and exit): a found neuron's bit, in L2 at 84 KB for 670K labels, answers most lookups
     before the 2.7 MB map would (the query 13.8 -> 11.2 us a sample). Per-thread query scratch
     (``slots``, ``where``, ``cand``, ``hits``, ``hist``) as in
-    :class:`lsh.tables.QueryScratch`; thread c takes samples ``bounds[c]:bounds[c + 1]``.
+    :class:`lsh.tables.QueryScratch`, one for each of ``n_threads`` threads, which claim the
+    samples one at a time (see the module docstring).
     """
     for j in range(pool.size):
         i = pool[j]
         pool_pos[i] = j
         pool_bits[i >> 3] |= np.uint8(1 << (i & 7))
-    for c in prange(bounds.size - 1):
-        for r in range(bounds[c], bounds[c + 1]):
+    n = y_indptr.size - 1
+    next_row = np.zeros(1, np.int64)
+    for c in prange(n_threads):
+        r = fetch_add(next_row, 1)
+        while r < n:
             own = active[r]
             k, u = _select_own(y_indices[y_indptr[r]: y_indptr[r + 1]], codes[r], buckets, seen,
                                slots[c], where[c], cand[c], hits[c], hist[c], lsh_cap, own)
@@ -161,6 +174,7 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, slots, where, cand,
                 i = found[a]
                 if pool_bits[i >> 3] & (1 << (i & 7)):
                     zp[pool_pos[i]] = -np.inf
+            r = fetch_add(next_row, 1)
     for j in range(pool.size):
         i = pool[j]
         pool_pos[i] = -1
@@ -260,7 +274,7 @@ def _grad_row(owners, slots, i, own):
 
 @njit(cache=True, nogil=True, parallel=True)
 def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, active, n_active,
-                bounds, logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
+                n_threads, logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
     """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
 
     A sample's active set is its own neurons ``active[r, :n_active[r]]`` (its labels first, then
@@ -277,7 +291,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
     bias moments ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows` and
     :func:`adam_entries`). Other own rows add their gradients to the step's compact gradient
     ``gW`` [S, H] / ``gb`` [S] at their ``slots`` (:func:`mark_rows`; Hogwild) for Adam after
-    the batch.
+    the batch. ``n_threads`` threads claim the samples one at a time (see the module
+    docstring), each with its row of scratch ``logits_buf`` float32 [n_threads, w].
     """
     n = y_indptr.size - 1
     scale = np.float32(1.0 / n)
@@ -286,10 +301,13 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
     P = zpool.shape[1]
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     k_b = _adam_constants(lr, beta1, beta2, eps, step, 0.0)  # biases: no decay
-    for c in prange(bounds.size - 1):
+    next_row = np.zeros(1, np.int64)  # the next sample to claim
+    for c in prange(n_threads):
         logits = logits_buf[c]
         lanes = np.empty(MAX_LANES, np.float32)  # fmax's scratch, once per thread
-        for r in range(bounds[c], bounds[c + 1]):
+        r = fetch_add(next_row, 1)
+        while r < n:
+            nxt = fetch_add(next_row, 1)  # claimed now, so that its first rows can be asked for
             own = active[r]
             k = n_active[r]
             h = acts[r, lo_last:]
@@ -325,8 +343,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                         prefetch_w(W[ahead, H:])
                     else:
                         prefetch_w(gW[slots[ahead]])
-                elif r + 1 < bounds[c + 1] and a + _AHEAD - k < n_active[r + 1]:
-                    prefetch(W[active[r + 1, a + _AHEAD - k], :H])
+                elif nxt < n and a + _AHEAD - k < n_active[nxt]:
+                    prefetch(W[active[nxt, a + _AHEAD - k], :H])
                 gs = (logits[a] * inv - (y if a < n_lab else np.float32(0.0))) * scale
                 i = own[a]
                 wa = W[i, :H]
@@ -339,6 +357,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                 _update_bias(i, at, b, bM, bV, gb, gs, k_b)
             for j in range(P):
                 zp[j] *= inv * scale
+            r = nxt
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -408,10 +427,10 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, slots, k_w, Wh, h_
 
 @njit(cache=True, nogil=True, parallel=True)
 def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, Wh, h_off, sizes,
-                    gW0, gb0, gWh, gbh, b_off, bounds, dbuf, lr, beta1, beta2, eps, step,
+                    gW0, gb0, gWh, gbh, b_off, n_threads, dbuf, lr, beta1, beta2, eps, step,
                     weight_decay):
     """Back-propagate ``dH`` [n, H_last] (gradient w.r.t. the last hidden activations, already
-    scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [threads, 2·max H].
+    scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [n_threads, 2·max H].
 
     An input row marked ALONE in ``owners`` uint8 [n_features] (:func:`mark_ids`: a feature of
     one sample of the batch, most of them at Amazon-670K shape) has its whole gradient in that
@@ -419,13 +438,18 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, Wh
     [n_features, 3·H0]; Adam's hyperparameters for ``step``, as :func:`adam_rows`), while its
     weights no longer feed this batch; the others add their gradients to the step's compact
     gradient ``gW0`` [S, H0] at their ``slots`` int32 [n_features] (:func:`mark_ids`) for Adam
-    after the batch."""
+    after the batch. ``n_threads`` threads claim the samples one at a time (see the module
+    docstring), each with its row of ``dbuf``."""
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
-    for c in prange(bounds.size - 1):
-        for r in range(bounds[c], bounds[c + 1]):
+    n = x_indptr.size - 1
+    next_row = np.zeros(1, np.int64)  # the next sample to claim
+    for c in prange(n_threads):
+        r = fetch_add(next_row, 1)
+        while r < n:
             lo, hi = x_indptr[r], x_indptr[r + 1]
             _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, owners, slots,
                              k_w, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off, dbuf[c])
+            r = fetch_add(next_row, 1)
 
 
 # --------------------------------------------------------------------------------------------

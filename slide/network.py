@@ -442,7 +442,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         blocks = self.row_blocks()
         n = Xb.shape[0]
         self._scratch(n, int(np.diff(Yb.indptr).max(initial=0)), Xb.indices.size)
-        bounds = thread_chunks(n)
+        n_threads = numba.get_num_threads()  # the per-sample kernels' loops, one per thread
         y_indptr = Yb.indptr.astype(np.int64)
         t0 = time.perf_counter()
         acts = self._forward(Xb)
@@ -469,7 +469,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.slots, qs.where,
                               qs.cand, qs.hits, qs.hist, self.resolved_["lsh_cap"], pool,
                               self._pool_pos, self._pool_bits, z_pool, self._active,
-                              self._n_active, bounds)
+                              self._n_active, n_threads)
         dp = self.distributed_
         # a row whose whole gradient one kernel computes gets its Adam step there; not where
         # ranks sum their gradients before the update
@@ -483,7 +483,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         m = self.moments_
         kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"], m["b.v"],
                             self._owners, self._slots, z_pool, self._active, self._n_active,
-                            bounds, self._logits, dH, losses, *hyper)
+                            n_threads, self._logits, dH, losses, *hyper)
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, blocks["W"], p["b"], g["W"], g["b"],
                                m["b.m"], m["b.v"], self._owners, self._slots, g_pool, pool_vec,
@@ -497,7 +497,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
                                 blocks["W0"], self._owners_in, self._slots_in, p["Wh"],
                                 self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
-                                self._b_off, bounds, self._dbuf, *hyper)
+                                self._b_off, n_threads, self._dbuf, *hyper)
         t0 = self._tick("backward_hidden", t0)
         n_in_place = kernels.clear_marks(self._owners, self._touched[:n_touched], self._in_place)
         n_in_alone = kernels.clear_marks(self._owners_in, in_touched[:n_in], in_alone)

@@ -250,6 +250,38 @@ def test_prefetch_hints_leave_results_unchanged():
         whole(W)
 
 
+
+def test_fetch_add_hands_each_item_to_one_thread():
+    """Threads that claim items from one counter at once each get distinct items and together
+    all of them (a plain read-add-write would lose claims when two threads race); anything but
+    an int64 array is refused."""
+    from numba import njit, prange
+    from numba.core.errors import TypingError
+    from lsh import engine_threads
+    from lsh.atomics import fetch_add
+
+    @njit(parallel=True)
+    def claim_all(n_items, n_threads, owner, counter):
+        for c in prange(n_threads):
+            i = fetch_add(counter, 1)
+            while i < n_items:
+                owner[i] += c + 1
+                i = fetch_add(counter, 1)
+
+    n = 200_000
+    with engine_threads(2):
+        owner, counter = np.zeros(n, np.int64), np.zeros(1, np.int64)
+        claim_all(n, 2, owner, counter)
+    assert counter[0] == n + 2  # every item claimed once, then one failed claim a thread
+    assert np.isin(owner, (1, 2)).all()  # each item went to exactly one thread
+
+    @njit
+    def wrong(c):
+        return fetch_add(c, 1)
+
+    with pytest.raises(TypingError):
+        wrong(np.zeros(1, np.int32))
+
 def test_query_set_at_its_fullest_counts_hits_and_empties_again():
     """A union as large as the scratch allows (every slot of every bucket a distinct id, plus
     claimed labels), and hit counts past 255: the set dedups, counts, leaves the claimed ids

@@ -373,10 +373,10 @@ def _output_case(in_place: bool):
     qs = QueryScratch(1, 2, 64, extra=1)
     active = np.zeros((1, cap + 1), np.int32)
     n_active = np.zeros(1, np.int64)
-    y_indptr, bounds = np.array([0, 1], np.int64), np.array([0, 1], np.int64)
+    y_indptr = np.array([0, 1], np.int64)
     K.select_active(y_indptr, np.array([label], np.int32), codes, tables.buckets, tables.seen,
                     qs.slots, qs.where, qs.cand, qs.hits, qs.hist, cap, pool, pool_pos, pool_bits,
-                    zpool, active, n_active, bounds)
+                    zpool, active, n_active, 1)
     assert (pool_pos == -1).all() and not pool_bits.any()  # left as found
     assert (qs.slots == -1).all()  # the query set is empty again
     owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
@@ -391,7 +391,7 @@ def _output_case(in_place: bool):
     dH, losses = np.zeros((1, H), np.float32), np.zeros(1, np.float32)
     hyper = (4e-3, 0.9, 0.999, 1e-8, 3, 0.5)  # lr, beta1, beta2, eps, step, weight decay
     K.output_step(y_indptr, h, p["B"], p["b"], p["gW"], p["gb"], p["bM"], p["bV"], owners, slots,
-                  zpool, active, n_active, bounds, np.zeros((1, cap + 1), np.float32), dH,
+                  zpool, active, n_active, 1, np.zeros((1, cap + 1), np.float32), dH,
                   losses, *hyper)
     rest = np.zeros(n_labels, np.int32)
     n_in_place = K.clear_marks(owners, touched[:n_touched], rest)
@@ -509,7 +509,7 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
         n, n_shared = K.mark_ids(X.indices, owners, in_place, touched, slots, shared)
         K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, B, owners,
                           slots, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off,
-                          np.array([0, 3], np.int64), np.zeros((1, 2 * max(hidden)), np.float32),
+                          1, np.zeros((1, 2 * max(hidden)), np.float32),
                           *hyper)
         alone = np.zeros(n, np.int32)
         n_alone = K.clear_marks(owners, touched[:n], alone)
