@@ -32,8 +32,6 @@ from slide.sampling import shared_negatives
 from slide.screen import SCREEN_MIN_LABELS, has_int8_dot, quantize_rows, screened_topk
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
-#: queries of fewer rows than this run on one thread (see ``SlideClassifier._serving``)
-SMALL_QUERY_ROWS = 16
 #: rows per block of exact top-k (its kernel holds a tile of scores, not a block's matrix)
 EXACT_BLOCK_ROWS = 1024
 
@@ -650,25 +648,18 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # memory of a whole training run
         return block or max(1, min(4096, (1 << 24) // self.n_labels_))
 
-    def _serving(self, n_rows: int):
-        """Threads for answering ``n_rows`` queries: a few rows run on the calling thread alone
-        (numba's and BLAS's pools cost more to wake than such a query computes), more on the
-        model's threads."""
-        if n_rows < SMALL_QUERY_ROWS:
-            return engine_threads(1)
-        set_num_threads(self.config_.threads)
-        return contextlib.nullcontext()
-
     def _last_hidden_blocks(self, X, block: int | None = None):
         """Yields ``(lo, hi, h)``: the last hidden layer float32 [hi - lo, H] of rows lo..hi of
         the (checked, raw) CSR ``X``, block by block."""
         Xp = self.preprocess(X)
         block = self._block_rows(block)
+        # the model's threads, a single row's query too: each of its kernels splits the work
+        # (exact scoring a row's labels), and one thread answered single rows later on 2 cores
+        # at 10K and 670K labels, exact and LSH (bench/README.md, "Serving")
+        set_num_threads(self.config_.threads)
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
-            with self._serving(hi - lo):
-                h = self._last(self._forward(Xp[lo:hi]))
-            yield lo, hi, h
+            yield lo, hi, self._last(self._forward(Xp[lo:hi]))
 
     def score_blocks(self, X, block: int | None = None):
         """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
@@ -676,9 +667,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._require_fitted()
         W, b = self.params_["W"], self.params_["b"]
         for lo, hi, h in self._last_hidden_blocks(X, block):
-            with self._serving(hi - lo):
-                s = h @ W.T
-                s += b
+            s = h @ W.T
+            s += b
             yield lo, hi, s
 
     def block_topk(self, S, k: int):
@@ -707,18 +697,16 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             # the fused kernels never form a block's score matrix, so blocks can be larger
             screen = self._exact_screen()
             for lo, hi, h in self._last_hidden_blocks(X, block or EXACT_BLOCK_ROWS):
-                with self._serving(hi - lo):
-                    ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k) if screen is None \
-                        else screened_topk(h, W, b, k, screen)
+                ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k) if screen is None \
+                    else screened_topk(h, W, b, k, screen)
             return ids, scores
         tables = self.tables_ if self.serving_tables_ is None else self.serving_tables_
         for lo, hi, h in self._last_hidden_blocks(X, block):
-            with self._serving(hi - lo):
-                cand, n_c = tables.query(h, rank=True)
-                cs = np.empty(cand.shape, np.float32)
-                kernels.score_candidates(np.ascontiguousarray(h), self._weight_rows("W"), b, cand,
-                                         n_c, cs)
-                pos, scores[lo:hi] = topk(cs, k)
+            cand, n_c = tables.query(h, rank=True)
+            cs = np.empty(cand.shape, np.float32)
+            kernels.score_candidates(np.ascontiguousarray(h), self._weight_rows("W"), b, cand,
+                                     n_c, cs)
+            pos, scores[lo:hi] = topk(cs, k)
             ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
             ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1
         return ids, scores
