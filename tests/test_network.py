@@ -404,6 +404,79 @@ def _output_case(in_place: bool):
                 shared=shared, in_place=rest[:n_in_place])
 
 
+def _claimed_step(threads: int):
+    """select_active, mark_rows, output_step and backward_hidden on a batch of 9 samples whose
+    own sets and input features are their own alone (one label shared with the pool), on
+    ``threads`` threads claiming the samples; returns every array they write."""
+    import scipy.sparse as sp
+
+    import slide.kernels as K
+    from lsh import engine_threads
+    from lsh.tables import QueryScratch
+
+    rng = np.random.default_rng(3)
+    n, n_labels, H, n_f = 9, 60, 8, 30
+    labels = [[3 * r] + ([3 * r + 1] if r % 3 == 0 else []) for r in range(n)]
+    y_indptr = np.cumsum([0] + [len(y) for y in labels]).astype(np.int64)
+    y_indices = np.concatenate(labels).astype(np.int32)
+    pool = np.append(np.arange(40, 60), 0).astype(np.int32)  # sample 0's label is in the pool
+    X = sp.lil_matrix((n, n_f), dtype=np.float32)
+    for r in range(n):  # features of one sample each
+        X[r, [3 * r, 3 * r + 1]] = rng.random(2) + 0.5
+    X = sp.csr_matrix(X)
+    W = rng.standard_normal((n_labels, H)).astype(np.float32)
+    B = _row_block(W, np.zeros_like(W), np.full_like(W, 1e-3))
+    b, bM, bV = (rng.standard_normal(n_labels).astype(np.float32), np.zeros(n_labels, np.float32),
+                 np.full(n_labels, 1e-3, np.float32))
+    W0 = _row_block(*(np.abs(rng.standard_normal((n_f, H))).astype(np.float32) for _ in range(3)))
+    acts = np.abs(rng.standard_normal((n, H))).astype(np.float32)
+    zpool = (acts @ W[pool].T + b[pool]).astype(np.float32)
+    hyper = (1e-2, 0.9, 0.999, 1e-8, 3, 0.1)
+    with engine_threads(threads) as T:
+        assert T == threads
+        qs = QueryScratch(T, 1, 1, extra=2)
+        active, n_active = np.zeros((n, 2), np.int32), np.zeros(n, np.int64)
+        K.select_active(y_indptr, y_indices, np.zeros((n, 1), np.int32), np.zeros((0, 1, 1), np.int32),
+                        np.zeros((0, 1), np.int32), qs.slots, qs.where, qs.cand, qs.hits, qs.hist, 0,
+                        pool, np.full(n_labels, -1, np.int32), np.zeros(8, np.uint8), zpool, active,
+                        n_active, T)
+        owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
+        slots, shared = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
+        K.mark_rows(pool, active, n_active, owners, True, touched, slots, shared)
+        gW, gb = np.zeros((2, H), np.float32), np.zeros(2, np.float32)
+        dH, losses = np.zeros((n, H), np.float32), np.zeros(n, np.float32)
+        K.output_step(y_indptr, acts, B, b, gW, gb, bM, bV, owners, slots, zpool, active, n_active,
+                      T, np.zeros((T, 2), np.float32), dH, losses, *hyper)
+        owners_in, touched_in = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
+        slots_in, shared_in = np.zeros(n_f, np.int32), np.zeros(X.nnz, np.int32)
+        K.mark_ids(X.indices, owners_in, True, touched_in, slots_in, shared_in)
+        gb0 = np.zeros(H, np.float32)
+        K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, W0, owners_in,
+                          slots_in, np.zeros(1, np.float32), np.zeros(1, np.int64),
+                          np.array([H], np.int64), np.zeros((1, H), np.float32), gb0,
+                          np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.int64),
+                          T, np.zeros((T, 2 * H), np.float32), *hyper)
+    return dict(active=active, n_active=n_active, zpool=zpool, B=B, b=b, bM=bM, bV=bV, gW=gW,
+                gb=gb, dH=dH, losses=losses, W0=W0, gb0=gb0)
+
+
+def test_threads_claiming_samples_give_each_sample_what_one_thread_gives():
+    """The per-sample kernels share a batch out as each thread finishes a sample: on 2 threads
+    every sample is processed once, and everything a sample alone writes (its active set, pool
+    logit gradients, loss, hidden gradient, the rows it alone touches, updated in place) is the
+    same bits as on one thread; sums over samples (the input bias gradient) agree up to their
+    order."""
+    one, two = _claimed_step(1), _claimed_step(2)
+    assert list(one["n_active"]) == [2, 1, 1, 2, 1, 1, 2, 1, 1]
+    for k in one:
+        if k == "gb0":
+            np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-7)
+        else:
+            assert np.array_equal(two[k], one[k]), k
+    assert one["zpool"][0, -1] == 0  # sample 0's label: in its own set, out of its pool
+    assert one["losses"].min() > 0 and one["gW"].any()  # the shared row got sample 0's gradient
+
+
 def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
     """The step's softmax runs over the sample's own neurons (labels + the LSH candidates kept
     under the cap) and the pool neurons its query did not find, each once: candidates the cap
