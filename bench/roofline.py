@@ -71,6 +71,7 @@ Writes the figures as JSON to the path given with ``--out``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -241,7 +242,7 @@ def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     B = resolved["batch_size"]
     sizes = [int(h) for h in resolved["hidden"]]
     H0, H = sizes[0], sizes[-1]
-    stack = sum(2 * a * b for a, b in zip(sizes[:-1], sizes[1:]))  # one pass through layers 1..
+    stack = sum(2 * a * b for a, b in itertools.pairwise(sizes))  # one pass through layers 1..
     own = resolved["lsh_cap"] + labels
     u_out = _distinct(n_labels, B * own + resolved["pool"])
     u_in, in_alone = _inputs(resolved, n_features, nnz, input_rows)
