@@ -657,9 +657,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # (exact scoring a row's labels), and one thread answered single rows later on 2 cores
         # at 10K and 670K labels, exact and LSH (bench/README.md, "Serving")
         set_num_threads(self.config_.threads)
-        for lo in range(0, Xp.shape[0], block):
-            hi = min(lo + block, Xp.shape[0])
-            yield lo, hi, self._last(self._forward(Xp[lo:hi]))
+        n = Xp.shape[0]
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            # a query of one block (a single row's) takes its rows whole: scipy's slice, a new
+            # matrix, was a tenth of a single row's LSH query
+            yield lo, hi, self._last(self._forward(Xp if hi - lo == n else Xp[lo:hi]))
 
     def score_blocks(self, X, block: int | None = None):
         """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
