@@ -307,7 +307,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
         lanes = np.empty(MAX_LANES, np.float32)  # fmax's scratch, once per thread
         r = fetch_add(next_row, 1)
         while r < n:
-            nxt = fetch_add(next_row, 1)  # claimed now, so that its first rows can be asked for
+            nxt = -1  # the next sample, claimed as this one's last rows go (see below)
             own = active[r]
             k = n_active[r]
             h = acts[r, lo_last:]
@@ -346,8 +346,14 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                         _prefetch_bias(ahead, b, bM, bV)
                     else:
                         prefetch_w(gW[slots[ahead]])
-                elif nxt < n and a + _AHEAD - k < n_active[nxt]:
-                    prefetch(W[active[nxt, a + _AHEAD - k], :H])
+                else:
+                    # the next sample is claimed here, so that its first weights can be asked
+                    # for; claimed earlier, a thread would hold it through this whole sample
+                    # while others ran out of samples at the batch's end
+                    if nxt < 0:
+                        nxt = fetch_add(next_row, 1)
+                    if nxt < n and a + _AHEAD - k < n_active[nxt]:
+                        prefetch(W[active[nxt, a + _AHEAD - k], :H])
                 gs = (logits[a] * inv - (y if a < n_lab else np.float32(0.0))) * scale
                 i = own[a]
                 wa = W[i, :H]
@@ -360,7 +366,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                 _update_bias(i, at, b, bM, bV, gb, gs, k_b)
             for j in range(P):
                 zp[j] *= inv * scale
-            r = nxt
+            r = nxt if nxt >= 0 else fetch_add(next_row, 1)  # no own rows: not claimed yet
 
 
 @njit(cache=True, nogil=True, inline="always")

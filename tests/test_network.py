@@ -416,7 +416,8 @@ def _claimed_step(threads: int):
 
     rng = np.random.default_rng(3)
     n, n_labels, H, n_f = 9, 60, 8, 30
-    labels = [[3 * r] + ([3 * r + 1] if r % 3 == 0 else []) for r in range(n)]
+    # two labels, one, and none for the last sample (an empty own set: nothing to claim ahead)
+    labels = [[3 * r] + ([3 * r + 1] if r % 3 == 0 else []) for r in range(n - 1)] + [[]]
     y_indptr = np.cumsum([0] + [len(y) for y in labels]).astype(np.int64)
     y_indices = np.concatenate(labels).astype(np.int32)
     pool = np.append(np.arange(40, 60), 0).astype(np.int32)  # sample 0's label is in the pool
@@ -467,11 +468,14 @@ def test_threads_claiming_samples_give_each_sample_what_one_thread_gives():
     same bits as on one thread. (Sums over samples, such as the input bias gradient, are
     Hogwild's: two threads may race on them and lose an addition, so they are not compared.)"""
     one, two = _claimed_step(1), _claimed_step(2)
-    assert list(one["n_active"]) == [2, 1, 1, 2, 1, 1, 2, 1, 1]
+    assert list(one["n_active"]) == [2, 1, 1, 2, 1, 1, 2, 1, 0]
     for k in one:
         assert np.array_equal(two[k], one[k]), k
     assert one["zpool"][0, -1] == 0  # sample 0's label: in its own set, out of its pool
-    assert one["losses"].min() > 0 and one["gW"].any()  # the shared row got sample 0's gradient
+    assert one["losses"][:-1].min() > 0
+    # the last sample's whole softmax is its pool's: its probabilities, scaled by 1/n, sum to 1/n
+    np.testing.assert_allclose(one["zpool"][-1].sum(), 1 / 9, rtol=1e-5)
+    assert one["gW"].any()  # the shared row got sample 0's gradient
 
 
 def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
