@@ -31,11 +31,11 @@ updates those rows (:func:`adam_rows`). With one thread everything is determinis
 The per-sample kernels (:func:`select_active`, :func:`output_step`, :func:`backward_hidden`)
 run one loop on each of ``n_threads`` threads, each claiming the batch's next unclaimed sample
 from a shared counter as it finishes one (:func:`lsh.atomics.fetch_add`; the output step as
-the sample's last rows go, to ask for the next one's first rows), instead of a
-fixed chunk each: a sample's cost varies with its labels, its candidates and its cache misses,
-and with fixed chunks the threads sat idle about 5% of the output and backward kernels at
-Amazon-670K shape on 2 threads, waiting for the slowest chunk. Their scratch is per thread; with
-one thread the samples go in order.
+the sample's last rows go, to ask for the next one's first rows), instead of a fixed chunk
+each: a sample's cost varies with its labels, its candidates and its cache misses, and with
+fixed chunks the threads sat idle about 5% of the output and backward kernels at Amazon-670K
+shape on 2 threads, waiting for the slowest chunk. Their scratch is per thread; with one
+thread the samples go in order.
 """
 import numpy as np
 from numba import njit, prange
