@@ -385,8 +385,8 @@ def _prefetch_update(i, at, B, G):
 def _prefetch_bias(i, b, bM, bV):
     """Ask for bias entry i and its two moments, to be written: three scattered cache lines
     outside the row's run, each a wait of its own where not asked for early (with them asked
-    for, the output phase 6-14% faster and the step 1.04-1.07x at Amazon-670K shape, side by
-    side: bench/README.md)."""
+    for, the output phase 6-14% faster in six side-by-side pairs at Amazon-670K shape, the step
+    1.05x in their median: bench/README.md)."""
     prefetch_w(b[i:i + 1])
     prefetch_w(bM[i:i + 1])
     prefetch_w(bV[i:i + 1])
