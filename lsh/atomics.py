@@ -30,4 +30,3 @@ def fetch_add(typingctx, counter, value):
         return builder.atomic_rmw("add", arr.data, v, "monotonic")
 
     return sig, codegen
-

@@ -316,6 +316,11 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
             zmax = np.float32(-np.inf)
             for a in range(k):
                 if a + _AHEAD < k:
+                    # the bias and its two moments are scattered lines outside the row's run,
+                    # each a wait of its own where not asked for early: with them asked for
+                    # (the bias here, the moments in the update below), the output phase was
+                    # 6-14% faster in six side-by-side pairs at Amazon-670K shape, the step
+                    # 1.05x in their median (bench/README.md)
                     ahead = own[a + _AHEAD]
                     prefetch(W[ahead, :H])
                     prefetch_w(b[ahead:ahead + 1])
@@ -344,7 +349,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                     ahead = own[a + _AHEAD]
                     if owners[ahead] == ALONE:
                         prefetch_w(W[ahead, H:])
-                        _prefetch_bias(ahead, b, bM, bV)
+                        prefetch_w(bM[ahead:ahead + 1])
+                        prefetch_w(bV[ahead:ahead + 1])
                     else:
                         prefetch_w(gW[slots[ahead]])
                 else:
@@ -379,17 +385,6 @@ def _prefetch_update(i, at, B, G):
         prefetch_w(B[i])
     else:
         prefetch_w(G[at])
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _prefetch_bias(i, b, bM, bV):
-    """Ask for bias entry i and its two moments, to be written: three scattered cache lines
-    outside the row's run, each a wait of its own where not asked for early (with them asked
-    for, the output phase 6-14% faster in six side-by-side pairs at Amazon-670K shape, the step
-    1.05x in their median: bench/README.md)."""
-    prefetch_w(b[i:i + 1])
-    prefetch_w(bM[i:i + 1])
-    prefetch_w(bV[i:i + 1])
 
 
 #: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange

@@ -250,7 +250,6 @@ def test_prefetch_hints_leave_results_unchanged():
         whole(W)
 
 
-
 def test_fetch_add_hands_each_item_to_one_thread():
     """Threads that claim items from one counter at once each get distinct items and together
     all of them (a plain read-add-write would lose claims when two threads race); anything but
@@ -281,6 +280,7 @@ def test_fetch_add_hands_each_item_to_one_thread():
 
     with pytest.raises(TypingError):
         wrong(np.zeros(1, np.int32))
+
 
 def test_query_set_at_its_fullest_counts_hits_and_empties_again():
     """A union as large as the scratch allows (every slot of every bucket a distinct id, plus

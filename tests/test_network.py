@@ -437,10 +437,12 @@ def _claimed_step(threads: int):
         assert T == threads
         qs = QueryScratch(T, 1, 1, extra=2)
         active, n_active = np.zeros((n, 2), np.int32), np.zeros(n, np.int64)
-        K.select_active(y_indptr, y_indices, np.zeros((n, 1), np.int32), np.zeros((0, 1, 1), np.int32),
-                        np.zeros((0, 1), np.int32), qs.slots, qs.where, qs.cand, qs.hits, qs.hist, 0,
-                        pool, np.full(n_labels, -1, np.int32), np.zeros(8, np.uint8), zpool, active,
-                        n_active, T)
+        # no LSH (lsh_cap 0): codes, buckets and seen as the engine passes them without tables
+        no_tables = (np.zeros((n, 1), np.int32), np.zeros((0, 1, 1), np.int32),
+                     np.zeros((0, 1), np.int32))
+        K.select_active(y_indptr, y_indices, *no_tables, qs.slots, qs.where, qs.cand, qs.hits,
+                        qs.hist, 0, pool, np.full(n_labels, -1, np.int32), np.zeros(8, np.uint8),
+                        zpool, active, n_active, T)
         owners, touched = np.zeros(n_labels, np.uint8), np.zeros(n_labels, np.int32)
         slots, shared = np.zeros(n_labels, np.int32), np.zeros(n_labels, np.int32)
         K.mark_rows(pool, active, n_active, owners, True, touched, slots, shared)
