@@ -34,7 +34,7 @@ def layer():
 
 def _pool(layer):
     """The step's own draw of a pool (no batch labels joined to it here)."""
-    return shared_negatives(layer["rng"], N_LABELS, POOL, np.empty(0, np.int32))
+    return shared_negatives(int(layer["rng"].integers(2**63)), N_LABELS, POOL, np.empty(0, np.int32))
 
 
 def _buffers(threads):

@@ -18,11 +18,11 @@ from sklearn.exceptions import NotFittedError
 from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters, rare_share,
                           parameter_shapes, resolve)
-from slide.data import check_xy
+from slide.data import check_xy, take_rows
 from slide.metrics import check_k, topk
 from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
-from slide.sampling import shared_negatives
+from slide.sampling import draw_key, shared_negatives
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
 from gpu_ref import ops
@@ -114,17 +114,18 @@ def softmax_grads(xp, Xd, targets, p, blocks):
     return loss, g
 
 
-def batch_rows(Xb, Yb, n_labels: int, negatives: int | None, rng) -> tuple:
+def batch_rows(Xb, Yb, n_labels: int, negatives: int | None, key: int | None) -> tuple:
     """The rows a step touches and the batch over them: ``(in_rows, X_local, out_rows, Y_local)``.
 
     ``in_rows`` int32: the input rows of the batch's features; ``X_local`` the batch over them.
     ``out_rows``: None for every label (full softmax), or the batch's labels and ``negatives``
-    shared random rows (:func:`slide.sampling.shared_negatives`), with ``Y_local`` over them.
+    shared random rows drawn with ``key`` (:func:`slide.sampling.shared_negatives`), with
+    ``Y_local`` over them.
     """
     in_rows = np.unique(Xb.indices).astype(np.int32)
     if negatives is None:
         return in_rows, local_columns(Xb, in_rows), None, Yb
-    out_rows = shared_negatives(rng, n_labels, negatives, Yb.indices)
+    out_rows = shared_negatives(key, n_labels, negatives, Yb.indices)
     return in_rows, local_columns(Xb, in_rows), out_rows, local_columns(Yb, out_rows)
 
 
@@ -270,21 +271,22 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self._xp = None
         self._use_device()
 
-    def _sample_rng(self):
-        """The negatives' generator, a function of the seed and the step (so a resumed run draws
-        what an uninterrupted one would)."""
-        return np.random.default_rng([self.config_.seed, 7, self.step_ + 1])
+    def _sample_key(self, step: int) -> int:
+        """The negatives' draw for ``step``, a function of the seed and the step (so a resumed
+        run draws what an uninterrupted one would)."""
+        return draw_key(self.config_.seed, 7, step)
 
-    def prepare_batch(self, Xb, Yb, rng=None) -> dict:
+    def prepare_batch(self, Xb, Yb, key=None) -> dict:
         """Host half of a step: the batch's input rows and output rows, its rows over them, its
         target entries, all queued for the device (the only host-to-device copies of a step).
 
         Xb, Yb : preprocessed float32 CSR [n, n_features], CSR [n, n_labels].
-        rng : generator of the sampled softmax's negatives (default: one from the step count).
+        key : the draw of the sampled softmax's negatives (:func:`slide.sampling.draw_key`;
+            default: the next step's).
         """
         xp = self._xp
-        rng = self._sample_rng() if rng is None and self.negatives is not None else rng
-        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, self.n_labels_, self.negatives, rng)
+        key = self._sample_key(self.step_ + 1) if key is None else key
+        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, self.n_labels_, self.negatives, key)
         targets = uniform_targets(Yl)
         if xp is np:
             return {"in_rows": in_rows, "X": Xl, "out_rows": out_rows, "targets": targets,
@@ -342,8 +344,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
 
         def prepare(lo, step):
             idx = np.sort(order[lo:lo + bs])
-            rng = np.random.default_rng([self.config_.seed, 7, step])
-            return idx.size, self.prepare_batch(Xp[idx], Y[idx], rng)
+            return idx.size, self.prepare_batch(take_rows(Xp, idx), take_rows(Y, idx),
+                                                self._sample_key(step))
 
         total = xp.zeros((), xp.float32) if xp is not np else 0.0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-prefetch") as pool:

@@ -29,6 +29,7 @@ from gpu_ref.dense import batch_rows, get_array_module, softmax_grads, uniform_t
 from gpu_ref.ops import PRECISIONS, matmul_precision
 from lsh import engine_threads
 from slide.config import hidden_blocks
+from slide.data import take_rows
 from slide.train import fit_loop
 
 __all__ = ["HeteroConfig", "HeteroTrainer", "HeteroError", "BatchPolicy"]
@@ -211,14 +212,15 @@ class HeteroTrainer:
 
     # -- workers ---------------------------------------------------------------------------------
     def _cpu_step(self, X, Y, idx):
-        return self.model.train_step(X[idx], Y[idx])
+        return self.model.train_step(take_rows(X, idx), take_rows(Y, idx))
 
     def _gpu_step(self, X, Y, idx):
         """Pull the rows batch ``idx`` needs, compute their gradients on the device, push them."""
         xp, m = self.xp, self.model
         p = m.params_
-        Xb, Yb = X[idx], Y[idx]
-        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, m.n_labels_, self.config.gpu_pool, self._rng)
+        Xb, Yb = take_rows(X, idx), take_rows(Y, idx)
+        key = int(self._rng.integers(2**63))  # the worker's own stream of draws
+        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, m.n_labels_, self.config.gpu_pool, key)
         rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"],
                 "W": p["W"][out_rows], "b": p["b"][out_rows]}
         device_rows = {k: xp.asarray(v) for k, v in rows.items()}

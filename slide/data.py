@@ -19,8 +19,10 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit
 
+from lsh.prefetch import prefetch
+
 __all__ = ["DataFormatError", "read_xmc", "write_xmc", "read_libsvm", "write_libsvm",
-           "read_dataset", "read_shard", "check_xy", "labels_to_csr", "shuffle_rows"]
+           "read_dataset", "read_shard", "check_xy", "labels_to_csr", "shuffle_rows", "take_rows"]
 
 
 class DataFormatError(ValueError):
@@ -556,6 +558,49 @@ def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = No
         raise DataFormatError(f"{where}: no labels: every row's label set is empty "
                               f"({Y.shape[1]} labels declared); there is nothing to learn")
     return X, Y
+
+
+#: rows asked for ahead by :func:`take_rows`: a batch's rows lie scattered through the matrix
+_AHEAD = 2
+
+
+@njit(cache=True, nogil=True)
+def _take_rows(indptr, indices, data, rows, out_indptr, out_indices, out_data):
+    out_indptr[0] = 0
+    k = 0
+    for r in range(rows.size):
+        if r + _AHEAD < rows.size:
+            ahead = rows[r + _AHEAD]
+            prefetch(indices[indptr[ahead]:indptr[ahead + 1]])
+            prefetch(data[indptr[ahead]:indptr[ahead + 1]])
+        lo, hi = indptr[rows[r]], indptr[rows[r] + 1]
+        out_indices[k:k + hi - lo] = indices[lo:hi]
+        out_data[k:k + hi - lo] = data[lo:hi]
+        k += hi - lo
+        out_indptr[r + 1] = k
+
+
+def take_rows(X: sp.csr_matrix, rows) -> sp.csr_matrix:
+    """Rows ``rows`` (int [m], each in [0, n)) of CSR ``X`` [n, d] as a new CSR matrix [m, d]:
+    what ``X[rows]`` gives, with the same dtype and each row's entries in the same order.
+
+    A training loop takes a batch's rows this way: scipy's fancy row index checks the whole
+    matrix's index arrays on every call, 180 µs of a 193 µs batch of 128 rows at Amazon-670K
+    shape (6.7M non-zeros), where this takes about 60 (bench/README.md).
+    """
+    rows = np.asarray(rows, np.int64)
+    n = X.shape[0]
+    if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= n)):
+        raise IndexError(f"rows must be a 1-D array of row ids in [0, {n})")
+    counts = X.indptr[rows + 1] - X.indptr[rows]
+    indptr = np.empty(rows.size + 1, X.indptr.dtype)
+    indices = np.empty(int(counts.sum()), X.indices.dtype)
+    data = np.empty(indices.size, X.dtype)
+    _take_rows(X.indptr, X.indices, X.data, rows, indptr, indices, data)
+    out = sp.csr_matrix((data, indices, indptr), shape=(rows.size, X.shape[1]))
+    if X.has_sorted_indices:  # known already: scipy would otherwise check the rows again
+        out.has_sorted_indices = True
+    return out
 
 
 def shuffle_rows(X, Y, seed: int = 0, n: int | None = None):

@@ -28,7 +28,7 @@ from slide.data import check_xy
 from slide.metrics import check_k, topk, topk_product
 from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
-from slide.sampling import shared_negatives
+from slide.sampling import draw_key, shared_negatives
 from slide.screen import SCREEN_MIN_LABELS, has_int8_dot, quantize_rows, screened_topk
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
@@ -446,11 +446,11 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         acts = self._forward(Xb)
         h = self._last(acts)
         t0 = self._tick("forward_hidden", t0)
-        rng = np.random.default_rng([self.config_.seed, 1, self.step_])
         if self.tables_ is not None:
             codes = self.tables_.family.hash_dense(h)
             buckets, seen = self.tables_.buckets, self.tables_.seen
-            pool = shared_negatives(rng, self.n_labels_, self.resolved_["pool"], Yb.indices)
+            pool = shared_negatives(draw_key(self.config_.seed, 1, self.step_), self.n_labels_,
+                                    self.resolved_["pool"], Yb.indices)
         else:  # every neuron active: the pool is all of them
             codes = np.zeros((n, 1), np.int32)
             buckets, seen = np.zeros((0, 1, 1), np.int32), np.zeros((0, 1), np.int32)
@@ -497,8 +497,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                 self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
                                 self._b_off, n_threads, self._dbuf, *hyper)
         t0 = self._tick("backward_hidden", t0)
-        n_in_place = kernels.clear_marks(self._owners, self._touched[:n_touched], self._in_place)
-        n_in_alone = kernels.clear_marks(self._owners_in, in_touched[:n_in], in_alone)
+        # the rows updated in place are listed only for data parallelism's averages
+        listed = dp is not None
+        n_in_place = kernels.clear_marks(self._owners, self._touched[:n_touched],
+                                         self._in_place if listed else self._in_place[:0])
+        n_in_alone = kernels.clear_marks(self._owners_in, in_touched[:n_in],
+                                         in_alone if listed else in_alone[:0])
         out_rows, in_rows = self._shared[:n_shared], in_rows[:n_in_shared]
         in_alone = in_alone[:n_in_alone]
         # the rows' gradients, row t for out_rows[t] / in_rows[t] (their slots)

@@ -38,7 +38,7 @@ import scipy.sparse as sp
 from sklearn.exceptions import NotFittedError
 from sklearn.utils import ClassifierTags
 
-from slide.data import DataFormatError, read_dataset, shuffle_rows
+from slide.data import DataFormatError, read_dataset, shuffle_rows, take_rows
 from slide.resources import ModelTooLargeError, peak_rss_mb
 from slide.synthetic import load_default
 
@@ -491,7 +491,7 @@ class TrainableMixin:
         for lo in range(0, order.size, bs):
             idx = np.sort(order[lo:lo + bs])
             t0 = time.perf_counter()
-            loss = self.train_step(Xp[idx], Y[idx])
+            loss = self.train_step(take_rows(Xp, idx), take_rows(Y, idx))
             total += loss * idx.size
             if compiling:
                 _WARM[type(self).__name__] = True

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from slide.data import (DataFormatError, check_xy, read_dataset, read_libsvm, read_xmc, write_libsvm,
-                        write_xmc)
+from slide.data import (DataFormatError, check_xy, read_dataset, read_libsvm, read_xmc, take_rows,
+                        write_libsvm, write_xmc)
 from slide.synthetic import make_dataset
 
 
@@ -139,3 +139,25 @@ def test_check_xy_errors():
         check_xy(sp.csr_matrix(np.ones((1, 3))), [[5]], n_labels=3)
     with pytest.raises(DataFormatError, match="no samples"):
         check_xy(sp.csr_matrix((0, 3)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_take_rows_gives_what_scipys_row_index_gives(dtype):
+    """Rows in any order, repeated, empty ones and none at all: the same matrix as ``X[rows]``,
+    entry order within each row kept (unsorted rows stay unsorted, and are not flagged sorted)."""
+    X = sp.random(300, 50, density=0.1, format="csr", dtype=dtype, random_state=0)
+    X = sp.vstack([X[:7], sp.csr_matrix((1, 50), dtype=dtype), X[8:]], format="csr")  # row 7 empty
+    rng = np.random.default_rng(0)
+    for rows in (rng.integers(0, 300, 64), np.array([299, 0, 0, 7]), np.zeros(0, np.int64)):
+        got, want = take_rows(X, rows), X[rows]
+        assert got.dtype == dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.indptr, want.indptr)
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_array_equal(got.data, want.data)
+    unsorted = sp.csr_matrix((np.array([1.0, 2.0], dtype), np.array([3, 1]), np.array([0, 2])),
+                             shape=(1, 5))
+    got = take_rows(unsorted, [0])
+    assert list(got.indices) == [3, 1] and not got.has_sorted_indices
+    for bad in ([300], [-1], [[0]]):
+        with pytest.raises(IndexError, match="row ids"):
+            take_rows(X, bad)

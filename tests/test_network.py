@@ -329,6 +329,22 @@ def test_mark_rows_lists_each_row_once_and_finds_rows_with_one_source_of_gradien
         assert not owners.any()
 
 
+@pytest.mark.parametrize("n_rows", [3, 300])
+def test_clear_marks_without_a_list_resets_every_mark_and_lists_nothing(n_rows):
+    """Without room for a list the marks are reset on every thread: by the listed rows where
+    they are few (3 of 1,000 marks), all marks in order where there is one per line of 64 or
+    more (300); other marks are UNTOUCHED already either way."""
+    import slide.kernels as K
+
+    rng = np.random.default_rng(n_rows)
+    owners = np.zeros(1000, np.uint8)
+    touched = rng.choice(1000, n_rows, replace=False).astype(np.int32)
+    owners[touched] = rng.choice([K.ALONE, K.POOL, K.SHARED], n_rows)
+    assert owners[touched].all()
+    assert K.clear_marks(owners, touched, np.zeros(0, np.int32)) == 0
+    assert not owners.any()
+
+
 def _row_block(W, M, V):
     """The kernels' row block of a matrix: row i its weights, then both moments."""
     return np.concatenate([W, M, V], axis=1)
