@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmarks: datasets, machine description, JSON output."""
+"""Shared helpers for the benchmarks: datasets, machine description, JSON output, the kernel
+suites' output layer."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import queue
 import time
 
 import numba
+import numpy as np
 
 from slide.synthetic import make_dataset
 
@@ -49,3 +51,19 @@ def run_isolated(target, *args):
                 raise RuntimeError(f"benchmark process for {args[0]!r} exited with code {proc.exitcode}") from None
     proc.join()
     return result
+
+
+def output_layer(n_labels: int, hidden: int, batch: int, seed: int = 0) -> dict:
+    """An output layer for the kernel suites, held as the row block it trains in: ``block``
+    float32 [n_labels, 3·hidden] (small random weights, then both Adam moments at zero), its
+    biases ``b`` and their moments ``bM``, ``bV``, a batch's last hidden layer ``h`` float32
+    [batch, hidden] (ReLU-like, non-negative), every row's mark ``owners`` UNTOUCHED and slot
+    ``slots``, and the generator ``rng`` that drew them, for the rounds' own draws."""
+    rng = np.random.default_rng(seed)
+    block = np.zeros((n_labels, 3 * hidden), np.float32)  # weights, then both moments, per row
+    block[:, :hidden] = rng.standard_normal((n_labels, hidden), np.float32) * 0.01
+    return {"block": block, "b": np.zeros(n_labels, np.float32),
+            "bM": np.zeros(n_labels, np.float32), "bV": np.zeros(n_labels, np.float32),
+            "h": np.abs(rng.standard_normal((batch, hidden), np.float32)),
+            "owners": np.zeros(n_labels, np.uint8), "slots": np.zeros(n_labels, np.int32),
+            "rng": rng}

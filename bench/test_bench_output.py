@@ -21,6 +21,7 @@ compile in the warm-up round.
 import numpy as np
 import pytest
 
+from bench.common import output_layer
 from lsh import engine_threads
 from slide import kernels
 
@@ -29,15 +30,10 @@ N_LABELS, H, POOL, BATCH, LABELS, CANDIDATES = 670_091, 128, 3_095, 128, 2, 256
 
 @pytest.fixture(scope="module")
 def layer():
-    rng = np.random.default_rng(0)
-    block = np.zeros((N_LABELS, 3 * H), np.float32)  # weights, then both moments, per row
-    block[:, :H] = rng.standard_normal((N_LABELS, H), np.float32) * 0.01
-    return {"block": block, "b": np.zeros(N_LABELS, np.float32),
-            "bM": np.zeros(N_LABELS, np.float32), "bV": np.zeros(N_LABELS, np.float32),
-            "h": np.abs(rng.standard_normal((BATCH, H), np.float32)),
-            "z": rng.standard_normal((BATCH, POOL), np.float32),
-            "owners": np.full(N_LABELS, kernels.ALONE, np.uint8),
-            "slots": np.zeros(N_LABELS, np.int32), "rng": rng}
+    layer = output_layer(N_LABELS, H, BATCH)
+    layer["owners"][:] = kernels.ALONE  # every own row has its Adam step in the kernel
+    layer["z"] = layer["rng"].standard_normal((BATCH, POOL), np.float32)
+    return layer
 
 
 @pytest.mark.parametrize("rows", [N_LABELS, 40_000])

@@ -13,6 +13,7 @@ on a shared machine, does not give. Medians over rounds; compile in the warm-up 
 import numpy as np
 import pytest
 
+from bench.common import output_layer
 from lsh import engine_threads, thread_chunks
 from slide import kernels
 from slide.sampling import shared_negatives
@@ -22,14 +23,7 @@ N_LABELS, H, POOL, BATCH = 670_091, 128, 3_095, 128
 
 @pytest.fixture(scope="module")
 def layer():
-    rng = np.random.default_rng(0)
-    block = np.zeros((N_LABELS, 3 * H), np.float32)  # weights, then both moments, per row
-    block[:, :H] = rng.standard_normal((N_LABELS, H), np.float32) * 0.01
-    return {"block": block, "b": np.zeros(N_LABELS, np.float32),
-            "bM": np.zeros(N_LABELS, np.float32), "bV": np.zeros(N_LABELS, np.float32),
-            "h": np.abs(rng.standard_normal((BATCH, H), np.float32)),
-            "owners": np.zeros(N_LABELS, np.uint8), "slots": np.zeros(N_LABELS, np.int32),
-            "rng": rng}
+    return output_layer(N_LABELS, H, BATCH)
 
 
 def _pool(layer):

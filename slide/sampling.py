@@ -17,11 +17,14 @@ _LOWEST_BIT = np.array([0, 1, 48, 2, 57, 49, 28, 3, 61, 58, 50, 42, 38, 29, 17, 
                         19, 9, 13, 8, 7, 6], np.int64)
 
 
-def _splitmix(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+@njit(cache=True, nogil=True, inline="always")
+def _splitmix(state):
+    """splitmix64's output for ``state`` (uint64) advanced by one step: the draws' stream, and
+    the mixing of a key's words."""
+    x = state + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def draw_key(*words: int) -> int:
@@ -30,16 +33,8 @@ def draw_key(*words: int) -> int:
     words are unrelated."""
     key = 0
     for w in words:
-        key = _splitmix(key ^ (int(w) & _MASK))
+        key = int(_splitmix(np.uint64(key ^ (int(w) & _MASK))))
     return key
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _mix(x):
-    """splitmix64's output function of state ``x`` (uint64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 @njit(cache=True, nogil=True)
@@ -60,8 +55,8 @@ def _draw(key, n_labels, size, labels, out):
     scale = float(n_labels) / 9007199254740992.0  # 53 random bits to [0, n_labels)
     m = 0
     while m < want:
+        i = np.int64(float(_splitmix(state) >> np.uint64(11)) * scale)
         state += _GOLDEN
-        i = np.int64(float(_mix(state) >> np.uint64(11)) * scale)
         w, b = i >> 6, np.uint64(1) << np.uint64(i & 63)
         if (bits[w] & b != 0) != invert:  # taken already (or, inverted, left out already)
             continue
