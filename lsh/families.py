@@ -8,7 +8,8 @@ Fibonacci hashing rather than truncated, so no code bit is simply dropped.
 Every family exposes the same three entry points, all returning bucket ids as int32 [n, L]:
 
 * ``hash_one(v)``: one dense float32 vector [dim] → [L];
-* ``hash_dense(V)``: a batch of dense rows [n, dim], parallel over rows;
+* ``hash_dense(V, out=None)``: a batch of dense rows [n, dim], parallel over rows (``out``:
+  where to write them, e.g. the transpose of a table-major [L, n] array, as table builds do);
 * ``hash_csr(X)``: a batch of sparse CSR rows [n, dim], parallel over rows.
 
 The kernels are module-level numba functions over the family's arrays so that other kernels
@@ -23,6 +24,7 @@ from numba import njit, prange
 from lsh._threading import thread_chunks
 from lsh.arrays import as_rows
 from lsh.prefetch import prefetch
+from lsh.tiles import TILE, transpose_tile
 
 __all__ = ["SimHash", "WTA", "DWTA", "make_family", "combine_codes"]
 
@@ -145,9 +147,36 @@ def _densify(codes, seed):
 #: lanes. 64 lanes of a transposed block (32 KB at 128 dimensions) stay in L1 and are enough
 #: iterations for LLVM's vectorised loop (16 lanes, unrolled 4 times) to run at all.
 _BLOCK_ROWS = 64
-#: rows asked for ahead of their transpose into a block: where they lie apart in a wider array
-#: (a row block's weights) the hardware does not fetch them ahead on its own
-_AHEAD = 4
+
+
+@njit(cache=True, nogil=True)
+def _transpose_block(V, r0, R, densify, Vt):
+    """``Vt[:, :R] = V[r0:r0 + R].T`` for float32 ``V`` [n, dim] and ``Vt`` [dim, B], R <= B,
+    with DWTA's zeros (``densify``) as -inf so that no bin's argmax lands on one; the columns
+    past R are -inf. Whole 16 x 16 tiles go through :func:`lsh.tiles.transpose_tile`, the
+    rest (the last rows of a thread's range, the last columns of an odd dim) one by one."""
+    neg = np.float32(-np.inf)
+    dim = V.shape[1]
+    rows, cols = R - R % TILE, dim - dim % TILE
+    for i0 in range(0, rows, TILE):
+        # the next tile row's rows (past the block's end, the next block's first): where they
+        # lie apart in a wider array (a row block's weights) the hardware does not fetch them
+        # ahead on its own. Asking for them in eighths between eighths of the hashing instead,
+        # to overlap the arithmetic, was no faster.
+        for m in range(TILE):
+            if r0 + i0 + TILE + m < V.shape[0]:
+                prefetch(V[r0 + i0 + TILE + m])
+        for d0 in range(0, cols, TILE):
+            transpose_tile(V, r0 + i0, d0, Vt, i0, densify)
+        for i in range(i0, i0 + TILE):
+            for d in range(cols, dim):
+                Vt[d, i] = neg if densify and V[r0 + i, d] == 0 else V[r0 + i, d]
+    for i in range(rows, R):
+        v = V[r0 + i]
+        for d in range(dim):
+            Vt[d, i] = neg if densify and v[d] == 0 else v[d]
+    for i in range(R, Vt.shape[1]):
+        Vt[:, i] = neg
 
 
 @njit(cache=True, nogil=True)
@@ -220,7 +249,6 @@ def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
     empty bin (DWTA) is densified on its own."""
     dim = V.shape[1]
     n_hashes = K * L
-    neg = np.float32(-np.inf)
     for c in prange(bounds.size - 1):
         Vt = np.empty((dim, _BLOCK_ROWS), np.float32)
         codes = np.empty((n_hashes, _BLOCK_ROWS), np.int32)
@@ -230,14 +258,7 @@ def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
         row_codes = np.empty(n_hashes, np.int64)
         for r0 in range(bounds[c], bounds[c + 1], _BLOCK_ROWS):
             R = min(_BLOCK_ROWS, bounds[c + 1] - r0)
-            for i in range(R):
-                if i + _AHEAD < R:
-                    prefetch(V[r0 + i + _AHEAD])
-                v = V[r0 + i]
-                for d in range(dim):  # DWTA: zeros as -inf, so that no bin's argmax lands on one
-                    Vt[d, i] = neg if densify and v[d] == 0 else v[d]
-            for i in range(R, _BLOCK_ROWS):
-                Vt[:, i] = neg
+            _transpose_block(V, r0, R, densify, Vt)
             _wta_block_codes(bins, Vt, codes, best)
             if densify:
                 empty[:] = False
@@ -304,11 +325,16 @@ class _Family:
     def n_buckets(self) -> int:
         return 1 << self.range_pow
 
-    def _dense_input(self, V):
+    def _dense_input(self, V, out=None):
         V = as_rows(V)
         if V.ndim != 2 or V.shape[1] != self.dim:
             raise ValueError(f"expected rows of dimension {self.dim}, got shape {V.shape}")
-        return V, np.empty((V.shape[0], self.L), np.int32), thread_chunks(V.shape[0])
+        if out is None:
+            out = np.empty((V.shape[0], self.L), np.int32)
+        elif not (isinstance(out, np.ndarray) and out.dtype == np.int32
+                  and out.shape == (V.shape[0], self.L)):
+            raise ValueError(f"out must be an int32 array of shape {(V.shape[0], self.L)}")
+        return V, out, thread_chunks(V.shape[0])
 
     def _csr_input(self, X):
         X = sp.csr_matrix(X, dtype=np.float32)
@@ -360,8 +386,10 @@ class SimHash(_Family):
     def _extra_params(self):
         return {"density": self.density}
 
-    def hash_dense(self, V) -> np.ndarray:
-        V, out, bounds = self._dense_input(V)
+    def hash_dense(self, V, out=None) -> np.ndarray:
+        """Bucket ids int32 [n, L] of the rows of ``V`` [n, dim], into ``out`` where given
+        (any strides: the transpose of a table-major [L, n] array is one)."""
+        V, out, bounds = self._dense_input(V, out)
         _simhash_dense(self.proj_idx, self.proj_sign, V, self.K, self.L, self.range_pow, bounds, out)
         return out
 
@@ -407,8 +435,10 @@ class WTA(_Family):
     def _extra_params(self):
         return {"bin_size": self.bin_size}
 
-    def hash_dense(self, V) -> np.ndarray:
-        V, out, bounds = self._dense_input(V)
+    def hash_dense(self, V, out=None) -> np.ndarray:
+        """Bucket ids int32 [n, L] of the rows of ``V`` [n, dim], into ``out`` where given
+        (any strides: the transpose of a table-major [L, n] array is one)."""
+        V, out, bounds = self._dense_input(V, out)
         _wta_dense(self.bins, V, self._densify, self.seed, self.K, self.L, self.bits,
                    self.range_pow, bounds, out)
         return out

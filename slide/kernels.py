@@ -51,6 +51,12 @@ from slide.vecmath import MAX_LANES, exp_nonpositive, fmax, fsum
 #: order is fixed by the compiled code, so one thread still repeats exactly.
 _REASSOC = {"reassoc", "contract"}
 
+#: the Adam kernels' arithmetic may fuse a multiply and an add (one rounding instead of two):
+#: the update is about a dozen vector operations a weight, and in the output step, which waits
+#: on memory, it is still a cost of its own
+_CONTRACT = {"contract"}
+
+
 #: rows asked for ahead of use by the kernels that walk scattered rows (lsh.prefetch): at 4 the
 #: output step and Adam ran 15-25% faster at Amazon-670K shape; 2 and 8 did no better
 _AHEAD = 4
@@ -286,7 +292,7 @@ def _grad_row(owners, slots, i, own):
     return -1 if owners[i] == own else slots[i]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
 def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, active, n_active,
                 n_threads, logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
     """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
@@ -402,7 +408,7 @@ def _prefetch_update(i, at, B, G):
 
 #: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange
 #: body gets it from parallel=True; a kernel it calls does not)
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_CONTRACT)
 def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, slots, k_w, Wh, h_off, sizes, gW0,
                      gb0, gWh, gbh, b_off, dbuf):
     """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) to all hidden
@@ -520,7 +526,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
             gemm(h, False, Wc, True, zc, 1.0)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
 def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, slots, g_pool, col_sums,
                    dH_parts, bounds, lr, beta1, beta2, eps, step, weight_decay):
     """Back through the shared pool, given its logit gradients ``z`` float32 [n, P]:
@@ -571,29 +577,34 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, slots, 
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True)
 def _adam_constants(lr, beta1, beta2, eps, step, weight_decay):
-    """Adam's float32 constants ``(b1, 1 - b1, b2, 1 - b2, lr, eps, c1, c2, lr·decay)``, for
-    :func:`_adam_step`. The bias corrections c1, c2 are for the global step (lazy Adam: rows that
-    were not touched keep their moments undecayed, as in sparse Adam). All float32, so that the
-    moments update in float32 lanes (``1 - b1`` computed inside promoted them to float64: a
-    quarter slower)."""
+    """Adam's float32 constants ``(b1, 1 - b1, b2, 1 - b2, a, e, 1 - lr·decay)`` for
+    :func:`_adam_step`, with the bias corrections c1 = 1 / (1 - b1^t), c2 = 1 / (1 - b2^t) of
+    the global step t (lazy Adam: rows that were not touched keep their moments undecayed, as in
+    sparse Adam) folded in: ``lr·c1·m / (sqrt(c2·v) + eps) = a·m / (sqrt(v) + e)`` with
+    ``a = lr·c1 / sqrt(c2)`` and ``e = eps / sqrt(c2)``, two multiplies a weight fewer. All
+    float32, so that the moments update in float32 lanes (``1 - b1`` computed inside promoted
+    them to float64: a quarter slower)."""
     f = np.float32
-    return (f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(lr), f(eps),
-            f(1.0 / (1.0 - beta1 ** step)), f(1.0 / (1.0 - beta2 ** step)), f(lr * weight_decay))
+    root_c2 = np.sqrt(1.0 / (1.0 - beta2 ** step))
+    return (f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2),
+            f(lr / (1.0 - beta1 ** step) / root_c2), f(eps / root_c2), f(1.0 - lr * weight_decay))
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _adam_step(m, v, j, gj, k):
     """Update moments m[j], v[j] with gradient gj; return the step (without decay). ``k``:
     :func:`_adam_constants`."""
-    m[j] = k[0] * m[j] + k[1] * gj
-    v[j] = k[2] * v[j] + k[3] * gj * gj
-    return k[4] * (m[j] * k[6]) / (np.sqrt(v[j] * k[7]) + k[5])
+    mj = k[0] * m[j] + k[1] * gj
+    vj = k[2] * v[j] + k[3] * gj * gj
+    m[j] = mj
+    v[j] = vj
+    return k[4] * mj / (np.sqrt(vj) + k[5])
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _adam_weight(w, m, v, j, gj, k):
-    """Adam with decoupled weight decay on w[j] for gradient gj."""
-    w[j] -= _adam_step(m, v, j, gj, k) + k[8] * w[j]
+    """Adam with decoupled weight decay on w[j] for gradient gj: ``w·(1 - lr·decay) - step``."""
+    w[j] = k[6] * w[j] - _adam_step(m, v, j, gj, k)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -643,7 +654,7 @@ def _adam(w, m, v, g, j, k):
     g[j] = 0.0
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
 def adam_rows(rows, grad_rows, B, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on rows ``rows[t]`` of row block ``B`` [n, 3d] (weights and moments, see
     :func:`row_parts`) with gradient ``G[grad_rows[t]]`` [d], zeroed after use (``arange`` for
@@ -660,7 +671,7 @@ def adam_rows(rows, grad_rows, B, G, lr, beta1, beta2, eps, step, weight_decay):
             _adam(w, m, v, g, j, k)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
 def adam_entries(idx, grad_idx, W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on entries ``idx[t]`` of flat arrays with gradient ``G[grad_idx[t]]`` (biases: no
     decay)."""
@@ -671,7 +682,7 @@ def adam_entries(idx, grad_idx, W, M, V, G, lr, beta1, beta2, eps, step, weight_
         G[grad_idx[t]] = 0.0
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
 def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     """Adam on every entry of flat arrays (biases and the small hidden stack)."""
     k = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)

@@ -66,13 +66,14 @@ def test_dwta_densification_leaves_no_empty_code(rng):
 
 @pytest.mark.parametrize("family", [WTA, DWTA])
 @pytest.mark.parametrize("bin_size", [2, 8])
-def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family, bin_size):
+@pytest.mark.parametrize("dim", [48, 37])
+def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family, bin_size, dim):
     """Rows hashed in transposed blocks (several blocks, a partial one, ties and zeros among
-    them; bins compared two and four positions a pass) get the codes of the one-row reference
-    loop."""
+    them; bins compared two and four positions a pass; a dim of whole 16 x 16 tiles and one
+    with columns left over) get the codes of the one-row reference loop."""
     from lsh.families import _wta_dense_codes, combine_codes
-    fam = family(48, K=3, L=7, range_pow=6, seed=5, bin_size=bin_size)
-    V = rng.integers(-2, 3, (150, 48)).astype(np.float32)  # small integers: ties and zeros
+    fam = family(dim, K=3, L=7, range_pow=6, seed=5, bin_size=bin_size)
+    V = rng.integers(-2, 3, (150, dim)).astype(np.float32)  # small integers: ties and zeros
     V[7] = 0.0  # DWTA: every bin empty
     codes = np.empty(fam.K * fam.L, np.int64)
     expect = np.empty((V.shape[0], fam.L), np.int32)
@@ -86,9 +87,54 @@ def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family, bin_size):
     np.testing.assert_array_equal(fam.hash_dense(V), expect)
     # rows inside a wider array (a row block's weights) hash in place, to the same codes
     wide = np.concatenate([V, -V, V], axis=1)
-    assert np.shares_memory(as_rows(wide[:, :48]), wide)
+    assert np.shares_memory(as_rows(wide[:, :dim]), wide)
     assert as_rows(V.T).strides[1] == 4  # columns of a matrix: copied into rows
-    np.testing.assert_array_equal(fam.hash_dense(wide[:, :48]), expect)
+    np.testing.assert_array_equal(fam.hash_dense(wide[:, :dim]), expect)
+
+
+@pytest.mark.parametrize("family", [SimHash, WTA, DWTA])
+def test_codes_written_table_major_equal_row_major_and_build_the_same_tables(rng, family):
+    """``hash_dense(V, out=...)`` into the transpose of a table-major array gives the codes it
+    returns row-major; tables offered either layout (a build writes table-major, in chunks
+    smaller than the rows) hold the same ids; a wrong ``out`` is refused."""
+    W = rng.standard_normal((300, 40)).astype(np.float32)
+    fam = family(40, K=2, L=6, range_pow=5, seed=3)
+    rows = fam.hash_dense(W)
+    by_table = np.full((6, 300), -1, np.int32)
+    assert fam.hash_dense(W, out=by_table.T) is not None
+    np.testing.assert_array_equal(by_table.T, rows)
+    cfg = TableConfig(family=family.name, K=2, L=6, range_pow=5, bucket_size=4)
+    built, offered = HashTables(40, 300, cfg, seed=3), HashTables(40, 300, cfg, seed=3)
+    built.build(W, chunk=128)
+    offered.clear()
+    offered.insert(np.arange(300, dtype=np.int32), offered.family.hash_dense(W))
+    np.testing.assert_array_equal(built.seen, offered.seen)
+    np.testing.assert_array_equal(built.buckets, offered.buckets)
+    for bad in (np.empty((300, 5), np.int32), np.empty((300, 6), np.int64)):
+        with pytest.raises(ValueError, match="out must be"):
+            fam.hash_dense(W, out=bad)
+
+
+@pytest.mark.parametrize("zeros_to_neg_inf", [False, True])
+def test_transpose_tile_moves_one_tile_and_nothing_else(rng, zeros_to_neg_inf):
+    """A 16 x 16 tile of a strided view lands transposed at its place in the destination (zeros
+    as -inf where asked), every other element of the destination untouched."""
+    from numba import njit
+    from lsh.tiles import transpose_tile
+
+    @njit
+    def move(src, r, d, dst, i, z):
+        transpose_tile(src, r, d, dst, i, z)
+
+    big = rng.integers(-2, 3, (40, 90)).astype(np.float32)  # zeros among them
+    src = big[:, 3:73]  # rows strided, not a whole number of vectors apart
+    dst = np.full((70, 33), 9.0, np.float32)
+    move(src, 5, 37, dst, 11, zeros_to_neg_inf)
+    expect = np.full_like(dst, 9.0)
+    expect[37:53, 11:27] = src[5:21, 37:53].T
+    if zeros_to_neg_inf:
+        expect[37:53, 11:27][expect[37:53, 11:27] == 0] = -np.inf
+    np.testing.assert_array_equal(dst, expect)
 
 
 def test_dwta_sparse_and_dense_hashing_agree(rng):
