@@ -10,7 +10,8 @@ train the same batches in alternation (which goes first swaps every batch), each
 weights, moments and tables. Both take ``--warm-steps`` batches first (compile, the first
 rehashes); then ``--steps`` batches are timed. Reported per version: the mean step over the
 timed batches (the rehash batches included), the median step of those without a rehash, the
-mean rehash batch and the median of each phase, and the ratios of the two.
+mean rehash batch and the median of each phase, and the ratios of the two. With ``--rehashes``
+both then rehash their tables whole (``begin_epoch``) that many times, in alternation.
 
 Writes the figures as JSON to the path given with ``--out``.
 """
@@ -68,6 +69,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warm-steps", type=int, default=8)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--rehashes", type=int, default=0,
+                   help="then time this many whole rehashes of each version's tables with its "
+                        "trained weights (begin_epoch), alternating")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -118,6 +122,12 @@ def main(argv=None):
                 rehash[name].append(m.timings_.get("rehash", 0.0) > 0.01)
                 for ph, sec in m.timings_.items():
                     phases[name].setdefault(ph, []).append(sec)
+        rehashes = {n: [] for n in models}
+        for k in range(args.rehashes):
+            for name in (list(models) if k % 2 else list(models)[::-1]):
+                t0 = time.perf_counter()
+                models[name].begin_epoch()
+                rehashes[name].append(time.perf_counter() - t0)
     per = {}
     for name in models:
         s, r = np.array(steps[name]), np.array(rehash[name])
@@ -127,7 +137,9 @@ def main(argv=None):
                      "rehash_batches": int(r.sum()),
                      "mean_rehash_batch_ms": float(s[r].mean() * 1e3) if r.any() else None,
                      "phase_median_us_per_sample": {ph: float(np.median(v)) / B * 1e6
-                                                    for ph, v in phases[name].items()}}
+                                                    for ph, v in phases[name].items()},
+                     "median_rehash_ms": (float(np.median(rehashes[name])) * 1e3
+                                          if args.rehashes else None)}
         q = per[name]
         each = "" if q["mean_rehash_batch_ms"] is None else f", {q['mean_rehash_batch_ms']:.0f} ms each"
         print(f"{name:14s} {q['samples_per_second']:7.0f} samples/s (mean step "
@@ -135,11 +147,17 @@ def main(argv=None):
               f"{q['median_step_without_rehash_us_per_sample']:.1f}; {q['rehash_batches']} rehash "
               f"batches{each}")
         print(" " * 15 + "  ".join(f"{ph} {v:.1f}" for ph, v in q["phase_median_us_per_sample"].items()))
+        if args.rehashes:
+            print(" " * 15 + f"whole rehash (median of {args.rehashes}): {q['median_rehash_ms']:.1f} ms")
     old, new = (np.array(steps[n]) for n in models)
     ratios = {"mean_step": float(old.mean() / new.mean()),
               "median_per_batch": float(np.median(old / new))}
+    if args.rehashes:
+        old_r, new_r = (np.array(rehashes[n]) for n in models)
+        ratios["median_rehash"] = float(np.median(old_r) / np.median(new_r))
     print(f"working tree against {described}: {ratios['mean_step']:.3f}x the samples/s (mean "
-          f"step), median of the per-batch ratios {ratios['median_per_batch']:.3f}")
+          f"step), median of the per-batch ratios {ratios['median_per_batch']:.3f}"
+          + (f"; whole rehash {ratios['median_rehash']:.3f}x" if args.rehashes else ""))
     if args.out:
         write_json(args.out, {"machine": machine(), "args": vars(args), "revision": described,
                               "batch_size": B, "versions": per, "ratios": ratios})
