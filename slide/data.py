@@ -565,6 +565,18 @@ _AHEAD = 2
 
 
 @njit(cache=True, nogil=True)
+def _rows_nnz(indptr, rows, n):
+    """The entries of rows ``rows`` of a CSR matrix with ``n`` rows and ``indptr``, or -1 where
+    a row id is outside [0, n)."""
+    total = 0
+    for r in rows:
+        if r < 0 or r >= n:
+            return -1
+        total += indptr[r + 1] - indptr[r]
+    return total
+
+
+@njit(cache=True, nogil=True)
 def _take_rows(indptr, indices, data, rows, out_indptr, out_indices, out_data):
     out_indptr[0] = 0
     k = 0
@@ -580,26 +592,38 @@ def _take_rows(indptr, indices, data, rows, out_indptr, out_indices, out_data):
         out_indptr[r + 1] = k
 
 
-def take_rows(X: sp.csr_matrix, rows) -> sp.csr_matrix:
-    """Rows ``rows`` (int [m], each in [0, n)) of CSR ``X`` [n, d] as a new CSR matrix [m, d]:
-    what ``X[rows]`` gives, with the same dtype and each row's entries in the same order.
+def take_rows(X: sp.csr_matrix, rows, out: sp.csr_matrix | None = None) -> sp.csr_matrix:
+    """Rows ``rows`` (int [m], each in [0, n)) of CSR ``X`` [n, d] as a CSR matrix [m, d]: what
+    ``X[rows]`` gives, with the same dtype and each row's entries in the same order.
 
-    A training loop takes a batch's rows this way: scipy's fancy row index checks the whole
-    matrix's index arrays on every call, 180 µs of a 193 µs batch of 128 rows at Amazon-670K
-    shape (6.7M non-zeros), where this takes about 60 (bench/README.md).
+    ``out``: a matrix an earlier call returned for m rows of ``X`` (or of a matrix of the same
+    shape and dtypes), which is given these rows and returned instead of a new one; otherwise
+    (None, or another shape) a new matrix is built. A training loop takes each batch's rows
+    this way: scipy's fancy row index checks the whole matrix's index arrays on every call
+    (180 µs of a 193 µs batch of 128 rows at Amazon-670K shape, 6.7M non-zeros), and building
+    a new scipy matrix, cheap in a loop of its own, took 88 µs a call between training steps,
+    which leave Python's caches cold (bench/README.md).
     """
     rows = np.asarray(rows, np.int64)
     n = X.shape[0]
-    if rows.ndim != 1 or (rows.size and (rows.min() < 0 or rows.max() >= n)):
+    nnz = _rows_nnz(X.indptr, rows, n) if rows.ndim == 1 else -1
+    if nnz < 0:
         raise IndexError(f"rows must be a 1-D array of row ids in [0, {n})")
-    counts = X.indptr[rows + 1] - X.indptr[rows]
-    indptr = np.empty(rows.size + 1, X.indptr.dtype)
-    indices = np.empty(int(counts.sum()), X.indices.dtype)
-    data = np.empty(indices.size, X.dtype)
+    shape = (rows.size, X.shape[1])
+    reuse = (out is not None and out.shape == shape and out.dtype == X.dtype
+             and out.indptr.dtype == X.indptr.dtype and out.indices.dtype == X.indices.dtype)
+    indptr = out.indptr if reuse else np.empty(rows.size + 1, X.indptr.dtype)
+    indices = np.empty(nnz, X.indices.dtype)
+    data = np.empty(nnz, X.dtype)
     _take_rows(X.indptr, X.indices, X.data, rows, indptr, indices, data)
-    out = sp.csr_matrix((data, indices, indptr), shape=(rows.size, X.shape[1]))
-    if X.has_sorted_indices:  # known already: scipy would otherwise check the rows again
-        out.has_sorted_indices = True
+    if reuse:  # what scipy knew of the rows before is not known of these
+        out.indices, out.data = indices, data
+        out.has_canonical_format = False
+        out.has_sorted_indices = X.has_sorted_indices
+    else:
+        out = sp.csr_matrix((data, indices, indptr), shape=shape)
+        if X.has_sorted_indices:  # known already: scipy would otherwise check the rows again
+            out.has_sorted_indices = True
     return out
 
 

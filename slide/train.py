@@ -488,10 +488,12 @@ class TrainableMixin:
         compile_seconds = 0.0
         if compiling and progress is not None:  # numba compiles inside the first batch
             progress.set_postfix_str("compiling kernels (first run only)")
+        Xb = Yb = None  # each batch's rows go into the matrices of the batch before
         for lo in range(0, order.size, bs):
             idx = np.sort(order[lo:lo + bs])
             t0 = time.perf_counter()
-            loss = self.train_step(take_rows(Xp, idx), take_rows(Y, idx))
+            Xb, Yb = take_rows(Xp, idx, out=Xb), take_rows(Y, idx, out=Yb)
+            loss = self.train_step(Xb, Yb)
             total += loss * idx.size
             if compiling:
                 _WARM[type(self).__name__] = True

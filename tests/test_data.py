@@ -161,3 +161,26 @@ def test_take_rows_gives_what_scipys_row_index_gives(dtype):
     for bad in ([300], [-1], [[0]]):
         with pytest.raises(IndexError, match="row ids"):
             take_rows(X, bad)
+
+
+def test_take_rows_into_an_earlier_result_gives_the_new_rows():
+    """``out`` of the same shape is given the new rows and returned (its flags no longer claim
+    what was known of the old rows); of another shape or dtype, a new matrix is built and
+    ``out`` is left as it was."""
+    X = sp.random(200, 40, density=0.2, format="csr", dtype=np.float32, random_state=1)
+    X.has_sorted_indices = True
+    first = take_rows(X, [3, 5, 7])
+    assert first.has_sorted_indices
+    again = take_rows(X, [10, 2, 199], out=first)
+    assert again is first
+    np.testing.assert_array_equal(again.toarray(), X[[10, 2, 199]].toarray())
+    unsorted = sp.csr_matrix((np.array([1.0, 2.0, 4.0], np.float32), np.array([3, 1, 0]),
+                              np.array([0, 2, 3, 3])), shape=(3, 40))
+    assert take_rows(unsorted, [0, 1, 2], out=first) is first
+    assert list(first.indices) == [3, 1, 0] and not first.has_sorted_indices
+    for other in (take_rows(X, [4, 6]), take_rows(X.astype(np.float64), [4, 6, 8])):
+        before = other.toarray()
+        fresh = take_rows(X, [0, 1, 2], out=other)
+        assert fresh is not other and fresh.dtype == np.float32
+        np.testing.assert_array_equal(fresh.toarray(), X[[0, 1, 2]].toarray())
+        np.testing.assert_array_equal(other.toarray(), before)
