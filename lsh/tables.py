@@ -336,8 +336,8 @@ class HashTables:
         self.builds += 1
         # codes table-major, so that each table's inserts read their column in order: row-major,
         # a table's pass read every line of the chunk's codes (6 MB at 64K rows of 24 tables),
-        # which pushed the buckets being filled out of L2 (insert 95 -> 81 ms for 670K rows on
-        # 2 threads, bench/README.md)
+        # which pushed the buckets being filled out of L2 (inserts of 670K rows in 64K-row
+        # chunks 73 -> 67 ms on 2 threads, bench/README.md)
         by_table = np.empty((self.config.L, min(chunk, self.n_ids)), np.int32)
         for lo in range(0, self.n_ids, chunk):
             hi = min(lo + chunk, self.n_ids)
