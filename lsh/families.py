@@ -213,6 +213,29 @@ def _wta_block_codes(bins, Vt, codes, best):
                     best[i], code[i] = _keep_max(x1, i, j + 1, b, c)
 
 
+@njit(cache=True, nogil=True)
+def _wta_block_codes_8(bins, Vt, codes):
+    """:func:`_wta_block_codes` for bins of 8 positions (the default): each bin in one pass that
+    starts from -inf and keeps its running maximum in registers, never stored or loaded (6.5 ->
+    4.1 us a block of 64 rows at 120 bins). A function of its own: as a branch of the general
+    kernel, or with a running-maximum array in the loop, LLVM left the loops scalar."""
+    neg = np.float32(-np.inf)
+    for h in range(bins.shape[0]):
+        row = bins[h]
+        code = codes[h]
+        x0, x1, x2, x3 = Vt[row[0]], Vt[row[1]], Vt[row[2]], Vt[row[3]]
+        x4, x5, x6, x7 = Vt[row[4]], Vt[row[5]], Vt[row[6]], Vt[row[7]]
+        for i in range(code.size):  # written as selects: the loop vectorises across the columns
+            b, c = _keep_max(x0, i, 0, neg, -1)
+            b, c = _keep_max(x1, i, 1, b, c)
+            b, c = _keep_max(x2, i, 2, b, c)
+            b, c = _keep_max(x3, i, 3, b, c)
+            b, c = _keep_max(x4, i, 4, b, c)
+            b, c = _keep_max(x5, i, 5, b, c)
+            b, c = _keep_max(x6, i, 6, b, c)
+            code[i] = _keep_max(x7, i, 7, b, c)[1]
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _keep_max(x, i, j, b, c):
     """(x[i], j) where x[i] beats the running maximum b (strictly: the first position keeps
@@ -259,7 +282,10 @@ def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
         for r0 in range(bounds[c], bounds[c + 1], _BLOCK_ROWS):
             R = min(_BLOCK_ROWS, bounds[c + 1] - r0)
             _transpose_block(V, r0, R, densify, Vt)
-            _wta_block_codes(bins, Vt, codes, best)
+            if bins.shape[1] == 8:
+                _wta_block_codes_8(bins, Vt, codes)
+            else:
+                _wta_block_codes(bins, Vt, codes, best)
             if densify:
                 empty[:] = False
                 for h in range(n_hashes):
