@@ -520,10 +520,11 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
             # the biases first, the product added to them: BLAS zeroes C in a pass of its own
             # where beta is 0, and adding the biases after took another (about 8% of this
             # kernel on 2 threads at Amazon-670K shape, bench/test_bench_pool.py)
-            zc = z[:, lo:hi]
-            for r in range(zc.shape[0]):
-                zc[r] = bc
-            gemm(h, False, Wc, True, zc, 1.0)
+            # z[r, lo:hi], not a row of the column block z[:, lo:hi]: a row of that block has
+            # numba's layout "A" (strides unknown when compiled), which keeps the loop scalar
+            for r in range(z.shape[0]):
+                z[r, lo:hi] = bc
+            gemm(h, False, Wc, True, z[:, lo:hi], 1.0)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
@@ -550,8 +551,8 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, slots, 
             zc, g, sums = z[:, lo:hi], g_pool[lo:hi], col_sums[lo:hi]
             gemm(zc, True, h, False, g, 0.0)
             sums[:] = 0.0
-            for r in range(zc.shape[0]):
-                zr = zc[r]
+            for r in range(z.shape[0]):
+                zr = z[r, lo:hi]  # contiguous, unlike a row of zc: see pool_logits
                 for t in range(hi - lo):
                     sums[t] += zr[t]
             for t in range(hi - lo):
