@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import math
 import time
 
 import numba
@@ -370,7 +372,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         (biases, then column sums) and the threads' shares of the hidden gradient [T, n, H]."""
         shapes = ((n_pool, width), (n_rows, n_pool), (n_pool, width), (n_pool,),
                   (threads, n_rows, width))
-        ends = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
+        # plain integers: numpy's prod and cumsum on these tuples took 40 us a step
+        ends = list(itertools.accumulate((math.prod(shape) for shape in shapes), initial=0))
         if self._pool_buf is None or self._pool_buf.size < ends[-1]:
             self._pool_buf = np.empty(ends[-1], np.float32)
         return tuple(self._pool_buf[lo:hi].reshape(shape)
