@@ -304,12 +304,12 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
 
     On return ``zpool`` holds the pool's logit gradients (scaled by 1/n) for the caller's matrix
     products, ``dH`` [n, H] the own set's share of the gradient w.r.t. the last hidden layer
-    (scaled by 1/n) and ``losses`` [n] each sample's loss. An own row marked ALONE in ``owners``
-    (see :func:`mark_rows`) gets its Adam step here, with the weights still in cache: its whole
-    gradient is this sample's, so the step is the same as through Adam after the batch, and no
-    gradient row is written or read back (``W``: the output layer's row block [n_out, 3H]; the
-    bias moments ``bM``, ``bV``; Adam's hyperparameters for ``step``, as :func:`adam_rows` and
-    :func:`adam_entries`). Other own rows add their gradients to the step's compact gradient
+    (scaled by 1/n) and ``losses`` [n] each sample's loss; returns their mean (float64). An own
+    row marked ALONE in ``owners`` (see :func:`mark_rows`) gets its Adam step here, with the
+    weights still in cache: its whole gradient is this sample's, so the step is the same as
+    through Adam after the batch, and no gradient row is written or read back (``W``: the
+    output layer's row block [n_out, 3H]; the bias moments ``bM``, ``bV``; Adam's
+    hyperparameters for ``step``, as :func:`adam_rows` and :func:`adam_entries`). Other own rows add their gradients to the step's compact gradient
     ``gW`` [S, H] / ``gb`` [S] at their ``slots`` (:func:`mark_rows`; Hogwild) for Adam after
     the batch. ``n_threads`` threads claim the samples one at a time (see the module
     docstring), each with its row of scratch ``logits_buf`` float32 [n_threads, w].
@@ -393,6 +393,27 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
             for j in range(P):
                 zp[j] *= inv * scale
             r = nxt if nxt >= 0 else fetch_add(next_row, 1)  # no own rows: not claimed yet
+    return _mean(losses)
+
+
+@njit(cache=True, nogil=True)
+def _mean(x):
+    """The mean of float32 ``x`` as a float64 (0 for none): a kernel returns it, since numpy's
+    ``mean`` between the step's kernels, which leave the caches cold, took 60 us."""
+    total = 0.0
+    for v in x:
+        total += v
+    return total / max(x.size, 1)
+
+
+@njit(cache=True, nogil=True)
+def longest_row(indptr):
+    """The most entries in one row of a CSR matrix with row pointers ``indptr`` [n + 1] (0 for
+    no rows); numpy's ``diff(indptr).max()`` took 80 us between the step's kernels."""
+    most = 0
+    for r in range(indptr.size - 1):
+        most = max(most, indptr[r + 1] - indptr[r])
+    return most
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -251,6 +251,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.batch_size_ = r["batch_size"]
         sizes = np.array(r["hidden"], np.int64)
         self._sizes = sizes
+        self._n_acts = int(sizes.sum())  # every hidden layer's activations side by side
         self._blocks = hidden_blocks(r["hidden"])
         # the kernels take the offsets as arrays (at least one entry, even with no stack)
         self._h_off = np.array([b[0] for b in self._blocks] or [0], np.int64)
@@ -279,6 +280,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._pool_bits = np.zeros((self.n_labels_ + 7) // 8, np.uint8)
         self._scratch_key = None
         self._pool_buf = None
+        self._in_lists = np.empty((3, 0), np.int32)
+        self._counting = np.arange(0, dtype=np.int32)
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
         self._tables_stale = False
         self._int8_rows = None  # exact top-k's int8 copy of W, built when first needed
@@ -346,6 +349,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if "W0" not in self.grads_ or self.grads_["W0"].shape[0] < need:
             # a quarter more room, so that a slightly fuller batch does not allocate again
             self.grads_["W0"] = np.zeros((min(need + need // 4, n_features), H0), np.float32)
+        if self._in_lists.shape[1] < nnz:  # kernels.mark_ids' three lists of input rows
+            self._in_lists = np.empty((3, nnz + nnz // 4), np.int32)
         old = self._scratch_key
         if old is None or old[0] != t or old[1] < width or old[2] < n_rows:
             width = max(width, old[1] if old else 0)
@@ -357,6 +362,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._n_active = np.zeros(n_rows, np.int64)
             self._logits = np.zeros((t, width), np.float32)
             self._dbuf = np.zeros((t, 2 * int(self._sizes.max())), np.float32)
+            self._dH = np.empty((n_rows, int(self._sizes[-1])), np.float32)
+            self._losses = np.empty(n_rows, np.float32)
             self._touched = np.zeros(n_rows * width + self.resolved_["pool"], np.int32)
             self._shared = np.zeros_like(self._touched)
             self._in_place = np.zeros_like(self._touched)
@@ -391,7 +398,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     def _forward(self, X: sp.csr_matrix) -> np.ndarray:
         """Activations of every hidden layer, float32 [n, Σ hidden], for preprocessed rows."""
         p, sizes = self.params_, self._sizes
-        acts = np.empty((X.shape[0], int(sizes.sum())), np.float32)
+        acts = np.empty((X.shape[0], self._n_acts), np.float32)
         kernels.forward_input(X.indptr.astype(np.int64), X.indices, X.data, self._weight_rows("W0"),
                               p["b0"], acts)
         lo = 0
@@ -442,7 +449,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         p, g = self.params_, self.grads_
         blocks = self.row_blocks()
         n = Xb.shape[0]
-        self._scratch(n, int(np.diff(Yb.indptr).max(initial=0)), Xb.indices.size)
+        self._scratch(n, kernels.longest_row(Yb.indptr), Xb.indices.size)
         n_threads = numba.get_num_threads()  # the per-sample kernels' loops, one per thread
         y_indptr = Yb.indptr.astype(np.int64)
         t0 = time.perf_counter()
@@ -479,10 +486,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                                 self._owners, in_place, self._touched, self._slots,
                                                 self._shared)
         hyper = (*self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
-        dH = np.empty((n, h.shape[1]), np.float32)
-        losses = np.empty(n, np.float32)
+        dH, losses = self._dH[:n], self._losses[:n]
         m = self.moments_
-        kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"], m["b.v"],
+        loss = kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"], m["b.v"],
                             self._owners, self._slots, z_pool, self._active, self._n_active,
                             n_threads, self._logits, dH, losses, *hyper)
         t0 = self._tick("select+output", t0)
@@ -492,7 +498,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         t0 = self._tick("pool_matmul", t0)
         # the batch's input rows: a feature in one sample's row only (most of them) gets its
         # Adam step in that sample's backward pass
-        in_touched, in_rows, in_alone = (np.empty(Xb.indices.size, np.int32) for _ in range(3))
+        in_touched, in_rows, in_alone = self._in_lists[:, :Xb.indices.size]
         n_in, n_in_shared = kernels.mark_ids(Xb.indices, self._owners_in, in_place, in_touched,
                                              self._slots_in, in_rows)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
@@ -523,7 +529,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             t0 = self._tick("exchange", t0)
         self._maybe_rehash()
         self._tick("rehash", t0)
-        return float(losses.mean())
+        return loss
 
     def _updates_in_place(self) -> bool:
         """Whether rows with one source of gradient get their Adam step in the kernel that
@@ -544,8 +550,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.step_ += 1
         hp = self._adam_hyper(self.step_)
         wd = self.resolved_["weight_decay"]
-        g_out = np.arange(out_rows.size, dtype=np.int32)
-        g_in = np.arange(in_rows.size, dtype=np.int32)
+        g_out, g_in = self._first(out_rows.size), self._first(in_rows.size)
         kernels.adam_rows(out_rows, g_out, blocks["W"], grads["W"], *hp, wd)
         kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], grads["b"], *hp, 0.0)
         kernels.adam_rows(in_rows, g_in, blocks["W0"], grads["W0"], *hp, wd)
@@ -554,6 +559,14 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 kernels.adam_dense(p[k], m[k + ".m"], m[k + ".v"], grads[k], *hp, decay)
         self._tables_stale = True
         self._int8_rows = None
+
+    def _first(self, n: int) -> np.ndarray:
+        """0, 1, ..., n - 1 (int32; the rows of a compact gradient, one for each row listed),
+        cut from one array kept across steps: numpy's ``arange`` between the step's kernels,
+        which leave the caches cold, took about 40 us."""
+        if self._counting.size < n:
+            self._counting = np.arange(n + n // 4, dtype=np.int32)
+        return self._counting[:n]
 
     def apply_gradients(self, out_rows, in_rows, grads) -> None:
         """One Adam step from gradients computed elsewhere (the heterogeneous trainer's GPU

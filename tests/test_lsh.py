@@ -297,6 +297,21 @@ def test_prefetch_hints_leave_results_unchanged():
         whole(W)
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 670_091])
+def test_thread_chunks_split_rows_into_one_even_run_per_thread(n):
+    """The boundaries start at 0, end at n, never fall, and give each thread n // t or
+    n // t + 1 rows (t: the thread count, at most n)."""
+    from lsh import engine_threads, thread_chunks
+    for threads in (1, 2, 3):
+        with engine_threads(threads) as t:
+            bounds = thread_chunks(n)
+        assert bounds.dtype == np.int64
+        assert bounds[0] == 0 and bounds[-1] == n
+        assert bounds.size == max(1, min(t, n)) + 1
+        sizes = np.diff(bounds)
+        assert sizes.min() >= 0 and sizes.max() - sizes.min() <= 1
+
+
 def test_fetch_add_hands_each_item_to_one_thread():
     """Threads that claim items from one counter at once each get distinct items and together
     all of them (a plain read-add-write would lose claims when two threads race); anything but

@@ -464,8 +464,9 @@ def _claimed_step(threads: int):
         K.mark_rows(pool, active, n_active, owners, True, touched, slots, shared)
         gW, gb = np.zeros((2, H), np.float32), np.zeros(2, np.float32)
         dH, losses = np.zeros((n, H), np.float32), np.zeros(n, np.float32)
-        K.output_step(y_indptr, acts, B, b, gW, gb, bM, bV, owners, slots, zpool, active, n_active,
-                      T, np.zeros((T, 2), np.float32), dH, losses, *hyper)
+        mean = K.output_step(y_indptr, acts, B, b, gW, gb, bM, bV, owners, slots, zpool, active,
+                             n_active, T, np.zeros((T, 2), np.float32), dH, losses, *hyper)
+        assert mean == pytest.approx(losses.astype(np.float64).mean(), rel=1e-12)
         owners_in, touched_in = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
         slots_in, shared_in = np.zeros(n_f, np.int32), np.zeros(X.nnz, np.int32)
         K.mark_ids(X.indices, owners_in, True, touched_in, slots_in, shared_in)
@@ -545,6 +546,16 @@ def test_rows_a_sample_owns_alone_get_adams_step_in_place():
     assert not np.array_equal(f["W"][alone], ref["W"][alone])  # the rows did move
     assert not f["gW"][alone].any() and not f["gb"][alone].any()
     np.testing.assert_array_equal(fused["zpool"], ref["zpool"])
+
+
+def test_longest_row_of_csr_row_pointers():
+    """The most entries in one row, from the row pointers alone, 0 without rows or entries."""
+    from slide import kernels as K
+    Y = sp.csr_matrix(np.array([[1, 0, 1], [0, 0, 0], [1, 1, 1], [0, 1, 0]], np.float32))
+    assert K.longest_row(Y.indptr) == 3
+    assert K.longest_row(Y[:2].indptr) == 2
+    assert K.longest_row(Y[1:2].indptr) == 0
+    assert K.longest_row(np.zeros(1, np.int64)) == 0
 
 
 def test_mark_ids_finds_the_features_of_one_sample_alone():

@@ -49,3 +49,16 @@ def test_labels_out_of_range_are_refused():
 def test_keys_of_different_words_differ():
     keys = {draw_key(s, stream, step) for s in range(3) for stream in (1, 7) for step in range(50)}
     assert len(keys) == 300 and all(0 <= k < 2**64 for k in keys)
+
+
+def test_labels_outside_the_layer_are_refused_and_any_integer_dtype_draws_the_same():
+    """A batch label below 0 or past the last label is a clear error, not a write outside the
+    bit set; int32, int64 and unsigned labels join the same draw."""
+    for bad in ([3, -1], [3, 50]):
+        with pytest.raises(ValueError, match=r"batch labels must be in \[0, 50\)"):
+            shared_negatives(draw_key(7, 1, 0), 50, 5, np.array(bad, np.int32))
+    draws = [shared_negatives(draw_key(7, 1, 0), 50, 5, np.array([3, 49], dtype))
+             for dtype in (np.int32, np.int64, np.uint16)]
+    for got in draws[1:]:
+        np.testing.assert_array_equal(got, draws[0])
+    assert {3, 49} <= set(draws[0])
