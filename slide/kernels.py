@@ -309,10 +309,11 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
     weights still in cache: its whole gradient is this sample's, so the step is the same as
     through Adam after the batch, and no gradient row is written or read back (``W``: the
     output layer's row block [n_out, 3H]; the bias moments ``bM``, ``bV``; Adam's
-    hyperparameters for ``step``, as :func:`adam_rows` and :func:`adam_entries`). Other own rows add their gradients to the step's compact gradient
-    ``gW`` [S, H] / ``gb`` [S] at their ``slots`` (:func:`mark_rows`; Hogwild) for Adam after
-    the batch. ``n_threads`` threads claim the samples one at a time (see the module
-    docstring), each with its row of scratch ``logits_buf`` float32 [n_threads, w].
+    hyperparameters for ``step``, as :func:`adam_rows` and :func:`adam_entries`). Other own
+    rows add their gradients to the step's compact gradient ``gW`` [S, H] / ``gb`` [S] at
+    their ``slots`` (:func:`mark_rows`; Hogwild) for Adam after the batch. ``n_threads``
+    threads claim the samples one at a time (see the module docstring), each with its row of
+    scratch ``logits_buf`` float32 [n_threads, w].
     """
     n = y_indptr.size - 1
     scale = np.float32(1.0 / n)

@@ -488,9 +488,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         hyper = (*self._adam_hyper(self.step_ + 1), self.resolved_["weight_decay"])
         dH, losses = self._dH[:n], self._losses[:n]
         m = self.moments_
-        loss = kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"], m["b.v"],
-                            self._owners, self._slots, z_pool, self._active, self._n_active,
-                            n_threads, self._logits, dH, losses, *hyper)
+        loss = kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"],
+                                   m["b.v"], self._owners, self._slots, z_pool, self._active,
+                                   self._n_active, n_threads, self._logits, dH, losses, *hyper)
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, blocks["W"], p["b"], g["W"], g["b"],
                                m["b.m"], m["b.v"], self._owners, self._slots, g_pool, pool_vec,
