@@ -66,7 +66,8 @@ def engine_threads(threads: int | None):
 def thread_chunks(n: int) -> np.ndarray:
     """Row boundaries int64 [t + 1] splitting n rows into one contiguous chunk per numba thread:
     kernels loop ``prange`` over chunks so each chunk allocates its scratch once."""
-    return _chunk_bounds(int(n), max(1, min(numba.get_num_threads(), int(n))))
+    n = int(n)
+    return _chunk_bounds(n, max(1, min(numba.get_num_threads(), n)))
 
 
 @numba.njit(cache=True, nogil=True)

@@ -281,7 +281,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._scratch_key = None
         self._pool_buf = None
         self._in_lists = np.empty((3, 0), np.int32)
-        self._counting = np.arange(0, dtype=np.int32)
+        self._numbers = np.arange(0, dtype=np.int32)
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
         self._tables_stale = False
         self._int8_rows = None  # exact top-k's int8 copy of W, built when first needed
@@ -550,7 +550,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.step_ += 1
         hp = self._adam_hyper(self.step_)
         wd = self.resolved_["weight_decay"]
-        g_out, g_in = self._first(out_rows.size), self._first(in_rows.size)
+        g_out, g_in = self._first_numbers(out_rows.size), self._first_numbers(in_rows.size)
         kernels.adam_rows(out_rows, g_out, blocks["W"], grads["W"], *hp, wd)
         kernels.adam_entries(out_rows, g_out, p["b"], m["b.m"], m["b.v"], grads["b"], *hp, 0.0)
         kernels.adam_rows(in_rows, g_in, blocks["W0"], grads["W0"], *hp, wd)
@@ -560,13 +560,13 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._tables_stale = True
         self._int8_rows = None
 
-    def _first(self, n: int) -> np.ndarray:
+    def _first_numbers(self, n: int) -> np.ndarray:
         """0, 1, ..., n - 1 (int32; the rows of a compact gradient, one for each row listed),
         cut from one array kept across steps: numpy's ``arange`` between the step's kernels,
         which leave the caches cold, took about 40 us."""
-        if self._counting.size < n:
-            self._counting = np.arange(n + n // 4, dtype=np.int32)
-        return self._counting[:n]
+        if self._numbers.size < n:
+            self._numbers = np.arange(n + n // 4, dtype=np.int32)
+        return self._numbers[:n]
 
     def apply_gradients(self, out_rows, in_rows, grads) -> None:
         """One Adam step from gradients computed elsewhere (the heterogeneous trainer's GPU

@@ -42,8 +42,13 @@ def test_draw_is_uniform_over_the_labels(size):
 
 
 def test_labels_out_of_range_are_refused():
+    """A batch label below 0 or past the last label is a clear error, not a write outside the
+    bit set."""
     with pytest.raises(ValueError, match="batch labels"):
         shared_negatives(1, 10, 3, np.array([10]))
+    for bad in ([3, -1], [3, 50]):
+        with pytest.raises(ValueError, match=r"batch labels must be in \[0, 50\)"):
+            shared_negatives(draw_key(7, 1, 0), 50, 5, np.array(bad, np.int32))
 
 
 def test_keys_of_different_words_differ():
@@ -51,12 +56,8 @@ def test_keys_of_different_words_differ():
     assert len(keys) == 300 and all(0 <= k < 2**64 for k in keys)
 
 
-def test_labels_outside_the_layer_are_refused_and_any_integer_dtype_draws_the_same():
-    """A batch label below 0 or past the last label is a clear error, not a write outside the
-    bit set; int32, int64 and unsigned labels join the same draw."""
-    for bad in ([3, -1], [3, 50]):
-        with pytest.raises(ValueError, match=r"batch labels must be in \[0, 50\)"):
-            shared_negatives(draw_key(7, 1, 0), 50, 5, np.array(bad, np.int32))
+def test_labels_of_any_integer_dtype_draw_the_same():
+    """int32, int64 and unsigned labels join the same draw."""
     draws = [shared_negatives(draw_key(7, 1, 0), 50, 5, np.array([3, 49], dtype))
              for dtype in (np.int32, np.int64, np.uint16)]
     for got in draws[1:]:
