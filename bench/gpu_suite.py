@@ -9,10 +9,17 @@
    the engine on 1, 2 and every core, dense numpy, dense cupy with full and sampled softmax),
    as pytest-benchmark JSON; the dense GPU step against the floor its FLOPs and bytes set;
 4. time to accuracy on the Amazon-670K preset: the engine on every core, dense-gpu (full and
-   sampled softmax), hetero (Hogbatch and Adaptive Hogbatch), P@1 against seconds, JSON + PNG.
+   sampled softmax), hetero (Hogbatch and Adaptive Hogbatch), P@1 against seconds, JSON + PNG;
+5. ``cores``, the engine on the machine's CPU cores alone (no GPU needed): training and exact
+   top-5 throughput at 1, 2, 4, ... threads up to every core (``bench.thread_scaling``), the
+   roofline on every core in rounds after the warm-up (``bench.roofline``), and exact top-k on
+   1, 4 and every core (``bench.exact_topk``).
 
 Writes ``OUT/summary.json`` (and prints its table), ``OUT/gpu_tests.txt``, ``OUT/batches.json``,
-``OUT/tta.json`` and ``OUT/tta.png``. Finishes in about 8 minutes on an H100 with 16 cores;
+``OUT/tta.json``, ``OUT/tta.png``, ``OUT/thread_scaling.json``, ``OUT/roofline.json`` and
+``OUT/exact_topk.json``. On an H100 with 16 cores the GPU parts take about 8 minutes and
+``cores`` about 6; where one command may run 10 minutes at most, run ``--parts
+limits,tests,batches,tta`` and then ``--parts cores`` (parts run apart add to one summary).
 ``--parts`` runs a subset, ``--minutes`` sets each engine's training budget.
 """
 from __future__ import annotations
@@ -28,7 +35,9 @@ import numpy as np
 
 from bench.common import machine, write_json
 
-PARTS = ("limits", "tests", "batches", "tta")
+PARTS = ("limits", "tests", "batches", "tta", "cores")
+#: the parts that need cupy and a CUDA device
+GPU_PARTS = ("limits", "tests", "batches", "tta")
 TTA_ENGINES = "slide,dense-gpu,dense-gpu-sampled,hetero-hogbatch,hetero-adaptive"
 
 
@@ -107,6 +116,44 @@ def batch_table(path) -> list:
     return rows
 
 
+def thread_counts(cores: int) -> list:
+    """1, 2, 4, ... below ``cores``, then ``cores``: the thread counts the ``cores`` part runs."""
+    counts = [1]
+    while counts[-1] * 2 < cores:
+        counts.append(counts[-1] * 2)
+    return counts + [cores] if cores > 1 else counts
+
+
+def measure_cores(out: str, cores: int) -> dict:
+    """The ``cores`` part: thread scaling, the roofline on every core (100,000 training rows of
+    the Amazon-670K preset, its window after 480 batches) and exact top-k, each written to its
+    own JSON under ``out``; returns their headline figures."""
+    from bench import exact_topk, roofline, thread_scaling
+    path = {name: os.path.join(out, f"{name}.json")
+            for name in ("thread_scaling", "roofline", "exact_topk")}
+    counts = ",".join(str(t) for t in thread_counts(cores))
+    thread_scaling.main(["--threads", counts, "--layers", "omp", "--n-train", "6000",
+                         "--out", path["thread_scaling"]])
+    roofline.main(["--threads", str(cores), "--n-train", "100000", "--warm-steps", "480",
+                   "--steps", "160", "--rounds", "8", "--out", path["roofline"]])
+    exact_topk.main(["--threads", ",".join(str(t) for t in sorted({1, min(4, cores), cores})),
+                     "--rows", "1,128,1024", "--out", path["exact_topk"]])
+    docs = {}
+    for name, p in path.items():
+        with open(p) as fh:
+            docs[name] = json.load(fh)
+    roof = docs["roofline"]
+    return {
+        "thread_scaling": [{k: r[k] for k in ("threads", "train_samples_per_second",
+                                                "predict_rows_per_second") if k in r}
+                           for run in docs["thread_scaling"]["runs"] for r in run.get("rows", [])],
+        "roofline": {k: roof[k] for k in ("measured_samples_per_second",
+                                          "roofline_samples_per_second", "fraction",
+                                          "fraction_median_of_rounds", "bandwidth",
+                                          "matmul_flops")},
+        "exact_topk": docs["exact_topk"]["results"]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/gpu")
@@ -120,8 +167,8 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     from gpu_ref import gpu_available
-    if not gpu_available():
-        p.error("no GPU: the suite needs cupy and a CUDA device")
+    if set(parts) & set(GPU_PARTS) and not gpu_available():
+        p.error(f"no GPU: parts {', '.join(GPU_PARTS)} need cupy and a CUDA device")
     os.makedirs(args.out, exist_ok=True)
     summary_path = os.path.join(args.out, "summary.json")
     summary = {"machine": machine(), "args": vars(args)}
@@ -178,6 +225,9 @@ def main(argv=None):
                            **({"workers": r["workers"], "gpu_retired": r["gpu_retired"]} if "workers" in r else {})}
                           for r in doc["runs"]]
         write_json(summary_path, summary)
+    if "cores" in parts:
+        summary["cores"] = measure_cores(args.out, cores)
+        write_json(summary_path, summary)
     summary["seconds"] = time.perf_counter() - t_all
     write_json(summary_path, summary)
     _print_summary(summary)
@@ -201,6 +251,15 @@ def _print_summary(s):
                      f"gpu share {w['gpu']['share']:.2f} util {w['gpu']['utilisation']:.2f}")
         print(f"[tta] {r['engine']:18s} P@1 {f['P@1']:.4f} after {f['seconds']:.0f}s, "
               f"{f['samples']} samples{extra}")
+    c = s.get("cores")
+    if c:
+        for r in c["thread_scaling"]:
+            print(f"[cores] {r['threads']:3d} threads: train {r['train_samples_per_second']:8.0f} "
+                  f"samples/s, exact top-5 {r.get('predict_rows_per_second', float('nan')):7.0f} rows/s")
+        r = c["roofline"]
+        print(f"[cores] roofline: {r['measured_samples_per_second']:.0f} of "
+              f"{r['roofline_samples_per_second']:.0f} samples/s ({r['fraction']:.0%} over the "
+              f"window, {r['fraction_median_of_rounds']:.0%} in the median round)")
     print(f"suite: {s.get('seconds', 0):.0f}s")
 
 
