@@ -1,7 +1,7 @@
 """Array arguments for the kernels."""
 import numpy as np
 
-__all__ = ["as_rows"]
+__all__ = ["as_rows", "leading_rows"]
 
 
 def as_rows(a, dtype=np.float32) -> np.ndarray:
@@ -13,3 +13,26 @@ def as_rows(a, dtype=np.float32) -> np.ndarray:
     if a.ndim == 2 and a.shape[1] > 1 and a.strides[1] != a.itemsize:
         a = np.ascontiguousarray(a)
     return a
+
+
+def leading_rows(a: np.ndarray) -> np.ndarray:
+    """The C-contiguous rows [n, D] whose first d entries ``a`` [n, d] is, where ``a`` is the
+    leading columns of a run of rows of a C-contiguous matrix (a training model's weights in
+    their row block, :mod:`slide.kernels`); ``a`` itself otherwise. A kernel given these rows
+    reads the first d entries of each.
+
+    numba compiles a kernel once for each layout of its arrays, and such a column block has
+    another layout ("A") than a plain matrix ("C"): the weights of a rehash and a batch's
+    hidden rows compiled the hashing kernel twice (:class:`lsh.families.WTA`)."""
+    if a.flags.c_contiguous:  # a plain matrix (a batch's rows): at once
+        return a
+    base = a.base
+    if not (a.ndim == 2 and isinstance(base, np.ndarray) and base.ndim == 2
+            and base.flags.c_contiguous and base.dtype == a.dtype
+            and a.strides == (base.strides[0], a.itemsize) and a.shape[1] <= base.shape[1]):
+        return a
+    offset = a.ctypes.data - base.ctypes.data
+    if offset < 0 or offset % base.strides[0]:
+        return a
+    first = offset // base.strides[0]
+    return base[first:first + a.shape[0]]

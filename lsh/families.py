@@ -8,8 +8,10 @@ Fibonacci hashing rather than truncated, so no code bit is simply dropped.
 Every family exposes the same three entry points, all returning bucket ids as int32 [n, L]:
 
 * ``hash_one(v)``: one dense float32 vector [dim] → [L];
-* ``hash_dense(V, out=None)``: a batch of dense rows [n, dim], parallel over rows (``out``:
-  where to write them, e.g. the transpose of a table-major [L, n] array, as table builds do);
+* ``hash_dense(V, out=None)``: a batch of dense rows [n, dim], parallel over rows. The kernels
+  write table-major, into an [L, n] array whose transpose is returned; ``out``, where given,
+  receives the ids: written in place where it is the transpose of a C-contiguous [L, n]
+  array (a table build's buffer), filled from a new one otherwise;
 * ``hash_csr(X)``: a batch of sparse CSR rows [n, dim], parallel over rows.
 
 The kernels are module-level numba functions over the family's arrays so that other kernels
@@ -22,7 +24,7 @@ import scipy.sparse as sp
 from numba import njit, prange
 
 from lsh._threading import thread_chunks
-from lsh.arrays import as_rows
+from lsh.arrays import as_rows, leading_rows
 from lsh.prefetch import prefetch
 from lsh.tiles import TILE, transpose_tile
 
@@ -57,12 +59,15 @@ def _simhash_dense_codes(proj_idx, proj_sign, v, codes):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _simhash_dense(proj_idx, proj_sign, V, K, L, range_pow, bounds, out):
+def _simhash_dense(proj_idx, proj_sign, V, K, L, range_pow, bounds, by_table):
+    """SimHash bucket ids of the rows of ``V`` (float32 [n, >= dim]: the projections read
+    coordinates below dim only) into table-major ``by_table`` int32 [L, n]; thread c hashes
+    rows ``bounds[c]:bounds[c + 1]``."""
     for c in prange(bounds.size - 1):
         codes = np.empty(K * L, np.int64)
         for r in range(bounds[c], bounds[c + 1]):
             _simhash_dense_codes(proj_idx, proj_sign, V[r], codes)
-            combine_codes(codes, K, L, 1, range_pow, out[r])
+            combine_codes(codes, K, L, 1, range_pow, by_table[:, r])
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,12 +156,12 @@ _BLOCK_ROWS = 64
 
 @njit(cache=True, nogil=True)
 def _transpose_block(V, r0, R, densify, Vt):
-    """``Vt[:, :R] = V[r0:r0 + R].T`` for float32 ``V`` [n, dim] and ``Vt`` [dim, B], R <= B,
-    with DWTA's zeros (``densify``) as -inf so that no bin's argmax lands on one; the columns
-    past R are -inf. Whole 16 x 16 tiles go through :func:`lsh.tiles.transpose_tile`, the
+    """``Vt[:, :R] = V[r0:r0 + R, :dim].T`` for float32 ``V`` [n, >= dim] and ``Vt`` [dim, B],
+    R <= B, with DWTA's zeros (``densify``) as -inf so that no bin's argmax lands on one; the
+    columns past R are -inf. Whole 16 x 16 tiles go through :func:`lsh.tiles.transpose_tile`, the
     rest (the last rows of a thread's range, the last columns of an odd dim) one by one."""
     neg = np.float32(-np.inf)
-    dim = V.shape[1]
+    dim = Vt.shape[0]
     rows, cols = R - R % TILE, dim - dim % TILE
     for i0 in range(0, rows, TILE):
         # the next tile row's rows (past the block's end, the next block's first): where they
@@ -165,7 +170,7 @@ def _transpose_block(V, r0, R, densify, Vt):
         # to overlap the arithmetic, was no faster.
         for m in range(TILE):
             if r0 + i0 + TILE + m < V.shape[0]:
-                prefetch(V[r0 + i0 + TILE + m])
+                prefetch(V[r0 + i0 + TILE + m, :dim])
         for d0 in range(0, cols, TILE):
             transpose_tile(V, r0 + i0, d0, Vt, i0, densify)
         for i in range(i0, i0 + TILE):
@@ -244,10 +249,10 @@ def _keep_max(x, i, j, b, c):
 
 
 @njit(cache=True, nogil=True)
-def _combine_block(codes, K, L, bits, range_pow, keys, out):
+def _combine_block(codes, K, L, bits, range_pow, keys, by_table, r0, m):
     """:func:`combine_codes` for the columns of hash-major ``codes`` int32 [K·L, R] at once:
-    bucket ids into ``out`` int32 [m, L] for the first m <= R columns; ``keys`` uint64 [R] is
-    scratch."""
+    the bucket ids of the first m <= R columns into columns ``r0:r0 + m`` of table-major
+    ``by_table`` int32 [L, n]; ``keys`` uint64 [R] is scratch."""
     total = K * bits
     R = keys.size
     for t in range(L):
@@ -259,18 +264,19 @@ def _combine_block(codes, K, L, bits, range_pow, keys, out):
         if total > range_pow:
             for i in range(R):
                 keys[i] = (keys[i] * _FIB) >> np.uint64(64 - range_pow)
-        for i in range(out.shape[0]):
-            out[i, t] = np.int32(keys[i])
+        ids = by_table[t, r0:r0 + m]  # contiguous, unlike a row of the block by_table[:, r0:]
+        for i in range(m):
+            ids[i] = np.int32(keys[i])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
-    """WTA (or with ``densify`` DWTA) bucket ids of the rows of ``V`` float32 [n, dim] into
-    ``out`` int32 [n, L]; thread c hashes rows ``bounds[c]:bounds[c + 1]``, in transposed
+def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, bounds, by_table):
+    """WTA (or with ``densify`` DWTA) bucket ids of the rows ``V[:, :dim]`` (float32
+    [n, >= dim], see :func:`lsh.arrays.leading_rows`) into table-major ``by_table`` int32
+    [L, n]; thread c hashes rows ``bounds[c]:bounds[c + 1]``, in transposed
     blocks of :data:`_BLOCK_ROWS` (a row-at-a-time loop gathers 8 scattered coordinates per bin
     and does not vectorise: this is 2-3x faster on the 670K rows of a rehash). A row with an
     empty bin (DWTA) is densified on its own."""
-    dim = V.shape[1]
     n_hashes = K * L
     for c in prange(bounds.size - 1):
         Vt = np.empty((dim, _BLOCK_ROWS), np.float32)
@@ -297,7 +303,7 @@ def _wta_dense(bins, V, densify, seed, K, L, bits, range_pow, bounds, out):
                         row_codes[:] = codes[:, i]
                         _densify(row_codes, seed)
                         codes[:, i] = row_codes
-            _combine_block(codes, K, L, bits, range_pow, keys, out[r0:r0 + R])
+            _combine_block(codes, K, L, bits, range_pow, keys, by_table, r0, R)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -352,15 +358,33 @@ class _Family:
         return 1 << self.range_pow
 
     def _dense_input(self, V, out=None):
+        """(the rows of ``V`` [n, dim] as the kernels take them, :func:`lsh.arrays.leading_rows`,
+        of which they read the first ``dim`` entries; the table-major int32 [L, n] array they
+        write: the transpose of ``out`` where that is C-contiguous, a new one otherwise; the
+        threads' row bounds). The kernels see one layout of each, so each compiles once: the
+        weights of a rehash (rows of a row block, written table-major) and a batch's hidden
+        rows compiled the WTA kernel twice, 8.8-10.7 s of a first training run against 5.5-6.2
+        for once (bench/README.md)."""
         V = as_rows(V)
         if V.ndim != 2 or V.shape[1] != self.dim:
             raise ValueError(f"expected rows of dimension {self.dim}, got shape {V.shape}")
+        n = V.shape[0]
+        if out is not None and not (isinstance(out, np.ndarray) and out.dtype == np.int32
+                                    and out.shape == (n, self.L)):
+            raise ValueError(f"out must be an int32 array of shape {(n, self.L)}")
+        in_place = out is not None and out.T.flags.c_contiguous
+        by_table = out.T if in_place else np.empty((self.L, n), np.int32)
+        return leading_rows(V), by_table, thread_chunks(n)
+
+    @staticmethod
+    def _dense_output(by_table, out):
+        """The bucket ids [n, L] the kernels wrote into ``by_table`` [L, n]: ``out`` (filled
+        from it, where it was not written in place), otherwise the transpose of ``by_table``."""
         if out is None:
-            out = np.empty((V.shape[0], self.L), np.int32)
-        elif not (isinstance(out, np.ndarray) and out.dtype == np.int32
-                  and out.shape == (V.shape[0], self.L)):
-            raise ValueError(f"out must be an int32 array of shape {(V.shape[0], self.L)}")
-        return V, out, thread_chunks(V.shape[0])
+            return by_table.T
+        if not np.may_share_memory(by_table, out):
+            out[...] = by_table.T
+        return out
 
     def _csr_input(self, X):
         X = sp.csr_matrix(X, dtype=np.float32)
@@ -413,11 +437,12 @@ class SimHash(_Family):
         return {"density": self.density}
 
     def hash_dense(self, V, out=None) -> np.ndarray:
-        """Bucket ids int32 [n, L] of the rows of ``V`` [n, dim], into ``out`` where given
-        (any strides: the transpose of a table-major [L, n] array is one)."""
-        V, out, bounds = self._dense_input(V, out)
-        _simhash_dense(self.proj_idx, self.proj_sign, V, self.K, self.L, self.range_pow, bounds, out)
-        return out
+        """Bucket ids int32 [n, L] of the rows of ``V`` [n, dim] (the transpose of a
+        table-major array), into ``out`` where given (see the module docstring)."""
+        V, by_table, bounds = self._dense_input(V, out)
+        _simhash_dense(self.proj_idx, self.proj_sign, V, self.K, self.L, self.range_pow, bounds,
+                       by_table)
+        return self._dense_output(by_table, out)
 
     def hash_csr(self, X) -> np.ndarray:
         X, out, bounds = self._csr_input(X)
@@ -462,12 +487,12 @@ class WTA(_Family):
         return {"bin_size": self.bin_size}
 
     def hash_dense(self, V, out=None) -> np.ndarray:
-        """Bucket ids int32 [n, L] of the rows of ``V`` [n, dim], into ``out`` where given
-        (any strides: the transpose of a table-major [L, n] array is one)."""
-        V, out, bounds = self._dense_input(V, out)
-        _wta_dense(self.bins, V, self._densify, self.seed, self.K, self.L, self.bits,
-                   self.range_pow, bounds, out)
-        return out
+        """Bucket ids int32 [n, L] of the rows of ``V`` [n, dim] (the transpose of a
+        table-major array), into ``out`` where given (see the module docstring)."""
+        V, by_table, bounds = self._dense_input(V, out)
+        _wta_dense(self.bins, V, self.dim, self._densify, self.seed, self.K, self.L, self.bits,
+                   self.range_pow, bounds, by_table)
+        return self._dense_output(by_table, out)
 
     def hash_csr(self, X) -> np.ndarray:
         X, out, bounds = self._csr_input(X)

@@ -199,12 +199,13 @@ def select_candidates(cand, hits, n, hist, max_out, rank, out):
     """At most ``max_out`` of the union ``cand[:n]`` (from :func:`query_union`, with hit counts
     ``hits[:n]``) into ``out``: with ``rank`` the most frequently hit ids, otherwise the first
     found. ``hist`` int32 [L + 2] is scratch. Returns the count."""
-    if n <= max_out:
-        out[:n] = cand[:n]
-        return n
-    if not rank:
-        out[:max_out] = cand[:max_out]
-        return max_out
+    if n <= max_out or not rank:  # all of them, or the first found
+        m = min(n, max_out)
+        # a loop, not a slice assignment: numba compiles an assignment's shape check with its
+        # error message, 2 s of a first run's compile
+        for j in range(m):
+            out[j] = cand[j]
+        return m
     # counting selection by hit count: keep every id above the threshold count, then fill
     # with ids at the threshold in discovery order
     hist[:] = 0
@@ -337,11 +338,13 @@ class HashTables:
         # codes table-major, so that each table's inserts read their column in order: row-major,
         # a table's pass read every line of the chunk's codes (6 MB at 64K rows of 24 tables),
         # which pushed the buckets being filled out of L2 (inserts of 670K rows in 64K-row
-        # chunks 73 -> 67 ms on 2 threads, bench/README.md)
-        by_table = np.empty((self.config.L, min(chunk, self.n_ids)), np.int32)
+        # chunks 73 -> 67 ms on 2 threads, bench/README.md). A chunk's codes are a
+        # C-contiguous [L, m] at the start of one buffer, which the hashing writes in place.
+        L = self.config.L
+        buf = np.empty(L * min(chunk, self.n_ids), np.int32)
         for lo in range(0, self.n_ids, chunk):
             hi = min(lo + chunk, self.n_ids)
-            codes = self.family.hash_dense(W[lo:hi], out=by_table[:, :hi - lo].T)
+            codes = self.family.hash_dense(W[lo:hi], out=buf[:L * (hi - lo)].reshape(L, -1).T)
             self.insert(np.arange(lo, hi, dtype=np.int32), codes)
 
     rehash = build  # same hash functions, current weights

@@ -586,8 +586,12 @@ def _take_rows(indptr, indices, data, rows, out_indptr, out_indices, out_data):
             prefetch(indices[indptr[ahead]:indptr[ahead + 1]])
             prefetch(data[indptr[ahead]:indptr[ahead + 1]])
         lo, hi = indptr[rows[r]], indptr[rows[r] + 1]
-        out_indices[k:k + hi - lo] = indices[lo:hi]
-        out_data[k:k + hi - lo] = data[lo:hi]
+        # loops, not slice assignments: numba compiles an assignment's shape check with its
+        # error message, 2 s of a first run's compile for each kernel that has one
+        for j in range(hi - lo):
+            out_indices[k + j] = indices[lo + j]
+        for j in range(hi - lo):
+            out_data[k + j] = data[lo + j]
         k += hi - lo
         out_indptr[r + 1] = k
 

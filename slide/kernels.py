@@ -62,6 +62,15 @@ _CONTRACT = {"contract"}
 _AHEAD = 4
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _copy(dst, src):
+    """``dst[:] = src`` for 1-D arrays of one length, as a loop: numba compiles an array
+    assignment's shape check with its error message, about 2 s of a first run's compile in
+    each kernel that has one."""
+    for j in range(dst.size):
+        dst[j] = src[j]
+
+
 @njit(cache=True, nogil=True, fastmath=_REASSOC)
 def _dot(a, b):
     """Σ a[j]·b[j] over two float32 vectors of equal length (float32 result)."""
@@ -537,7 +546,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
                     prefetch(W[pool[lo + t + _AHEAD], :H])
-                Wc[t] = W[pool[lo + t], :H]
+                _copy(Wc[t], W[pool[lo + t], :H])
                 bc[t] = b[pool[lo + t]]
             # the biases first, the product added to them: BLAS zeroes C in a pass of its own
             # where beta is 0, and adding the biases after took another (about 8% of this
@@ -545,7 +554,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
             # z[r, lo:hi], not a row of the column block z[:, lo:hi]: a row of that block has
             # numba's layout "A" (strides unknown when compiled), which keeps the loop scalar
             for r in range(z.shape[0]):
-                z[r, lo:hi] = bc
+                _copy(z[r, lo:hi], bc)
             gemm(h, False, Wc, True, z[:, lo:hi], 1.0)
 
 
@@ -592,7 +601,9 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, slots, 
     for c in prange(T):
         for r in range(c * n // T, (c + 1) * n // T):
             for part in range(T):
-                dH[r] += dH_parts[part, r]
+                row, add = dH[r], dH_parts[part, r]
+                for j in range(row.size):
+                    row[j] += add[j]
 
 
 # --------------------------------------------------------------------------------------------

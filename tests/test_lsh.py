@@ -111,9 +111,33 @@ def test_codes_written_table_major_equal_row_major_and_build_the_same_tables(rng
     offered.insert(np.arange(300, dtype=np.int32), offered.family.hash_dense(W))
     np.testing.assert_array_equal(built.seen, offered.seen)
     np.testing.assert_array_equal(built.buckets, offered.buckets)
+    # codes come back table-major; any other out is filled from them
+    assert rows.T.flags.c_contiguous
+    row_major = np.full((300, 6), -1, np.int32)
+    assert fam.hash_dense(W, out=row_major) is row_major
+    np.testing.assert_array_equal(row_major, rows)
     for bad in (np.empty((300, 5), np.int32), np.empty((300, 6), np.int64)):
         with pytest.raises(ValueError, match="out must be"):
             fam.hash_dense(W, out=bad)
+
+
+def test_leading_rows_widen_a_row_blocks_weights_and_nothing_else(rng):
+    """The weights of a row block (its first H columns, any run of its rows) go to the kernels
+    as the block's own C-contiguous rows, so that they compile once with a plain matrix's
+    layout; any other array goes as it is."""
+    from lsh.arrays import leading_rows
+    B = rng.standard_normal((50, 12)).astype(np.float32)
+    W = B[:, :4]
+    for view, first in ((W, 0), (W[7:19], 7), (W[48:], 48)):
+        rows = leading_rows(view)
+        assert rows.flags.c_contiguous and rows.shape == (view.shape[0], 12)
+        assert rows.ctypes.data == view.ctypes.data
+        np.testing.assert_array_equal(rows[:, :4], B[first:first + view.shape[0], :4])
+        assert numba.typeof(rows) == numba.typeof(np.empty((2, 2), np.float32))
+    # not the leading columns of whole rows: as they are
+    C = np.ascontiguousarray(W)
+    for other in (B[:, 4:8], B[:, ::2], B.T, C, B[::2, :4], B[3:9, 1:4], B[0]):
+        assert leading_rows(other) is other
 
 
 @pytest.mark.parametrize("zeros_to_neg_inf", [False, True])
