@@ -82,9 +82,12 @@ def cores_per_rank(comm) -> int:
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
 def _gather_rows(src, ids, dst):
-    """``dst[t] = src[ids[t]]`` for src [n, d], dst [len(ids), d]."""
+    """``dst[t] = src[ids[t]]`` for src [n, d], dst [len(ids), d]. A loop: numba's
+    ``dst[t, :] = src[i]`` ran 8x slower than one (76 against 9 ns a row of 128 floats)."""
     for t in prange(ids.size):
-        dst[t, :] = src[ids[t]]
+        row, s = dst[t], src[ids[t]]
+        for j in range(row.size):
+            row[j] = s[j]
 
 
 @njit(cache=True, nogil=True, parallel=True)
