@@ -93,7 +93,7 @@ def forward_input(x_indptr, x_indices, x_data, W0, b0, acts):
     H0 = b0.size
     for r in prange(x_indptr.size - 1):
         h = acts[r, :H0]
-        _copy(h, b0)
+        h[:] = b0
         end = x_indptr[r + 1]
         for p in range(x_indptr[r], end):
             if p + _AHEAD < end:
