@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit, prange
 
 from lsh._threading import thread_chunks
+from lsh.arrays import copy_into
 from lsh.families import make_family
 from lsh.prefetch import prefetch
 
@@ -201,10 +202,7 @@ def select_candidates(cand, hits, n, hist, max_out, rank, out):
     found. ``hist`` int32 [L + 2] is scratch. Returns the count."""
     if n <= max_out or not rank:  # all of them, or the first found
         m = min(n, max_out)
-        # a loop, not a slice assignment: numba compiles an assignment's shape check with its
-        # error message, 2 s of a first run's compile
-        for j in range(m):
-            out[j] = cand[j]
+        copy_into(out[:m], cand[:m])
         return m
     # counting selection by hit count: keep every id above the threshold count, then fill
     # with ids at the threshold in discovery order

@@ -19,6 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit
 
+from lsh.arrays import copy_into
 from lsh.prefetch import prefetch
 
 __all__ = ["DataFormatError", "read_xmc", "write_xmc", "read_libsvm", "write_libsvm",
@@ -586,12 +587,8 @@ def _take_rows(indptr, indices, data, rows, out_indptr, out_indices, out_data):
             prefetch(indices[indptr[ahead]:indptr[ahead + 1]])
             prefetch(data[indptr[ahead]:indptr[ahead + 1]])
         lo, hi = indptr[rows[r]], indptr[rows[r] + 1]
-        # loops, not slice assignments: numba compiles an assignment's shape check with its
-        # error message, 2 s of a first run's compile for each kernel that has one
-        for j in range(hi - lo):
-            out_indices[k + j] = indices[lo + j]
-        for j in range(hi - lo):
-            out_data[k + j] = data[lo + j]
+        copy_into(out_indices[k:k + hi - lo], indices[lo:hi])
+        copy_into(out_data[k:k + hi - lo], data[lo:hi])
         k += hi - lo
         out_indptr[r + 1] = k
 

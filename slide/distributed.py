@@ -46,6 +46,8 @@ import traceback
 import numpy as np
 from numba import njit, prange
 
+from lsh.arrays import copy_into
+
 __all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank"]
 
 MODES = ("sync", "local", "delayed")
@@ -82,12 +84,9 @@ def cores_per_rank(comm) -> int:
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
 def _gather_rows(src, ids, dst):
-    """``dst[t] = src[ids[t]]`` for src [n, d], dst [len(ids), d]. A loop: numba's
-    ``dst[t, :] = src[i]`` ran 8x slower than one (76 against 9 ns a row of 128 floats)."""
+    """``dst[t] = src[ids[t]]`` for src [n, d], dst [len(ids), d]."""
     for t in prange(ids.size):
-        row, s = dst[t], src[ids[t]]
-        for j in range(row.size):
-            row[j] = s[j]
+        copy_into(dst[t], src[ids[t]])
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -40,6 +40,7 @@ thread the samples go in order.
 import numpy as np
 from numba import njit, prange
 
+from lsh.arrays import copy_into
 from lsh.atomics import fetch_add
 from lsh.prefetch import prefetch, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
@@ -60,16 +61,6 @@ _CONTRACT = {"contract"}
 #: rows asked for ahead of use by the kernels that walk scattered rows (lsh.prefetch): at 4 the
 #: output step and Adam ran 15-25% faster at Amazon-670K shape; 2 and 8 did no better
 _AHEAD = 4
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _copy(dst, src):
-    """``dst[:] = src`` for 1-D arrays of one length, as a loop. numba's array assignment runs
-    several times slower (128 floats: 76 against 9 ns; 1,548: 879 against 115), and compiles a
-    shape check with its error message, about 2 s of a first run's compile in each kernel
-    that has one."""
-    for j in range(dst.size):
-        dst[j] = src[j]
 
 
 @njit(cache=True, nogil=True, fastmath=_REASSOC)
@@ -547,7 +538,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
             for t in range(hi - lo):
                 if t + _AHEAD < hi - lo:
                     prefetch(W[pool[lo + t + _AHEAD], :H])
-                _copy(Wc[t], W[pool[lo + t], :H])
+                copy_into(Wc[t], W[pool[lo + t], :H])
                 bc[t] = b[pool[lo + t]]
             # the biases first, the product added to them: BLAS zeroes C in a pass of its own
             # where beta is 0, and adding the biases after took another (about 8% of this
@@ -555,7 +546,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
             # z[r, lo:hi], not a row of the column block z[:, lo:hi]: a row of that block has
             # numba's layout "A" (strides unknown when compiled), which keeps the loop scalar
             for r in range(z.shape[0]):
-                _copy(z[r, lo:hi], bc)
+                copy_into(z[r, lo:hi], bc)
             gemm(h, False, Wc, True, z[:, lo:hi], 1.0)
 
 
