@@ -273,10 +273,10 @@ def _combine_block(codes, K, L, bits, range_pow, keys, by_table, r0, m):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, key_type, bounds, by_table):
+def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, key_dtype, bounds, by_table):
     """WTA (or with ``densify`` DWTA) bucket ids of the rows ``V[:, :dim]`` (float32
     [n, >= dim], see :func:`lsh.arrays.leading_rows`) into table-major ``by_table`` int32
-    [L, n]; ``key_type``: an empty array of the dtype of :func:`_combine_block`'s keys;
+    [L, n]; ``key_dtype``: the dtype of :func:`_combine_block`'s keys;
     thread c hashes rows ``bounds[c]:bounds[c + 1]``, in transposed
     blocks of :data:`_BLOCK_ROWS` (a row-at-a-time loop gathers 8 scattered coordinates per bin
     and does not vectorise: this is 2-3x faster on the 670K rows of a rehash). A row with an
@@ -286,7 +286,7 @@ def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, key_type, bou
         Vt = np.empty((dim, _BLOCK_ROWS), np.float32)
         codes = np.empty((n_hashes, _BLOCK_ROWS), np.int32)
         best = np.empty(_BLOCK_ROWS, np.float32)
-        keys = np.empty(_BLOCK_ROWS, key_type.dtype)
+        keys = np.empty(_BLOCK_ROWS, key_dtype)
         empty = np.empty(_BLOCK_ROWS, np.bool_)
         row_codes = np.empty(n_hashes, np.int64)
         for r0 in range(bounds[c], bounds[c + 1], _BLOCK_ROWS):
@@ -486,18 +486,21 @@ class WTA(_Family):
         rows = np.arange(n_perm)[:, None]
         self.inv_bin[rows, perms] = (slot // self.bin_size).astype(np.int32)
         self.inv_pos[rows, perms] = (slot % self.bin_size).astype(np.int32)
-        # the dtype in which a table's K codes are concatenated (_combine_block)
-        self._key_type = np.empty(0, np.uint32 if self.K * self.bits <= 32 else np.uint64)
 
     def _extra_params(self):
         return {"bin_size": self.bin_size}
+
+    @property
+    def _key_dtype(self) -> np.dtype:
+        """The dtype in which a table's K codes are concatenated (:func:`_combine_block`)."""
+        return np.dtype(np.uint32 if self.K * self.bits <= 32 else np.uint64)
 
     def hash_dense(self, V, out=None) -> np.ndarray:
         """Bucket ids int32 [n, L] of the rows of ``V`` [n, dim] (the transpose of a
         table-major array), into ``out`` where given (see the module docstring)."""
         V, by_table, bounds = self._dense_input(V, out)
         _wta_dense(self.bins, V, self.dim, self._densify, self.seed, self.K, self.L, self.bits,
-                   self.range_pow, self._key_type, bounds, by_table)
+                   self.range_pow, self._key_dtype, bounds, by_table)
         return self._dense_output(by_table, out)
 
     def hash_csr(self, X) -> np.ndarray:
