@@ -1,22 +1,24 @@
-"""Accuracy with default settings, side by side: the engine, the dense reference and XR-Linear.
+"""Accuracy with default settings, side by side: the engine, the dense reference and the linear
+XMC methods (XR-Linear, Parabel).
 
     python -m bench.quality                      # every set in ../shared/data, then the presets
     python -m bench.quality --sets Enron,Medical --engines slide,xr-linear
     python -m bench.quality --data-dir DIR --presets demo,amazon-670k:100000 --engines slide,knn
 
 Engines: ``slide`` (the engine), ``dense`` (the dense reference on numpy), ``xr-linear``
-(PECOS), ``knn`` (a cosine 10-nearest-neighbour vote, the simple baseline the presets are
-calibrated against; its "training seconds" are its prediction time).
+(PECOS), ``parabel`` (omikuji's implementation, Parabel's settings), ``knn`` (a cosine
+10-nearest-neighbour vote, the simple baseline the presets are calibrated against; its
+"training seconds" are its prediction time).
 
 Every engine trains with its defaults on the training file and is scored once on the test file
 (P@1/3/5, PSP@5 with Jain et al.'s propensities from the training labels), with its training
 seconds and peak RSS, each in its own process. Real sets are the folders of ``--data-dir``
 holding ``train.txt`` and ``test.txt``; presets are synthetic (``NAME`` or ``NAME:N_TRAIN``).
 
-XR-Linear (PECOS) runs in its own environment because libpecos pins older numpy and scipy:
-``python -m venv .peers && .peers/bin/pip install libpecos``, then pass
+The linear peers run in their own environment because libpecos pins older numpy and scipy:
+``python -m venv .peers && .peers/bin/pip install libpecos omikuji``, then pass
 ``--peers-python .peers/bin/python`` (the default when that file exists; also
-``$SLIDE_PEERS_PYTHON``). Without it the XR-Linear column is skipped, and the table says so.
+``$SLIDE_PEERS_PYTHON``). Without it their columns are skipped, and the table says so.
 Writes ``OUT.json`` and ``OUT.md``.
 """
 from __future__ import annotations
@@ -33,7 +35,10 @@ import scipy.sparse as sp
 
 from bench.common import machine, run_isolated, write_json
 
-ENGINES = ("slide", "dense", "xr-linear", "knn")
+ENGINES = ("slide", "dense", "xr-linear", "parabel", "knn")
+#: the peers in their own environment, each run by its worker script beside this file
+PEER_WORKERS = {"xr-linear": "xr_linear_worker.py", "parabel": "parabel_worker.py"}
+PEER_NAMES = {"xr-linear": "XR-Linear", "parabel": "Parabel"}
 PROPENSITY_AB = {"amazon": (0.6, 2.6), "wikilshtc": (0.5, 0.4)}
 
 
@@ -83,32 +88,28 @@ def _run_network(engine, spec, args, queue):
                "settings": {k: model.resolved_[k] for k in ("hidden", "lr", "weight_decay", "batch_size")}})
 
 
-def _save_csr(path, **mats):
-    arrays = {}
-    for key, M in mats.items():
-        M = sp.csr_matrix(M, dtype=np.float32)
-        arrays.update({f"{key}_data": M.data, f"{key}_indices": M.indices,
-                       f"{key}_indptr": M.indptr, f"{key}_shape": np.array(M.shape)})
-    np.savez(path, **arrays)
-
-
-def _run_xr_linear(spec, args):
-    """XR-Linear through bench/xr_linear_worker.py in the peers environment."""
+def _run_peer(engine, spec, args):
+    """A linear peer (:data:`PEER_WORKERS`) through its worker script in the peers environment."""
+    from bench.peer_io import save_problem
     name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xr_linear_worker.py")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), PEER_WORKERS[engine])
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = os.path.join(tmp, "in.npz"), os.path.join(tmp, "out.npz")
-        _save_csr(inp, X_train=Xtr, Y_train=Ytr, X_test=Xte)
-        proc = subprocess.Popen([args.peers_python, worker, inp, out, "--threads", str(args.threads)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _, rusage = os.wait4(proc.pid, 0)[1:]
-        err = proc.stderr.read()
+        save_problem(inp, X_train=Xtr, Y_train=Ytr, X_test=Xte)
+        # its output to a file, not a pipe: a peer's progress bars would fill a pipe that no one
+        # reads while this process waits for the worker's resource usage
+        with open(os.path.join(tmp, "log.txt"), "w+") as log:
+            proc = subprocess.Popen([args.peers_python, worker, inp, out, "--threads", str(args.threads)],
+                                    stdout=log, stderr=subprocess.STDOUT)
+            _, rusage = os.wait4(proc.pid, 0)[1:]
+            log.seek(0)
+            err = log.read()
         if not os.path.exists(out):
-            raise RuntimeError(f"XR-Linear failed on {name}: {err[-2000:]}")
+            raise RuntimeError(f"{PEER_NAMES[engine]} failed on {name}: {err[-2000:]}")
         z = np.load(out)
         top = z["ids"]
         seconds = float(z["train_seconds"])
-    return {"dataset": name, "engine": "xr-linear", **_scores(top, Ytr, Yte, name),
+    return {"dataset": name, "engine": engine, **_scores(top, Ytr, Yte, name),
             "train_seconds": seconds, "peak_rss_mb": rusage.ru_maxrss / 1024}
 
 
@@ -153,17 +154,15 @@ def table(rows, engines) -> str:
     sets = list(dict.fromkeys(r["dataset"] for r in rows))
     by = {(r["dataset"], r["engine"]): r for r in rows}
     head = "| dataset | " + " | ".join(f"{e} P@1" for e in engines)
-    if "slide" in engines and "xr-linear" in engines:
-        head += " | slide − XR-Linear"
+    peers = [e for e in PEER_WORKERS if e in engines] if "slide" in engines else []
+    head += "".join(f" | slide − {PEER_NAMES[e]}" for e in peers)
     lines = [head + " |", "|" + "---|" * (head.count("|"))]
     for s in sets:
         cells = [f"{by[(s, e)]['P@1']:.3f}" if (s, e) in by else "–" for e in engines]
-        line = f"| {s} | " + " | ".join(cells)
-        if "slide" in engines and "xr-linear" in engines:
-            d = by[(s, "slide")]["P@1"] - by[(s, "xr-linear")]["P@1"] \
-                if (s, "slide") in by and (s, "xr-linear") in by else None
-            line += f" | {d:+.3f}" if d is not None else " | –"
-        lines.append(line + " |")
+        for e in peers:
+            cells.append(f"{by[(s, 'slide')]['P@1'] - by[(s, e)]['P@1']:+.3f}"
+                         if (s, "slide") in by and (s, e) in by else "–")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lines += ["", "| dataset | engine | P@1 | P@3 | P@5 | PSP@5 | train s | peak RSS MiB | settings |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -193,15 +192,17 @@ def run(args) -> dict:
         if e not in ENGINES:
             raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
     notes = []
-    if "xr-linear" in engines and not args.peers_python:
-        engines.remove("xr-linear")
-        notes.append("XR-Linear skipped: no peers environment (see python -m bench.quality --help)")
+    for e in [e for e in engines if e in PEER_WORKERS]:
+        if not args.peers_python:
+            engines.remove(e)
+            notes.append(f"{PEER_NAMES[e]} skipped: no peers environment "
+                         "(see python -m bench.quality --help)")
     doc = {"machine": machine(), "args": vars(args), "notes": notes, "rows": []}
     for spec in specs:
         for engine in engines:
             target, extra = (_run_knn, ()) if engine == "knn" else (_run_network, (engine,))
-            if engine == "xr-linear":
-                row = _run_xr_linear(spec, args)
+            if engine in PEER_WORKERS:
+                row = _run_peer(engine, spec, args)
             elif args.in_process:
                 import queue
                 q = queue.SimpleQueue()
@@ -226,7 +227,7 @@ def main(argv=None):
     p.add_argument("--data-dir", default=os.path.join("..", "shared", "data"))
     p.add_argument("--sets", default=None, help="comma-separated folders of --data-dir (default: all; '' none)")
     p.add_argument("--presets", default="demo", help="synthetic presets, NAME or NAME:N_TRAIN")
-    p.add_argument("--engines", default="slide,dense,xr-linear")
+    p.add_argument("--engines", default="slide,dense,xr-linear,parabel")
     p.add_argument("--peers-python", default=_default_peers_python())
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

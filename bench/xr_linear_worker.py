@@ -3,22 +3,17 @@
     PEERS_PYTHON bench/xr_linear_worker.py IN.npz OUT.npz [--k 5] [--threads T]
 
 libpecos pins older numpy/scipy than this project, so it lives in a separate virtual environment
-and this script imports nothing from the project: it reads ``X_train``, ``Y_train`` and
-``X_test`` (CSR parts, float32) from ``IN.npz``, L2-normalises the rows as PECOS recommends,
-trains ``XLinearModel`` on a hierarchical k-means indexer over PIFA label embeddings (PECOS's
-defaults), and writes the top-k label ids (int64 [n, k], -1 padded), their scores and the
-training seconds to ``OUT.npz``.
+and this script imports nothing from the project (:mod:`peer_io` beside it neither): it reads
+the rows from ``IN.npz`` (L2-normalised, as PECOS recommends), trains ``XLinearModel`` on a
+hierarchical k-means indexer over PIFA label embeddings (PECOS's defaults), and writes the
+top-k label ids (int64 [n, k], -1 padded), their scores and the training seconds to ``OUT.npz``.
 """
 import argparse
 import time
 
 import numpy as np
-import scipy.sparse as sp
 
-
-def _csr(z, name):
-    return sp.csr_matrix((z[f"{name}_data"], z[f"{name}_indices"], z[f"{name}_indptr"]),
-                         shape=tuple(z[f"{name}_shape"]))
+from peer_io import load_problem, save_topk
 
 
 def main():
@@ -30,13 +25,8 @@ def main():
     a = ap.parse_args()
     from pecos.xmc import Indexer, LabelEmbeddingFactory
     from pecos.xmc.xlinear.model import XLinearModel
-    from sklearn.preprocessing import normalize
 
-    z = np.load(a.inp)
-    Xtr, Ytr, Xte = (_csr(z, name).astype(np.float32).tocsr() for name in ("X_train", "Y_train", "X_test"))
-    Xtr, Xte = normalize(Xtr).tocsr(), normalize(Xte).tocsr()
-    for M in (Xtr, Ytr, Xte):
-        M.sort_indices()  # PECOS refuses unsorted rows
+    Xtr, Ytr, Xte = load_problem(a.inp)  # sorted indices: PECOS refuses unsorted rows
     t0 = time.perf_counter()
     emb = LabelEmbeddingFactory.create(Ytr, Xtr, method="pifa")
     chain = Indexer.gen(emb, threads=a.threads)
@@ -52,8 +42,7 @@ def main():
         order = np.argsort(-P.data[lo:hi], kind="stable")[:a.k]
         ids[r, :order.size] = P.indices[lo:hi][order]
         scores[r, :order.size] = P.data[lo:hi][order]
-    np.savez(a.out, ids=ids, scores=scores, train_seconds=train_seconds,
-             predict_seconds=predict_seconds)
+    save_topk(a.out, ids, scores, train_seconds, predict_seconds)
 
 
 if __name__ == "__main__":

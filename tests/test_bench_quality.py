@@ -2,6 +2,9 @@
 import argparse
 import json
 
+import numpy as np
+import scipy.sparse as sp
+
 from bench import quality
 
 
@@ -28,3 +31,42 @@ def test_table_says_where_the_width_was_chosen():
     assert "hidden [2048] (of 512 / 2048), lr 0.004, weight_decay 0.1, batch_size 32; epoch 4 of 9, " \
            "then refit on every row" in text
     assert "(of" not in quality.table([{**row, "widths_tried": []}], ["slide"])
+
+
+def test_table_has_a_difference_column_per_peer():
+    rows = [{"dataset": "d", "engine": e, "P@1": p, "P@3": 0.3, "P@5": 0.2, "PSP@5": 0.2,
+             "train_seconds": 1.0, "peak_rss_mb": 10.0} for e, p in
+            (("slide", 0.60), ("xr-linear", 0.55), ("parabel", 0.625))]
+    head, rule, line = quality.table(rows, ["slide", "xr-linear", "parabel"]).splitlines()[:3]
+    assert head == "| dataset | slide P@1 | xr-linear P@1 | parabel P@1 | slide − XR-Linear | slide − Parabel |"
+    assert rule.count("---") == 6
+    assert line == "| d | 0.600 | 0.550 | 0.625 | +0.050 | -0.025 |"
+
+
+def test_peers_are_skipped_without_their_environment(tmp_path):
+    doc = quality.run(argparse.Namespace(
+        data_dir=str(tmp_path / "none"), sets="", presets="", engines="xr-linear,parabel",
+        peers_python="", threads=1, seed=0, in_process=True, out=str(tmp_path / "q")))
+    assert doc["rows"] == []
+    assert [n.split(" ")[0] for n in doc["notes"]] == ["XR-Linear", "Parabel"]
+
+
+def test_peer_inputs_round_trip(tmp_path):
+    """What a peer worker reads: the rows as written, L2-normalised (an empty row stays empty),
+    sorted; and the training file it writes for omikuji reads back, through the project's own
+    reader, as the same (normalised) rows and labels, a row without labels and one without
+    features included."""
+    from bench.peer_io import load_problem, save_problem, write_xmc
+    from slide.data import read_dataset
+    X = sp.csr_matrix(np.array([[3.0, 0, 4.0], [0, 0, 0], [0, 2.0, 0], [1.0, 1.0, 0]], np.float32))
+    Y = sp.csr_matrix(np.array([[1, 0], [0, 1], [0, 0], [1, 1]], np.float32))
+    save_problem(tmp_path / "in.npz", X_train=X, Y_train=Y, X_test=X[:2])
+    Xtr, Ytr, Xte = load_problem(tmp_path / "in.npz")
+    expected = np.array([[0.6, 0, 0.8], [0, 0, 0], [0, 1, 0], [0.70710677, 0.70710677, 0]], np.float32)
+    np.testing.assert_allclose(Xtr.toarray(), expected, rtol=1e-6)
+    np.testing.assert_allclose(Xte.toarray(), expected[:2], rtol=1e-6)
+    np.testing.assert_array_equal(Ytr.toarray(), Y.toarray())
+    write_xmc(tmp_path / "train.txt", Xtr, Ytr)
+    Xr, Yr = read_dataset(str(tmp_path / "train.txt"))
+    np.testing.assert_allclose(Xr.toarray(), expected, rtol=1e-5)
+    np.testing.assert_array_equal(Yr.toarray(), Y.toarray())
