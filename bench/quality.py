@@ -34,6 +34,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from bench.common import machine, run_isolated, write_json
+from bench.peer_io import save_problem
 
 ENGINES = ("slide", "dense", "xr-linear", "parabel", "knn")
 #: the peers in their own environment, each run by its worker script beside this file
@@ -90,7 +91,6 @@ def _run_network(engine, spec, args, queue):
 
 def _run_peer(engine, spec, args):
     """A linear peer (:data:`PEER_WORKERS`) through its worker script in the peers environment."""
-    from bench.peer_io import save_problem
     name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), PEER_WORKERS[engine])
     with tempfile.TemporaryDirectory() as tmp:
