@@ -25,21 +25,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 import scipy.sparse as sp
 
+from bench import peers
 from bench.common import machine, run_isolated, write_json
-from bench.peer_io import save_problem
 
-ENGINES = ("slide", "dense", "xr-linear", "parabel", "knn")
-#: the peers in their own environment, each run by its worker script beside this file
-PEER_WORKERS = {"xr-linear": "xr_linear_worker.py", "parabel": "parabel_worker.py"}
-PEER_NAMES = {"xr-linear": "XR-Linear", "parabel": "Parabel"}
+ENGINES = ("slide", "dense", *peers.WORKERS, "knn")
 PROPENSITY_AB = {"amazon": (0.6, 2.6), "wikilshtc": (0.5, 0.4)}
 
 
@@ -90,27 +85,14 @@ def _run_network(engine, spec, args, queue):
 
 
 def _run_peer(engine, spec, args):
-    """A linear peer (:data:`PEER_WORKERS`) through its worker script in the peers environment."""
+    """A linear peer (:data:`bench.peers.WORKERS`) in the peers environment."""
     name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), PEER_WORKERS[engine])
-    with tempfile.TemporaryDirectory() as tmp:
-        inp, out = os.path.join(tmp, "in.npz"), os.path.join(tmp, "out.npz")
-        save_problem(inp, X_train=Xtr, Y_train=Ytr, X_test=Xte)
-        # its output to a file, not a pipe: a peer's progress bars would fill a pipe that no one
-        # reads while this process waits for the worker's resource usage
-        with open(os.path.join(tmp, "log.txt"), "w+") as log:
-            proc = subprocess.Popen([args.peers_python, worker, inp, out, "--threads", str(args.threads)],
-                                    stdout=log, stderr=subprocess.STDOUT)
-            _, rusage = os.wait4(proc.pid, 0)[1:]
-            log.seek(0)
-            err = log.read()
-        if not os.path.exists(out):
-            raise RuntimeError(f"{PEER_NAMES[engine]} failed on {name}: {err[-2000:]}")
-        z = np.load(out)
-        top = z["ids"]
-        seconds = float(z["train_seconds"])
-    return {"dataset": name, "engine": engine, **_scores(top, Ytr, Yte, name),
-            "train_seconds": seconds, "peak_rss_mb": rusage.ru_maxrss / 1024}
+    try:
+        res = peers.run(engine, Xtr, Ytr, Xte, args.peers_python, args.threads)
+    except RuntimeError as e:
+        raise RuntimeError(f"on {name}: {e}") from None
+    return {"dataset": name, "engine": engine, **_scores(res["top"], Ytr, Yte, name),
+            "train_seconds": res["train_seconds"], "peak_rss_mb": res["peak_rss_mb"]}
 
 
 def knn_topk(Xtr, Ytr, Xte, k=5, neighbours=10, block=512):
@@ -141,25 +123,17 @@ def _run_knn(spec, args, queue):
                "train_seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()})
 
 
-def _default_peers_python():
-    env = os.environ.get("SLIDE_PEERS_PYTHON")
-    if env:
-        return env
-    local = os.path.join(".peers", "bin", "python")
-    return local if os.path.exists(local) else None
-
-
 def table(rows, engines) -> str:
     """A markdown table: one row per dataset, P@1 of each engine, then the details."""
     sets = list(dict.fromkeys(r["dataset"] for r in rows))
     by = {(r["dataset"], r["engine"]): r for r in rows}
     head = "| dataset | " + " | ".join(f"{e} P@1" for e in engines)
-    peers = [e for e in PEER_WORKERS if e in engines] if "slide" in engines else []
-    head += "".join(f" | slide − {PEER_NAMES[e]}" for e in peers)
+    compared = [e for e in peers.WORKERS if e in engines] if "slide" in engines else []
+    head += "".join(f" | slide − {peers.NAMES[e]}" for e in compared)
     lines = [head + " |", "|" + "---|" * (head.count("|"))]
     for s in sets:
         cells = [f"{by[(s, e)]['P@1']:.3f}" if (s, e) in by else "–" for e in engines]
-        for e in peers:
+        for e in compared:
             cells.append(f"{by[(s, 'slide')]['P@1'] - by[(s, e)]['P@1']:+.3f}"
                          if (s, "slide") in by and (s, e) in by else "–")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
@@ -192,16 +166,16 @@ def run(args) -> dict:
         if e not in ENGINES:
             raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
     notes = []
-    for e in [e for e in engines if e in PEER_WORKERS]:
+    for e in [e for e in engines if e in peers.WORKERS]:
         if not args.peers_python:
             engines.remove(e)
-            notes.append(f"{PEER_NAMES[e]} skipped: no peers environment "
+            notes.append(f"{peers.NAMES[e]} skipped: no peers environment "
                          "(see python -m bench.quality --help)")
     doc = {"machine": machine(), "args": vars(args), "notes": notes, "rows": []}
     for spec in specs:
         for engine in engines:
             target, extra = (_run_knn, ()) if engine == "knn" else (_run_network, (engine,))
-            if engine in PEER_WORKERS:
+            if engine in peers.WORKERS:
                 row = _run_peer(engine, spec, args)
             elif args.in_process:
                 import queue
@@ -228,7 +202,7 @@ def main(argv=None):
     p.add_argument("--sets", default=None, help="comma-separated folders of --data-dir (default: all; '' none)")
     p.add_argument("--presets", default="demo", help="synthetic presets, NAME or NAME:N_TRAIN")
     p.add_argument("--engines", default="slide,dense,xr-linear,parabel")
-    p.add_argument("--peers-python", default=_default_peers_python())
+    p.add_argument("--peers-python", default=peers.default_python())
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-process", action="store_true", help="no child process per run (tests)")

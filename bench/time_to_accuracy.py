@@ -10,7 +10,11 @@ on the same fixed shuffled test sample; evaluation time is not counted in the bu
 ``dense-gpu`` (cupy, full softmax), ``dense-gpu-sampled`` (cupy, the batch's labels plus
 ``--negatives`` shared random rows), ``hetero-hogbatch`` and ``hetero-adaptive`` (``hetero`` is the
 latter): the engine's CPU threads with a GPU worker (on numpy without a GPU), whose per-worker
-samples, busy seconds and utilisation are recorded. Each engine runs in its own process.
+samples, busy seconds and utilisation are recorded. Each engine runs in its own process. The
+linear peers, ``xr-linear`` and ``parabel`` (:mod:`bench.peers`, in the peers environment of
+``--peers-python``), train once with their defaults on the same rows: each is one point, its
+training seconds and its P@1 on the same test sample (skipped, with a note, without that
+environment).
 The learning rate follows ``fit``'s schedule (``--schedule fit``, the default): at each epoch
 of the harness, :func:`slide.train.epoch_learning_rate` over the epochs ``fit`` would plan for
 this training set (:func:`slide.config.resolve`), set through the step API's
@@ -25,6 +29,7 @@ import time
 
 import numpy as np
 
+from bench import peers
 from bench.common import dataset, machine, run_isolated, write_json
 from slide.config import SlideConfig, resolve
 from slide.train import epoch_learning_rate
@@ -107,6 +112,17 @@ def _run(engine, args, queue):
     queue.put({"engine": engine, "label": label, "points": points, **run})
 
 
+def _run_peer(engine, args):
+    """A linear peer trained once with its defaults on the harness's rows: one point."""
+    from slide.metrics import evaluate
+    Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_eval, args.seed)
+    res = peers.run(engine, Xtr, Ytr, Xte, args.peers_python, args.threads)
+    point = {"seconds": res["train_seconds"], "samples": Xtr.shape[0], **evaluate(Yte, res["top"], 5)}
+    print(f"[{engine}] {point['seconds']:7.1f}s  trained once  P@1={point['P@1']:.4f}", flush=True)
+    return {"engine": engine, "label": f"{peers.NAMES[engine]} (its defaults, trained once)",
+            "peer": True, "points": [point], "peak_rss_mb": res["peak_rss_mb"]}
+
+
 def plot(doc, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -114,6 +130,12 @@ def plot(doc, path):
     fig, ax = plt.subplots(figsize=(8, 5))
     for run in doc["runs"]:
         pts = run["points"]
+        if run.get("peer"):  # one model: a star at its training time, its P@1 carried on
+            (p,) = pts
+            star = ax.plot([p["seconds"]], [p["P@1"]], marker="*", ms=12, ls="none",
+                           label=run.get("label", run["engine"]))[0]
+            ax.axhline(p["P@1"], color=star.get_color(), ls=":", lw=1)
+            continue
         ax.plot([p["seconds"] for p in pts], [p["P@1"] for p in pts], marker="o", ms=3, label=run.get("label", run["engine"]))
     a, mach = doc["args"], doc["machine"]
     ax.set_xlabel("training wall-clock seconds")
@@ -122,7 +144,8 @@ def plot(doc, path):
                  f"sparsity {a['sparsity']}\n{mach['cores']} cores ({mach['cpu']}), {a['threads']} threads, "
                  f"{mach['date']}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if doc["runs"]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -146,6 +169,8 @@ def main(argv=None):
     p.add_argument("--schedule", choices=["fit", "constant"], default="fit",
                    help="learning rate per epoch: fit's schedule over its planned epochs, or constant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers-python", default=peers.default_python(),
+                   help="the peers environment's python (bench/peers.py), for xr-linear and parabel")
     p.add_argument("--out", default="bench/results/tta")
     p.add_argument("--replot", action="store_true", help="only redraw OUT.png from OUT.json")
     args = p.parse_args(argv)
@@ -153,10 +178,18 @@ def main(argv=None):
         with open(args.out + ".json") as fh:
             plot(json.load(fh), args.out + ".png")
         return
-    doc = {"machine": machine(), "args": vars(args), "runs": []}
+    doc = {"machine": machine(), "args": vars(args), "notes": [], "runs": []}
     for engine in args.engines.split(","):
-        doc["runs"].append(run_isolated(_run, engine, args))
+        if engine in peers.WORKERS:
+            if not args.peers_python:
+                doc["notes"].append(f"{peers.NAMES[engine]} skipped: no peers environment")
+                print(doc["notes"][-1])
+                continue
+            doc["runs"].append(_run_peer(engine, args))
+        else:
+            doc["runs"].append(run_isolated(_run, engine, args))
         write_json(args.out + ".json", doc)
+    write_json(args.out + ".json", doc)
     plot(doc, args.out + ".png")
     for run in doc["runs"]:
         last = run["points"][-1]
