@@ -2,14 +2,14 @@
 
 The peers (libpecos, omikuji) live in their own virtual environment, whose numpy and scipy
 may be older than this project's, so the workers run as subprocesses and this module, like
-them, imports nothing from the project. A benchmark writes the training and test rows with
-:func:`save_problem`; a worker reads them with :func:`load_problem` and writes its top-k with
-:func:`save_topk`.
+them, imports nothing from the project. The runner (:mod:`bench.peers`) writes the training
+and test rows with :func:`save_problem`; a worker reads them with :func:`load_problem` and
+writes its top-k with :func:`save_topk`.
 """
 import numpy as np
 import scipy.sparse as sp
 
-__all__ = ["save_problem", "load_problem", "save_topk", "write_xmc"]
+__all__ = ["save_problem", "load_problem", "save_topk"]
 
 
 def save_problem(path, **mats) -> None:
@@ -30,15 +30,12 @@ def _csr(z, name):
 
 def load_problem(path):
     """``(X_train, Y_train, X_test)`` from :func:`save_problem`'s file: float32 CSR with sorted
-    indices, the feature rows L2-normalised (as both peers expect; an empty row stays empty)."""
+    indices (PECOS refuses unsorted rows)."""
     z = np.load(path)
-    Xtr, Ytr, Xte = (_csr(z, name).astype(np.float32).tocsr() for name in ("X_train", "Y_train", "X_test"))
-    for X in (Xtr, Xte):
-        norms = np.sqrt(np.asarray(X.multiply(X).sum(axis=1)).ravel())
-        X.data /= np.repeat(np.where(norms > 0, norms, 1.0), np.diff(X.indptr)).astype(np.float32)
-    for M in (Xtr, Ytr, Xte):
+    mats = tuple(_csr(z, name).astype(np.float32).tocsr() for name in ("X_train", "Y_train", "X_test"))
+    for M in mats:
         M.sort_indices()
-    return Xtr, Ytr, Xte
+    return mats
 
 
 def save_topk(path, ids, scores, train_seconds: float, predict_seconds: float) -> None:
@@ -47,16 +44,3 @@ def save_topk(path, ids, scores, train_seconds: float, predict_seconds: float) -
     np.savez(path, ids=np.asarray(ids, np.int64), scores=np.asarray(scores, np.float32),
              train_seconds=train_seconds, predict_seconds=predict_seconds)
 
-
-def write_xmc(path, X, Y) -> None:
-    """Write CSR features ``X`` [n, d] and labels ``Y`` [n, L] in the Extreme Classification
-    Repository's text format: a header ``n d L``, then per row its label ids joined by commas
-    and its ``feature:value`` pairs (0-based), separated by a space."""
-    X, Y = sp.csr_matrix(X), sp.csr_matrix(Y)
-    with open(path, "w") as fh:
-        fh.write(f"{X.shape[0]} {X.shape[1]} {Y.shape[1]}\n")
-        for r in range(X.shape[0]):  # a peer's input file, written once per run
-            labels = ",".join(map(str, Y.indices[Y.indptr[r]:Y.indptr[r + 1]]))
-            lo, hi = X.indptr[r], X.indptr[r + 1]
-            feats = " ".join(f"{j}:{v:.6g}" for j, v in zip(X.indices[lo:hi], X.data[lo:hi]))
-            fh.write(f"{labels} {feats}".rstrip() + "\n")

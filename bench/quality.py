@@ -166,8 +166,8 @@ def run(args) -> dict:
         if e not in ENGINES:
             raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
     notes = []
-    for e in [e for e in engines if e in peers.WORKERS]:
-        if not args.peers_python:
+    if not args.peers_python:
+        for e in [e for e in engines if e in peers.WORKERS]:
             engines.remove(e)
             notes.append(f"{peers.NAMES[e]} skipped: no peers environment "
                          "(see python -m bench.quality --help)")

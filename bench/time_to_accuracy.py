@@ -180,16 +180,14 @@ def main(argv=None):
         return
     doc = {"machine": machine(), "args": vars(args), "notes": [], "runs": []}
     for engine in args.engines.split(","):
-        if engine in peers.WORKERS:
-            if not args.peers_python:
-                doc["notes"].append(f"{peers.NAMES[engine]} skipped: no peers environment")
-                print(doc["notes"][-1])
-                continue
+        if engine in peers.WORKERS and not args.peers_python:
+            doc["notes"].append(f"{peers.NAMES[engine]} skipped: no peers environment")
+            print(doc["notes"][-1])
+        elif engine in peers.WORKERS:
             doc["runs"].append(_run_peer(engine, args))
         else:
             doc["runs"].append(run_isolated(_run, engine, args))
         write_json(args.out + ".json", doc)
-    write_json(args.out + ".json", doc)
     plot(doc, args.out + ".png")
     for run in doc["runs"]:
         last = run["points"][-1]

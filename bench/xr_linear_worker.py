@@ -4,9 +4,10 @@
 
 libpecos pins older numpy/scipy than this project, so it lives in a separate virtual environment
 and this script imports nothing from the project (:mod:`peer_io` beside it neither): it reads
-the rows from ``IN.npz`` (L2-normalised, as PECOS recommends), trains ``XLinearModel`` on a
-hierarchical k-means indexer over PIFA label embeddings (PECOS's defaults), and writes the
-top-k label ids (int64 [n, k], -1 padded), their scores and the training seconds to ``OUT.npz``.
+the rows from ``IN.npz`` (L2-normalised by :mod:`bench.peers`, as PECOS recommends), trains
+``XLinearModel`` on a hierarchical k-means indexer over PIFA label embeddings (PECOS's
+defaults), and writes the top-k label ids (int64 [n, k], -1 padded), their scores and the
+training seconds to ``OUT.npz``.
 """
 import argparse
 import time

@@ -52,21 +52,23 @@ def test_peers_are_skipped_without_their_environment(tmp_path):
 
 
 def test_peer_inputs_round_trip(tmp_path):
-    """What a peer worker reads: the rows as written, L2-normalised (an empty row stays empty),
-    sorted; and the training file it writes for omikuji reads back, through the project's own
-    reader, as the same (normalised) rows and labels, a row without labels and one without
-    features included."""
-    from bench.peer_io import load_problem, save_problem, write_xmc
+    """What a peer worker reads: the rows as given, L2-normalised (an empty row stays empty),
+    sorted; and, for Parabel, the training file it trains from, which reads back through the
+    project's own reader as the same normalised rows and labels, a row without labels and one
+    without features included. XR-Linear gets no file."""
+    from bench.peer_io import load_problem
+    from bench.peers import prepare
     from slide.data import read_dataset
     X = sp.csr_matrix(np.array([[3.0, 0, 4.0], [0, 0, 0], [0, 2.0, 0], [1.0, 1.0, 0]], np.float32))
     Y = sp.csr_matrix(np.array([[1, 0], [0, 1], [0, 0], [1, 1]], np.float32))
-    save_problem(tmp_path / "in.npz", X_train=X, Y_train=Y, X_test=X[:2])
-    Xtr, Ytr, Xte = load_problem(tmp_path / "in.npz")
+    assert prepare("xr-linear", X, Y, X[:2], tmp_path) == [str(tmp_path / "in.npz")]
+    inputs = prepare("parabel", X, Y, X[:2], tmp_path)
+    assert inputs == [str(tmp_path / "in.npz"), "--train-file", str(tmp_path / "train.txt")]
+    Xtr, Ytr, Xte = load_problem(inputs[0])
     expected = np.array([[0.6, 0, 0.8], [0, 0, 0], [0, 1, 0], [0.70710677, 0.70710677, 0]], np.float32)
     np.testing.assert_allclose(Xtr.toarray(), expected, rtol=1e-6)
     np.testing.assert_allclose(Xte.toarray(), expected[:2], rtol=1e-6)
     np.testing.assert_array_equal(Ytr.toarray(), Y.toarray())
-    write_xmc(tmp_path / "train.txt", Xtr, Ytr)
-    Xr, Yr = read_dataset(str(tmp_path / "train.txt"))
-    np.testing.assert_allclose(Xr.toarray(), expected, rtol=1e-5)
+    Xr, Yr = read_dataset(inputs[2])
+    np.testing.assert_allclose(Xr.toarray(), expected, rtol=1e-6)
     np.testing.assert_array_equal(Yr.toarray(), Y.toarray())
