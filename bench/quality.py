@@ -4,6 +4,7 @@ XMC methods (XR-Linear, Parabel).
     python -m bench.quality                      # every set in ../shared/data, then the presets
     python -m bench.quality --sets Enron,Medical --engines slide,xr-linear
     python -m bench.quality --data-dir DIR --presets demo,amazon-670k:100000 --engines slide,knn
+    python -m bench.quality --sets single:Corel5k --presets shape:5000/1000/15000/3000/236/1.5
 
 Engines: ``slide`` (the engine), ``dense`` (the dense reference on numpy), ``xr-linear``
 (PECOS), ``parabel`` (omikuji's implementation, Parabel's settings), ``knn`` (a cosine
@@ -13,7 +14,10 @@ Engines: ``slide`` (the engine), ``dense`` (the dense reference on numpy), ``xr-
 Every engine trains with its defaults on the training file and is scored once on the test file
 (P@1/3/5, PSP@5 with Jain et al.'s propensities from the training labels), with its training
 seconds and peak RSS, each in its own process. Real sets are the folders of ``--data-dir``
-holding ``train.txt`` and ``test.txt``; presets are synthetic (``NAME`` or ``NAME:N_TRAIN``).
+holding ``train.txt`` and ``test.txt`` (``single:NAME``: the folder made multi-class, each row
+keeping the first label it lists and rows without one left out); presets are synthetic (``NAME``
+or ``NAME:N_TRAIN``, or a shape of the generator's, ``shape:FEATURES/LABELS/TRAIN/TEST/
+FEATURES_PER_ROW/LABELS_PER_ROW``, with its other knobs at the presets' values).
 
 The linear peers run in their own environment because libpecos pins older numpy and scipy:
 ``python -m venv .peers && .peers/bin/pip install libpecos omikuji``, then pass
@@ -38,11 +42,32 @@ ENGINES = ("slide", "dense", *peers.WORKERS, "knn")
 PROPENSITY_AB = {"amazon": (0.6, 2.6), "wikilshtc": (0.5, 0.4)}
 
 
+def first_labels(X, Y):
+    """``(X, Y)`` made multi-class: each row keeps the first label its CSR row lists (the file's
+    order); rows without a label are left out."""
+    Y = sp.csr_matrix(Y)
+    rows = np.flatnonzero(np.diff(Y.indptr) > 0)
+    first = sp.csr_matrix((np.ones(rows.size, np.float32), Y.indices[Y.indptr[rows]],
+                           np.arange(rows.size + 1)), shape=(rows.size, Y.shape[1]))
+    return sp.csr_matrix(X)[rows], first
+
+
 def _load(spec, data_dir, seed):
     """(name, X_train, Y_train, X_test, Y_test) of a real folder or a preset spec."""
     from slide.data import read_dataset
-    from slide.synthetic import PRESETS, make_dataset
+    from slide.synthetic import PRESETS, DatasetShape, make_dataset
     name, _, n = spec.partition(":")
+    if name == "shape":
+        try:
+            f, lab, n_train, n_test, fpr, lpr = (float(v) for v in n.split("/"))
+        except ValueError:
+            raise SystemExit(f"bad shape {spec!r}: give shape:FEATURES/LABELS/TRAIN/TEST/"
+                             "FEATURES_PER_ROW/LABELS_PER_ROW, e.g. shape:5000/1000/15000/3000/236/1.5")
+        shape = DatasetShape(spec, int(f), int(lab), int(n_train), int(n_test), fpr, lpr)
+        return (spec, *make_dataset(shape, seed=seed))
+    if name == "single":
+        name, Xtr, Ytr, Xte, Yte = _load(n, data_dir, seed)
+        return (spec, *first_labels(Xtr, Ytr), *first_labels(Xte, Yte))
     if name in PRESETS and not os.path.isdir(os.path.join(data_dir, name)):
         shape = PRESETS[name]
         n_train = int(n) if n else shape.n_train
@@ -199,8 +224,10 @@ def run(args) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=os.path.join("..", "shared", "data"))
-    p.add_argument("--sets", default=None, help="comma-separated folders of --data-dir (default: all; '' none)")
-    p.add_argument("--presets", default="demo", help="synthetic presets, NAME or NAME:N_TRAIN")
+    p.add_argument("--sets", default=None, help="comma-separated folders of --data-dir (default: all; "
+                   "'' none), or single:NAME for a folder made multi-class by each row's first label")
+    p.add_argument("--presets", default="demo", help="synthetic presets, NAME or NAME:N_TRAIN, or "
+                   "shape:FEATURES/LABELS/TRAIN/TEST/FEATURES_PER_ROW/LABELS_PER_ROW")
     p.add_argument("--engines", default="slide,dense,xr-linear,parabel")
     p.add_argument("--peers-python", default=peers.default_python())
     p.add_argument("--threads", type=int, default=2)

@@ -95,6 +95,12 @@ class Checkpoint:
         self.rare_share = self.float("rare_share", 0.0)
         if not 0.0 <= self.rare_share <= 1.0:
             self._fail(f"'rare_share' must be in [0, 1], got {self.rare_share}")
+        # the training rows' mean label count; checkpoints written before it was recorded leave
+        # it None and resolve as they were trained
+        self.labels_per_row = (self.float("labels_per_row") if meta.get("labels_per_row") is not None
+                               else None)
+        if self.labels_per_row is not None and self.labels_per_row < 0:
+            self._fail(f"'labels_per_row' must be at least 0, got {self.labels_per_row}")
         # the hidden width fit chose on the held-out slice (None: the rule's, or none chosen)
         self.width = self.int("width", minimum=1) if meta.get("width") is not None else None
         self.step = self.int("step", minimum=0)

@@ -135,7 +135,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
 
     def _resolve(self, config):
         return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_,
-                       self.width_)
+                       self.width_, self.labels_per_row_)
 
     # -- fitting ---------------------------------------------------------------------------------
     def check_data(self, X, Y=None, where="input", fitted=True):
@@ -216,6 +216,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if distributed is not None:
             distributed.merge_preprocessor(self.preprocessor_)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
+        n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
+        self.labels_per_row_ = n_positives / max(n_train, 1)
         self.width_ = width
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
@@ -758,6 +760,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
             "rare_share": self.rare_share_, "width": self.width_,
+            "labels_per_row": self.labels_per_row_,
             "step": self.step_, "epoch": self.epoch_, "samples_seen": self.samples_seen_,
             "epoch_position": self.epoch_position_,
             "learning_rate": self.learning_rate_, "hash_seed": self.hash_seed_,
@@ -782,6 +785,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.config_ = SlideConfig(**self.get_params())
         self.n_features_in_, self.n_labels_, self.n_train_ = ck.n_features, ck.n_labels, ck.n_train
         self.rare_share_, self.width_ = ck.rare_share, ck.width
+        self.labels_per_row_ = ck.labels_per_row
         self.resolved_ = self._resolve(self.config_)
         shapes = parameter_shapes(self.resolved_["hidden"], self.n_features_in_, self.n_labels_)
         # a checkpoint with moments was saved to train on: its layers W and W0 are read straight

@@ -3,6 +3,7 @@ import argparse
 import json
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 
 from bench import quality
@@ -72,3 +73,25 @@ def test_peer_inputs_round_trip(tmp_path):
     Xr, Yr = read_dataset(inputs[2])
     np.testing.assert_allclose(Xr.toarray(), expected, rtol=1e-6)
     np.testing.assert_array_equal(Yr.toarray(), Y.toarray())
+
+
+def test_specs_for_a_shape_and_a_folder_made_multi_class(tmp_path):
+    from slide.data import write_xmc
+    # a generator shape given inline: its counts and row means
+    name, Xtr, Ytr, Xte, Yte = quality._load("shape:300/40/500/100/12/1.5", str(tmp_path), 0)
+    assert name == "shape:300/40/500/100/12/1.5"
+    assert Xtr.shape == (500, 300) and Ytr.shape == (500, 40) and Xte.shape == (100, 300)
+    assert 1.2 < Ytr.nnz / 500 < 1.8
+    with pytest.raises(SystemExit, match="bad shape"):
+        quality._load("shape:300/40/500", str(tmp_path), 0)
+    # a real folder made multi-class: each row's first listed label, unlabelled rows left out
+    X = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0], [4, 0, 0]], np.float32))
+    Y = sp.csr_matrix(np.array([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 1]], np.float32))
+    (tmp_path / "s").mkdir()
+    for part in ("train", "test"):
+        write_xmc(str(tmp_path / "s" / f"{part}.txt"), X, Y)
+    name, Xtr, Ytr, Xte, Yte = quality._load("single:s", str(tmp_path), 0)
+    assert name == "single:s"
+    assert Xtr.toarray().tolist() == [[1, 0, 2], [4, 0, 0]]
+    assert Ytr.toarray().tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
+    assert (Yte != Ytr).nnz == 0 and Ytr.dtype == np.float32

@@ -9,9 +9,9 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, resources
-from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_ROWS, RARE_SHARE, REFIT_ROWS,
-                          SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig, rare_share, resolve,
-                          sampled_width, touched_share)
+from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS, RARE_SHARE,
+                          REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig, positives_per_step,
+                          rare_share, resolve, sampled_width, touched_share)
 from slide.resources import model_memory_bytes
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
@@ -317,6 +317,39 @@ def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_da
     (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
     assert SlideClassifier.load(tmp_path / "m").rare_share_ == 0.0
 
+
+
+def test_rarely_positive_labels_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_data):
+    # a label's positives per step, by hand: 32 rows of 2.5 labels over 400 labels
+    assert positives_per_step(400, 32, 2.5) == pytest.approx(0.2)
+    # computed whole (under 1,025 labels), frequent features: the label rate decides
+    whole = dict(n_features=5000, n_labels=1000, n_train=5000)  # batch 16 -> 32
+    batch = resolve(SlideConfig(), **whole)["batch_size"]
+    edge = RARE_POSITIVES * 1000 / batch  # labels per row at the threshold
+    rare = resolve(SlideConfig(), **whole, labels_per_row=0.99 * edge)
+    common = resolve(SlideConfig(), **whole, labels_per_row=edge)
+    assert not rare["sampled"] and not common["sampled"]
+    assert (rare["lr"], rare["weight_decay"], rare["input_init"]) == (4e-3, SAMPLED_DECAY, 0.1)
+    assert (common["lr"], common["weight_decay"], common["input_init"]) == (1e-3, 1.0, 0.5)
+    # unknown (a checkpoint written before it was recorded): the settings it was trained with
+    assert resolve(SlideConfig(), **whole) == common
+    # the eight real sets' shapes stay on the common side: Corel5k, the lowest, 32 x 3.52 / 374
+    assert positives_per_step(374, 32, 3.52) > 2 * RARE_POSITIVES
+    # the mean label count travels with the model; a checkpoint without it resolves as before
+    X, Y = tiny_data[0], tiny_data[1]
+    m = SlideClassifier(epochs=1, early_stopping=False, threads=1, seed=0).fit(X, Y)
+    assert m.labels_per_row_ == pytest.approx(Y.nnz / Y.shape[0])
+    m.save(tmp_path / "m")
+    assert SlideClassifier.load(tmp_path / "m").resolved_ == m.resolved_
+    meta = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert meta["labels_per_row"] == pytest.approx(m.labels_per_row_)
+    del meta["labels_per_row"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
+    assert SlideClassifier.load(tmp_path / "m").labels_per_row_ is None
+    meta["labels_per_row"] = -1.0
+    (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="labels_per_row"):
+        SlideClassifier.load(tmp_path / "m")
 
 def test_hidden_width_is_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     # widths to choose among only where the width is derived, the output whole, the refit runs
