@@ -96,3 +96,6 @@ def test_dense_settings_are_checked_and_saved(tmp_path, tiny_data):
     m.save(tmp_path / "d")
     back = DenseClassifier.load(tmp_path / "d", device="cpu")
     assert (back.negatives, back.precision) == (20, "fp32")
+    # the data statistics the settings follow travel with it
+    assert back.labels_per_row_ == pytest.approx(Y.nnz / Y.shape[0]) == m.labels_per_row_
+    assert back.resolved_ == m.resolved_
