@@ -306,17 +306,26 @@ def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_da
     assert resolve(SlideConfig(lr=1e-3), **whole, rare_fraction=0.9)["lr"] == 1e-3  # explicit wins
     # the share travels with the model: a loaded checkpoint resolves the same settings, and one
     # written before it was recorded resolves as 0 (the settings it was trained with)
-    X, Y = tiny_data[0], tiny_data[1]
-    m = SlideClassifier(epochs=1, early_stopping=False, threads=1, seed=0).fit(X, Y)
+    m, _, _ = _saved_without(tmp_path, tiny_data, "rare_share")
     assert m.rare_share_ == pytest.approx(rare_share(m.preprocessor_.document_frequency_))
-    m.save(tmp_path / "m")
-    assert SlideClassifier.load(tmp_path / "m").resolved_ == m.resolved_
-    meta = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert meta["rare_share"] == pytest.approx(m.rare_share_)
-    del meta["rare_share"]
-    (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
     assert SlideClassifier.load(tmp_path / "m").rare_share_ == 0.0
 
+
+def _saved_without(tmp_path, tiny_data, key):
+    """Fit a one-epoch model of the tiny set and save it to ``tmp_path/m``; check that it loads
+    with the same settings and that its JSON records ``key`` as the model's ``key_``; then write
+    the JSON back without ``key``, as a checkpoint from before it was recorded. Returns the
+    model, that JSON and its path."""
+    X, Y = tiny_data[0], tiny_data[1]
+    m = SlideClassifier(epochs=1, early_stopping=False, threads=1, seed=0).fit(X, Y)
+    m.save(tmp_path / "m")
+    assert SlideClassifier.load(tmp_path / "m").resolved_ == m.resolved_
+    path = tmp_path / "m" / "config.json"
+    meta = json.loads(path.read_text())
+    assert meta[key] == pytest.approx(getattr(m, key + "_"))
+    del meta[key]
+    path.write_text(json.dumps(meta))
+    return m, meta, path
 
 
 def test_rarely_positive_labels_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_data):
@@ -336,20 +345,15 @@ def test_rarely_positive_labels_get_the_settings_of_rarely_updated_rows(tmp_path
     # the eight real sets' shapes stay on the common side: Corel5k, the lowest, 32 x 3.52 / 374
     assert positives_per_step(374, 32, 3.52) > 2 * RARE_POSITIVES
     # the mean label count travels with the model; a checkpoint without it resolves as before
-    X, Y = tiny_data[0], tiny_data[1]
-    m = SlideClassifier(epochs=1, early_stopping=False, threads=1, seed=0).fit(X, Y)
+    m, meta, path = _saved_without(tmp_path, tiny_data, "labels_per_row")
+    Y = tiny_data[1]
     assert m.labels_per_row_ == pytest.approx(Y.nnz / Y.shape[0])
-    m.save(tmp_path / "m")
-    assert SlideClassifier.load(tmp_path / "m").resolved_ == m.resolved_
-    meta = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert meta["labels_per_row"] == pytest.approx(m.labels_per_row_)
-    del meta["labels_per_row"]
-    (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
     assert SlideClassifier.load(tmp_path / "m").labels_per_row_ is None
     meta["labels_per_row"] = -1.0
-    (tmp_path / "m" / "config.json").write_text(json.dumps(meta))
+    path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="labels_per_row"):
         SlideClassifier.load(tmp_path / "m")
+
 
 def test_hidden_width_is_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     # widths to choose among only where the width is derived, the output whole, the refit runs
