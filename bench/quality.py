@@ -105,7 +105,8 @@ def _run_network(engine, spec, args, queue):
                "train_seconds": seconds, "peak_rss_mb": peak_rss_mb(),
                "epochs": sum(1 for h in model.history_ if not h.get("refit")),
                "kept_epoch": model.stopping_["kept_epoch"], "refit": "refit" in model.stopping_,
-               "widths_tried": list(model.stopping_.get("width", {}).get("validation_scores", [])),
+               "choice": model.stopping_.get("choice", {}).get("chosen"),
+               "choices_tried": list(model.stopping_.get("choice", {}).get("validation_scores", [])),
                "settings": {k: model.resolved_[k] for k in ("hidden", "lr", "weight_decay", "batch_size")}})
 
 
@@ -166,10 +167,9 @@ def table(rows, engines) -> str:
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         settings = dict(r.get("settings") or {})
-        if r.get("widths_tried"):  # the hidden width was chosen on the held-out slice
-            settings["hidden"] = f"{settings['hidden']} (of {' / '.join(r['widths_tried'])})"
         extra = "" if not settings else ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in settings.items()) + \
+            (f" ({r['choice']}, of {' / '.join(r['choices_tried'])})" if r.get("choices_tried") else "") + \
             f"; epoch {r['kept_epoch']} of {r['epochs']}" + \
             (", then refit on every row" if r.get("refit") else "")
         lines.append(f"| {r['dataset']} | {r['engine']} | {r['P@1']:.3f} | {r['P@3']:.3f} | "

@@ -238,16 +238,16 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     def _resolve(self, config):
         """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
         return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_,
-                       self.width_, self.labels_per_row_)
+                       self.choice_, self.labels_per_row_)
 
-    def initialize(self, X, Y, width: int | None = None) -> None:
+    def initialize(self, X, Y, choice: dict | None = None) -> None:
         """As :meth:`slide.SlideClassifier.initialize`."""
         self.config_ = self._config()
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
         self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
         self.labels_per_row_ = Y.nnz / max(X.shape[0], 1)
-        self.width_ = width
+        self.choice_ = choice
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1,
                                       compact_gradients=False),
@@ -436,7 +436,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             arrays.update({f"best.{k}": self._host(v) for k, v in self.best_params_.items()})
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
-                "rare_share": self.rare_share_, "width": self.width_,
+                "rare_share": self.rare_share_, "choice": self.choice_,
                 "labels_per_row": self.labels_per_row_,
                 "step": self.step_, "epoch": self.epoch_, "epoch_position": self.epoch_position_,
                 "learning_rate": self.learning_rate_,
@@ -454,7 +454,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model = cls(**ck.config_params(cls), device=device, **own)
         model.config_ = model._config()
         model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        model.rare_share_, model.width_ = ck.rare_share, ck.width
+        model.rare_share_, model.choice_ = ck.rare_share, ck.choice
         model.labels_per_row_ = ck.labels_per_row
         model.resolved_ = model._resolve(model.config_)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)

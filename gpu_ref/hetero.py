@@ -167,7 +167,7 @@ class HeteroTrainer:
     early_stopping_ = _delegated("early_stopping_")
     best_params_ = _delegated("best_params_")
     stopping_ = _delegated("stopping_")
-    width_ = _delegated("width_")
+    choice_ = _delegated("choice_")
 
     def __init__(self, model, config: HeteroConfig = HeteroConfig()):
         self.model, self.config = model, config
@@ -187,12 +187,20 @@ class HeteroTrainer:
     def check_data(self, X, Y=None, where="input", fitted=True):
         return self.model.check_data(X, Y, where=where, fitted=fitted)
 
-    def initialize(self, X, Y, width=None):
-        self.model.initialize(X, Y, width=width)
+    def initialize(self, X, Y, choice=None):
+        self.model.initialize(X, Y, choice=choice)
         self._start()
 
     def preprocess(self, X):
         return self.model.preprocess(X)
+
+    def fitted_state(self):
+        return {"trainer": dict(vars(self)), "model": self.model.fitted_state()}
+
+    def restore_fitted(self, state):
+        vars(self).clear()
+        vars(self).update(state["trainer"])
+        self.model.restore_fitted(state["model"])
 
     def snapshot(self, out=None):
         return self.model.snapshot(out)

@@ -25,6 +25,8 @@ import zipfile
 
 import numpy as np
 
+from slide.config import checked_choice
+
 __all__ = ["CheckpointError", "Checkpoint", "write_checkpoint", "read_checkpoint", "FORMAT_VERSION"]
 
 # 2: preprocessing and early-stopping state; version 1 files load with identity preprocessing
@@ -101,8 +103,16 @@ class Checkpoint:
                                else None)
         if self.labels_per_row is not None and self.labels_per_row < 0:
             self._fail(f"'labels_per_row' must be at least 0, got {self.labels_per_row}")
-        # the hidden width fit chose on the held-out slice (None: the rule's, or none chosen)
-        self.width = self.int("width", minimum=1) if meta.get("width") is not None else None
+        # the settings fit chose on the held-out slice (slide.config.resolve's "choices"); None
+        # where none was chosen. Checkpoints written when only the width was chosen say "width"
+        self.choice = meta.get("choice")
+        if self.choice is None and meta.get("width") is not None:
+            self.choice = {"width": self.int("width", minimum=1)}
+        if self.choice is not None:
+            try:
+                self.choice = checked_choice(self.choice)
+            except (TypeError, ValueError) as e:
+                self._fail(f"'choice': {e}")
         self.step = self.int("step", minimum=0)
         self.epoch = self.int("epoch", minimum=0)
         if not isinstance(meta.get("config"), dict):

@@ -295,10 +295,10 @@ def _cmd_train(a):
     if not lead:
         return 0
     stop = doc["stopping"]
-    if stop.get("width"):
-        w = stop["width"]
-        scores = ", ".join(f"{k}: {v:.4f}" for k, v in w["validation_scores"].items())
-        print(f"hidden width {w['chosen']}: the best validation score of the widths tried ({scores})")
+    if stop.get("choice"):
+        c = stop["choice"]
+        scores = ", ".join(f"{k}: {v:.4f}" for k, v in c["validation_scores"].items())
+        print(f"settings {c['chosen']}: the best validation score of those tried ({scores})")
     print(f"kept epoch {stop['kept_epoch']}: {stop['reason']}")
     if stop.get("refit"):
         r = stop["refit"]

@@ -50,7 +50,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     ones), ``n_features_in_``, ``n_labels_``, ``preprocessor_``, ``params_`` and ``moments_``
     (dicts of float32 arrays; once the model trains, ``W``, ``W0`` and their moments are views
     of :meth:`row_blocks`), ``learning_rate_`` (lowered on plateaus), ``step_``, ``epoch_``,
-    ``history_`` (per-epoch records), ``stopping_`` (the epoch kept and why training stopped),
+    ``history_`` (per-epoch records), ``stopping_`` (the epoch kept and why training stopped;
+    ``stopping_["choice"]`` where settings were chosen on the validation set), ``choice_`` (the
+    settings chosen, ``{}`` for the rule's own; None where there was no choice),
     ``timings_`` (seconds per phase).
     """
 
@@ -135,7 +137,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
 
     def _resolve(self, config):
         return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_,
-                       self.width_, self.labels_per_row_)
+                       self.choice_, self.labels_per_row_)
 
     # -- fitting ---------------------------------------------------------------------------------
     def check_data(self, X, Y=None, where="input", fitted=True):
@@ -203,12 +205,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self.distributed_ = None
         return self
 
-    def initialize(self, X, Y, distributed=None, width: int | None = None) -> None:
+    def initialize(self, X, Y, distributed=None, choice: dict | None = None) -> None:
         """Fresh preprocessing (fitted on X), parameters, moments, tables and counters. With
         ``distributed``, X is this rank's shard: row counts and feature statistics are the
         whole data's, and :meth:`DataParallel.start` then gives every rank rank 0's parameters.
-        ``width``: the hidden width chosen on a held-out slice (``resolved_["width_choices"]``,
-        see :func:`slide.train.fit_loop`), None for the rule's."""
+        ``choice``: settings chosen on a held-out slice, one of ``resolved_["choices"]`` (see
+        :func:`slide.train.fit_loop`); None before a choice is made."""
         self.config_ = SlideConfig(**self.get_params())
         n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
@@ -218,7 +220,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
         n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
         self.labels_per_row_ = n_positives / max(n_train, 1)
-        self.width_ = width
+        self.choice_ = choice
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
                                       self.config_.threads or numba.config.NUMBA_NUM_THREADS),
@@ -759,7 +761,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         meta = {
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
-            "rare_share": self.rare_share_, "width": self.width_,
+            "rare_share": self.rare_share_, "choice": self.choice_,
             "labels_per_row": self.labels_per_row_,
             "step": self.step_, "epoch": self.epoch_, "samples_seen": self.samples_seen_,
             "epoch_position": self.epoch_position_,
@@ -784,7 +786,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Fitted state from a :class:`slide.checkpoint.Checkpoint` (validated shapes)."""
         self.config_ = SlideConfig(**self.get_params())
         self.n_features_in_, self.n_labels_, self.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        self.rare_share_, self.width_ = ck.rare_share, ck.width
+        self.rare_share_, self.choice_ = ck.rare_share, ck.choice
         self.labels_per_row_ = ck.labels_per_row
         self.resolved_ = self._resolve(self.config_)
         shapes = parameter_shapes(self.resolved_["hidden"], self.n_features_in_, self.n_labels_)

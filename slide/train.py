@@ -7,9 +7,9 @@ that is not engine-specific):
 * ``fit_settings()``: early stopping, validation fraction, patience and seed (the current
   settings, valid before the model is fitted); after ``initialize``, ``resolved_["epochs"]``;
 * ``check_data(X, Y, where, fitted)``: validated float32 CSR ``X`` and CSR indicator ``Y``;
-* ``initialize(X, Y, width=None)``: fit the preprocessing on the training rows, draw fresh
-  parameters (``width``: a hidden width to use instead of the rule's, one of
-  ``resolved_["width_choices"]``);
+* ``initialize(X, Y, choice=None)``: fit the preprocessing on the training rows, draw fresh
+  parameters (``choice``: settings to use instead of the rule's, one of
+  ``resolved_["choices"]``);
 * ``preprocess(X)``: the fitted preprocessing (CSR in, float32 CSR out);
 * ``train_epoch(Xp, Y, order, progress)``: one pass over preprocessed rows in ``order``
   (the mixin runs ``train_step`` over consecutive batches of ``batch_size_``); returns a dict
@@ -19,6 +19,8 @@ that is not engine-specific):
   arrays where given) and put them back;
 * ``validation_metric()``: after ``initialize``, the early-stopping score, ``"loss"`` or
   ``"nDCG@5"`` (see :class:`EarlyStopping`);
+* ``fitted_state()`` / ``restore_fitted(state)``: hold a fitted run's state while another run
+  trains, and make it the model's again;
 * ``evaluate(X, Y, k)``; attributes ``learning_rate_``, ``epoch_``, ``history_``.
 
 :func:`fit_loop` holds the rest: the validation slice, the per-epoch record, the learning-rate
@@ -38,6 +40,7 @@ import scipy.sparse as sp
 from sklearn.exceptions import NotFittedError
 from sklearn.utils import ClassifierTags
 
+from slide.config import choice_name
 from slide.data import DataFormatError, read_dataset, shuffle_rows, take_rows
 from slide.resources import ModelTooLargeError, peak_rss_mb
 from slide.synthetic import load_default
@@ -151,7 +154,7 @@ def epoch_learning_rate(base: float, epoch: int, planned: int, lowered: int = 0)
 def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=None,
              continue_training: bool = False, until_epoch: int | None = None, eval_k: int = 5,
              save_every: int | None = None, on_save=None, distributed=None,
-             width: int | None = None):
+             choice: dict | None = None):
     """Train ``model`` (see the module docstring for the step API it provides).
 
     Parameters
@@ -178,17 +181,18 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         this rank's shard; the validation slice is held out from each shard and scored over all
         of them; every epoch ends with the replicas equal (:meth:`DataParallel.finish`); a
         mid-epoch checkpoint position is not used (a resumed run starts its next epoch).
-    width : the hidden width to initialise with instead of the rule's (see below).
+    choice : settings to initialise with instead of the rule's (see below).
 
     On return the model holds the best weights seen on the validation slice (when early
     stopping), and ``model.stopping_`` says which epoch it kept and why training stopped. Where
     ``resolved_["refit"]`` holds (small training sets, see :func:`slide.config.resolve`), a
     fresh fit that held its validation slice out of ``X`` then trains again from the start on
     every row for the kept epochs, at their learning rates (``stopping_["refit"]``); not with
-    ``continue_training`` or ``distributed``. Where the refit runs and the model offers hidden
-    widths to choose among (``resolved_["width_choices"]``), each is first trained with early
-    stopping on the same held-out slice, and the refit uses the one with the best validation
-    score (``stopping_["width"]``; ``history_`` is the chosen run's).
+    ``continue_training`` or ``distributed``. Where the model offers settings to choose among
+    (``resolved_["choices"]``, see :func:`slide.config.resolve`) and there is a validation set,
+    each is first trained with early stopping on it, and the one with the best validation score
+    is kept (``stopping_["choice"]``; ``history_`` is the chosen run's): refitted where the
+    refit runs, else as it was trained. Not with ``continue_training`` or ``distributed``.
     """
     s = model.fit_settings()
     if Y is None:
@@ -210,7 +214,7 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         held_out = True
     if not continue_training:
         if distributed is None:
-            model.initialize(X, Y, width=width)
+            model.initialize(X, Y, choice=choice)
         else:
             model.initialize(X, Y, distributed=distributed)
         model.single_label_ = single_label
@@ -224,12 +228,13 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         if Xv.shape[0] > MAX_VALIDATION_ROWS:
             Xv, Yv = shuffle_rows(Xv, Yv, seed=s["seed"], n=MAX_VALIDATION_ROWS)
         validation = (Xv, Yv)
-    if refit and model.resolved_["width_choices"]:
-        chosen = _choose_width(model, X, Y, validation, model.resolved_["width_choices"],
-                               progress=progress, on_epoch=on_epoch, until_epoch=until_epoch,
-                               eval_k=eval_k, save_every=save_every, on_save=on_save)
-        if model.early_stopping_.scores:
-            _refit(model, *every_row, s["seed"], progress, on_epoch, width=chosen)
+    choices = model.resolved_["choices"]
+    if choices and validation is not None and not continue_training and distributed is None:
+        chosen = _choose(model, X, Y, validation, choices, keep=not refit, held_out=held_out,
+                         progress=progress, on_epoch=on_epoch, until_epoch=until_epoch,
+                         eval_k=eval_k, save_every=save_every, on_save=on_save)
+        if refit and model.early_stopping_.scores:
+            _refit(model, *every_row, s["seed"], progress, on_epoch, choice=chosen)
         return model
     stopper = None
     if s["early_stopping"] and validation is not None:
@@ -318,36 +323,50 @@ def _progress_bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, unit="samples", unit_scale=True, leave=True, desc=desc)
 
 
-def _choose_width(model, X, Y, validation, widths, on_epoch=None, **fit_kw):
-    """Train ``model`` afresh on ``X, Y`` with each hidden width in ``widths``, early-stopped on
-    ``validation``; return the width with the best validation score (ties: the earlier one) and
-    leave the model with that run's record (``history_``, ``early_stopping_``, ``stopping_``
-    with ``"width"``: the choice and every width's score) for the refit. The parameters are
-    the last run's until the refit replaces them. ``on_epoch`` sees each run's records with
-    their ``"width"``. A width too large for this machine's free memory is not tried."""
-    runs = {}  # width -> (early stopping, history, stopping record) of its run
-    for w in map(int, widths):
+def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **fit_kw):
+    """Train ``model`` afresh on ``X, Y`` with each choice in ``choices``, early-stopped on
+    ``validation``; return the choice with the best validation score (ties: the earlier one)
+    and leave the model with that run's record (``history_``, ``early_stopping_``,
+    ``stopping_`` with ``"choice"``: its name, its settings and every choice's score). With
+    ``keep`` the model is the chosen run as trained (the best run so far is held while the next
+    trains: two models in memory); otherwise its parameters are the last run's until the refit
+    replaces them. ``on_epoch`` sees each run's records with the name of its ``"choice"``.
+    A choice too large for this machine's free memory is not tried. Checkpoints saved on the
+    way hold the run in progress: one resumed from them continues that run, without choosing."""
+    scores, best, held = {}, None, None  # held: the best run's records, or with keep its state
+    for i, choice in enumerate(choices):
+        name = choice_name(choice)
         shown = None if on_epoch is None else \
-            (lambda m, record, w=w: on_epoch(m, {**record, "width": w}))
+            (lambda m, record, name=name: on_epoch(m, {**record, "choice": name}))
         try:
-            fit_loop(model, X, Y, validation=validation, width=w, on_epoch=shown, **fit_kw)
+            fit_loop(model, X, Y, validation=validation, choice=choice, on_epoch=shown, **fit_kw)
         except ModelTooLargeError:
-            if not runs:  # the rule's own width does not fit: nothing to choose from
+            if not scores:  # the rule's own settings do not fit: nothing to choose from
                 raise
             continue
-        runs[w] = (model.early_stopping_, model.history_, model.stopping_)
-    chosen = max(runs, key=lambda w: runs[w][0].best_score)  # the first of equal scores
-    stopper, history, stopping = runs[chosen]
-    model.early_stopping_, model.history_ = stopper, history
-    model.stopping_ = {**stopping, "validation": "held out from the training rows",
-                       "width": {"chosen": chosen, "validation_scores":
-                                 {str(w): run[0].best_score for w, run in runs.items()}}}
-    return chosen
+        scores[name] = model.early_stopping_.best_score
+        if best is None or scores[name] > scores[choice_name(best)]:
+            best = choice
+            if not keep:  # the refit needs the run's kept epochs and their learning rates
+                held = (model.early_stopping_, model.history_, model.stopping_)
+            elif i < len(choices) - 1:  # a later run replaces it (or fails half-way)
+                held = model.fitted_state()
+            else:
+                held = None
+    if keep and held is not None:
+        model.restore_fitted(held)
+    elif not keep:
+        model.early_stopping_, model.history_, model.stopping_ = held
+    model.stopping_ = {**model.stopping_,
+                       "validation": "held out from the training rows" if held_out else "given",
+                       "choice": {"chosen": choice_name(best), "settings": dict(best),
+                                  "validation_scores": scores}}
+    return best
 
 
-def _refit(model, X, Y, seed, progress, on_epoch, width=None):
-    """Train ``model`` again from its initialisation (with hidden ``width`` where one was
-    chosen) on every row ``X, Y`` (the held-out slice too) for the epochs early stopping kept,
+def _refit(model, X, Y, seed, progress, on_epoch, choice=None):
+    """Train ``model`` again from its initialisation (with the settings ``choice`` where one
+    was made) on every row ``X, Y`` (the held-out slice too) for the epochs early stopping kept,
     each at the learning rate it had then. The run adds one record to ``history_`` (and to
     ``on_epoch``), and ``stopping_["refit"]``. Not checkpointed on the way: a run interrupted
     here resumes as the early-stopped model."""
@@ -355,7 +374,7 @@ def _refit(model, X, Y, seed, progress, on_epoch, width=None):
     rates = [r["learning_rate"] for r in model.history_[:kept]]
     history, stopping, single_label = model.history_, model.stopping_, model.single_label_
     t0 = time.perf_counter()
-    model.initialize(X, Y, width=width)
+    model.initialize(X, Y, choice=choice)
     model.single_label_ = single_label
     Xp = model.preprocess(X)
     loss = float("nan")
@@ -526,6 +545,17 @@ class TrainableMixin:
             self.params_[k][...] = v
         self._params_changed()
 
+    def fitted_state(self) -> dict:
+        """The fitted model's attributes, for :meth:`restore_fitted` after another run (see
+        :func:`fit_loop`'s choices). A shallow copy suffices: ``initialize`` binds every
+        fitted attribute to new objects, so a later run leaves the ones held here untouched."""
+        return dict(vars(self))
+
+    def restore_fitted(self, state: dict) -> None:
+        """Make the run :meth:`fitted_state` held the model's again (its settings included)."""
+        vars(self).clear()
+        vars(self).update(state)
+
     def evaluate(self, X, Y, k: int = 5, loss: bool = False, **predict_kw) -> dict:
         """P@1..k and nDCG@1..k (reported at 1, 3, 5 and k) of the top-k predictions, and with
         ``loss`` the mean cross-entropy against uniform targets over each row's labels (rows
@@ -666,11 +696,13 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         doc["resolved"] = getattr(m, "resolved_", None)
         if getattr(m, "timings_", None):
             doc["timings"] = dict(m.timings_)
-        shown = {"width": "hidden", "epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
+        shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
                  "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr",
                  "test_P@1": "test_P@1", "test_P@5": "test_P@5", "samples_per_second": "samples/s",
                  "refit": "refit"}
-        log("  ".join(f"{name}={_shown_value(k, record[k])}" for k, name in shown.items() if k in record))
+        run = f"[{record['choice']}]  " if "choice" in record else ""  # a run fit chooses among
+        log(run + "  ".join(f"{name}={_shown_value(k, record[k])}" for k, name in shown.items()
+                            if k in record))
         if metrics_json:
             _write_json(metrics_json, doc)
         if checkpoint_dir:

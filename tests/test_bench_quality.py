@@ -23,15 +23,15 @@ def test_quality_table_in_process(tmp_path):
     assert json.loads((tmp_path / "q.json").read_text())["table"] == doc["table"]
 
 
-def test_table_says_where_the_width_was_chosen():
+def test_table_says_where_settings_were_chosen():
     row = {"dataset": "d", "engine": "slide", "P@1": 0.5, "P@3": 0.4, "P@5": 0.3, "PSP@5": 0.3,
            "train_seconds": 1.0, "peak_rss_mb": 100.0, "kept_epoch": 4, "epochs": 9, "refit": True,
-           "widths_tried": ["512", "2048"],
-           "settings": {"hidden": [2048], "lr": 0.004, "weight_decay": 0.1, "batch_size": 32}}
+           "choice": "hidden 2048", "choices_tried": ["rule", "hidden 2048", "decay 0.3"],
+           "settings": {"hidden": [2048], "lr": 0.001, "weight_decay": 1.0, "batch_size": 32}}
     text = quality.table([row], ["slide"])
-    assert "hidden [2048] (of 512 / 2048), lr 0.004, weight_decay 0.1, batch_size 32; epoch 4 of 9, " \
-           "then refit on every row" in text
-    assert "(of" not in quality.table([{**row, "widths_tried": []}], ["slide"])
+    assert "hidden [2048], lr 0.001, weight_decay 1, batch_size 32 (hidden 2048, of rule / hidden 2048 / " \
+           "decay 0.3); epoch 4 of 9, then refit on every row" in text
+    assert "(hidden 2048" not in quality.table([{**row, "choices_tried": []}], ["slide"])
 
 
 def test_table_has_a_difference_column_per_peer():

@@ -63,6 +63,20 @@ def test_train_refits_small_sets_on_every_row(synth, capsys):
     assert doc["stopping"]["refit"]["rows"] == rows and "(the refit's weights)" in out
 
 
+def test_train_names_each_run_it_chooses_among(tiny_data, capsys, tmp_path):
+    from slide.data import write_xmc
+    write_xmc(tmp_path / "t.txt", tiny_data[0][:1000], tiny_data[1][:1000])
+    assert main(["train", str(tmp_path / "t.txt"), "--epochs", "2", "--hidden", "16", "--no-progress",
+                 "--metrics-json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    choice = doc["stopping"]["choice"]
+    assert list(choice["validation_scores"]) == ["rule", "decay 0.3"]
+    assert f"settings {choice['chosen']}: the best validation score of those tried" in out
+    assert "[rule]  epoch=1" in out and "[decay 0.3]  epoch=2" in out
+    assert [r.get("choice") for r in doc["epochs"]] == ["rule"] * 2 + ["decay 0.3"] * 2 + [None]
+
+
 def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_path):
     train = str(synth / "eur_train.txt")
     base = ["train", train, "--epochs", "1", "--hidden", "16", "--no-progress"]

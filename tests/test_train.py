@@ -10,7 +10,7 @@ from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, resources
 from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS, RARE_SHARE,
-                          REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig, positives_per_step,
+                          REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, LIGHT_DECAY, SlideConfig, positives_per_step,
                           rare_share, resolve, sampled_width, touched_share)
 from slide.resources import model_memory_bytes
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
@@ -355,54 +355,151 @@ def test_rarely_positive_labels_get_the_settings_of_rarely_updated_rows(tmp_path
         SlideClassifier.load(tmp_path / "m")
 
 
-def test_hidden_width_is_chosen_on_the_held_out_slice(tmp_path, tiny_data):
-    # widths to choose among only where the width is derived, the output whole, the refit runs
-    # and the wide layer's state fits the budget; a chosen width is then the hidden layer
+def test_choices_follow_the_rule(tiny_data):
+    # the rule's own settings first, then the wide hidden layer where the width is derived, the
+    # output whole, the refit runs and its state fits the budget, and the light decay where the
+    # decay is derived and would be 1; nothing where a choice was made or there is no early stop
     whole = dict(n_features=1449, n_labels=45, n_train=300)
-    assert resolve(SlideConfig(), **whole)["width_choices"] == [512, WIDE_HIDDEN]
-    for config in (SlideConfig(hidden=(64,)), SlideConfig(refit=False),
-                   SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5)):
-        assert resolve(config, **whole)["width_choices"] == []
-    assert resolve(SlideConfig(), 1449, 45, REFIT_ROWS)["width_choices"] == []
+    wide, light = {"width": WIDE_HIDDEN}, {"weight_decay": LIGHT_DECAY}
+    assert resolve(SlideConfig(), **whole)["choices"] == [{}, wide, light]
+    assert resolve(SlideConfig(hidden=(64,)), **whole)["choices"] == [{}, light]
+    assert resolve(SlideConfig(refit=False), **whole)["choices"] == [{}, light]
+    assert resolve(SlideConfig(), 1449, 45, REFIT_ROWS)["choices"] == [{}, light]
+    assert resolve(SlideConfig(weight_decay=1.0), **whole)["choices"] == [{}, wide]
+    assert resolve(SlideConfig(), **whole, rare_fraction=RARE_SHARE)["choices"] == [{}, wide]
+    for config in (SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5),
+                   SlideConfig(hidden=(64,), weight_decay=0.5)):
+        assert resolve(config, **whole)["choices"] == []
     too_wide = OUTPUT_STATE_BYTES // (16 * WIDE_HIDDEN)
-    assert resolve(SlideConfig(), too_wide + 1 - 45, 45, 300)["width_choices"] == []
-    assert resolve(SlideConfig(), too_wide - 45, 45, 300)["width_choices"] == [512, WIDE_HIDDEN]
-    chosen = resolve(SlideConfig(), **whole, width=WIDE_HIDDEN)
-    assert chosen["hidden"] == [WIDE_HIDDEN] and chosen["width_choices"] == []
-    # fit trains each width early-stopped on the same held-out rows (the scores are those of
-    # separate fits on that split), keeps the better, and refits it on every row
-    X, Y = tiny_data[0][:500], tiny_data[1][:500]
+    assert resolve(SlideConfig(), too_wide + 1 - 45, 45, 300)["choices"] == [{}, light]
+    assert resolve(SlideConfig(), too_wide - 45, 45, 300)["choices"] == [{}, wide, light]
+    # a choice replaces the rule's values, not settings given, and leaves nothing to choose
+    chosen = resolve(SlideConfig(), **whole, choice=wide)
+    assert chosen["hidden"] == [WIDE_HIDDEN] and chosen["choices"] == []
+    assert resolve(SlideConfig(), **whole, choice=light)["weight_decay"] == LIGHT_DECAY
+    assert resolve(SlideConfig(weight_decay=0.5), **whole, choice=light)["weight_decay"] == 0.5
+    assert resolve(SlideConfig(), **whole, choice={}) == {**resolve(SlideConfig(), **whole), "choices": []}
+    for bad in ({"width": 0}, {"lr": 1.0}, [("width", 2)]):
+        with pytest.raises(ValueError, match="width|choice"):
+            resolve(SlideConfig(), **whole, choice=bad)
+
+
+def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
+    # fit trains each choice early-stopped on the same held-out rows (the scores are those of
+    # separate fits on that split), keeps the best, and refits it on every row. 1,000 rows: with
+    # fewer, most non-zeros are in rare features and the decay is the rare rows' (no choice)
+    X, Y = tiny_data[0][:1000], tiny_data[1][:1000]
     kw = dict(threads=1, seed=0, epochs=3)
     m = SlideClassifier(**kw).fit(X, Y)
-    tr, va = validation_split(500, 0.1, 0)
-    scores = {str(w): SlideClassifier(hidden=(w,), refit=False, **kw)
-              .fit(X[tr], Y[tr], validation=(X[va], Y[va])).early_stopping_.best_score
-              for w in (512, WIDE_HIDDEN)}
-    assert m.stopping_["width"]["validation_scores"] == pytest.approx(scores, rel=1e-6)
-    assert m.stopping_["width"]["chosen"] == int(max(scores, key=scores.get))
-    assert m.resolved_["hidden"] == [m.stopping_["width"]["chosen"]]
-    assert m.params_["W"].shape[1] == m.width_ == m.stopping_["width"]["chosen"]
-    assert m.stopping_["refit"]["rows"] == 500
+    tr, va = validation_split(1000, 0.1, 0)
+    settings = {"rule": (512, 1.0), "hidden 2048": (WIDE_HIDDEN, 1.0), "decay 0.3": (512, LIGHT_DECAY)}
+    runs = {name: SlideClassifier(hidden=(w,), weight_decay=d, **kw)
+            .fit(X[tr], Y[tr], validation=(X[va], Y[va])) for name, (w, d) in settings.items()}
+    scores = {name: run.early_stopping_.best_score for name, run in runs.items()}
+    c = m.stopping_["choice"]
+    assert c["validation_scores"] == pytest.approx(scores, rel=1e-6)
+    assert c["chosen"] == max(scores, key=scores.get) and m.choice_ == c["settings"]
+    # the refit follows the chosen run's record, whichever run trained last
+    chosen = runs[c["chosen"]]
+    assert m.stopping_["kept_epoch"] == chosen.stopping_["kept_epoch"]
+    assert [r["loss"] for r in m.history_[:-1]] == pytest.approx([r["loss"] for r in chosen.history_], rel=1e-6)
+    assert m.resolved_ == resolve(SlideConfig(**kw), X.shape[1], Y.shape[1], 1000 - va.size,
+                                  m.rare_share_, m.choice_, m.labels_per_row_)
+    assert m.stopping_["refit"]["rows"] == 1000
     assert m.history_[-1]["refit"] and len(m.history_) == m.stopping_["kept_epoch"] + 1
-    # the width travels with the model
+    # the choice travels with the model
     m.save(tmp_path / "m")
-    assert json.loads((tmp_path / "m" / "config.json").read_text())["width"] == m.width_
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["choice"] == m.choice_
     loaded = SlideClassifier.load(tmp_path / "m")
     assert loaded.resolved_ == m.resolved_
     np.testing.assert_array_equal(loaded.decision_function(X[:20]), m.decision_function(X[:20]))
 
 
-def test_a_width_too_large_for_free_memory_is_not_tried(monkeypatch, tiny_data):
-    X, Y = tiny_data[0][:500], tiny_data[1][:500]
-    need = {w: model_memory_bytes(resolve(SlideConfig(hidden=(w,)), X.shape[1], Y.shape[1], 450),
+def _preferring_the_rule(cls):
+    """``cls`` whose validation loss makes every choice but the rule's own far worse."""
+    class PrefersRule(cls):
+        def evaluate(self, X, Y, k=5, loss=False, **kw):
+            out = super().evaluate(X, Y, k=k, loss=loss, **kw)
+            if loss and self.choice_:
+                out["loss"] += 100.0
+            return out
+    return PrefersRule
+
+
+def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
+    # with a validation set given there is no refit: the model is the best run as it was
+    # trained, though two runs trained after it (one thread: runs repeat exactly)
+    X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
+    kw = dict(threads=1, seed=0, epochs=4)
+
+    class PrefersRule(SlideClassifier):  # every choice but the rule's own scores far worse
+        def evaluate(self, X, Y, k=5, loss=False, **predict_kw):
+            out = super().evaluate(X, Y, k=k, loss=loss, **predict_kw)
+            if loss and self.choice_:
+                out["loss"] += 100.0
+            return out
+
+    m = PrefersRule(**kw).fit(X, Y, validation=(Xv, Yv))
+    c = m.stopping_["choice"]
+    assert list(c["validation_scores"]) == ["rule", "hidden 2048", "decay 0.3"]
+    assert c["chosen"] == "rule" and m.choice_ == {} and "refit" not in m.stopping_
+    # the rule's settings given, so that nothing is chosen
+    alone = SlideClassifier(hidden=(512,), weight_decay=1.0, **kw).fit(X, Y, validation=(Xv, Yv))
+    assert "choice" not in alone.stopping_ and alone.resolved_ == {**m.resolved_, "choices": []}
+    assert alone.stopping_["best_score"] == pytest.approx(c["validation_scores"]["rule"], rel=1e-6)
+    assert [r["loss"] for r in m.history_] == pytest.approx([r["loss"] for r in alone.history_], rel=1e-6)
+    np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["slide", "dense", "hetero"])
+def test_a_held_fitted_state_survives_another_fit(engine, tiny_data):
+    X, Y = tiny_data[0][:300], tiny_data[1][:300]
+    kw = dict(hidden=(16,), early_stopping=False, epochs=1, seed=0)
+    model = SlideClassifier(threads=1, **kw) if engine != "dense" else DenseClassifier(device="cpu", **kw)
+    if engine == "hetero":
+        model = HeteroTrainer(model, HeteroConfig(device="cpu", cpu_batch=32, gpu_batch=64, gpu_pool=16))
+    inner = model.model if engine == "hetero" else model
+    model.fit(X, Y)
+    params = {k: np.array(v) for k, v in inner.params_.items()}
+    history = list(model.history_)
+    held = model.fitted_state()
+    inner.set_params(hidden=(8,), seed=1)
+    model.fit(tiny_data[0][300:500], tiny_data[1][300:500])
+    model.restore_fitted(held)
+    assert model.history_ == history and inner.resolved_["hidden"] == [16]
+    for k, v in params.items():
+        np.testing.assert_array_equal(np.asarray(inner.params_[k]), v)
+    assert inner.predict_topk(X[:5], 3)[0].shape == (5, 3)
+
+
+def test_a_choice_too_large_for_free_memory_is_not_tried(monkeypatch, tiny_data):
+    X, Y = tiny_data[0][:1000], tiny_data[1][:1000]
+    need = {w: model_memory_bytes(resolve(SlideConfig(hidden=(w,)), X.shape[1], Y.shape[1], 900),
                                   X.shape[1], Y.shape[1], 1)["total"] for w in (512, WIDE_HIDDEN)}
     monkeypatch.setattr(resources, "available_memory_bytes", lambda: (need[512] + need[WIDE_HIDDEN]) // 2)
     m = SlideClassifier(threads=1, seed=0, epochs=2).fit(X, Y)
-    assert list(m.stopping_["width"]["validation_scores"]) == ["512"]
-    assert m.stopping_["width"]["chosen"] == 512 and m.resolved_["hidden"] == [512]
+    assert list(m.stopping_["choice"]["validation_scores"]) == ["rule", "decay 0.3"]
+    assert m.resolved_["hidden"] == [512]
     monkeypatch.setattr(resources, "available_memory_bytes", lambda: need[512] // 2)
     with pytest.raises(resources.ModelTooLargeError):
         SlideClassifier(threads=1, seed=0, epochs=2).fit(X, Y)
+
+
+def test_checkpoints_that_name_only_a_width_load_as_that_choice(tmp_path, tiny_data):
+    X, Y = tiny_data[0][:300], tiny_data[1][:300]
+    m = SlideClassifier(threads=1, seed=0, epochs=1, early_stopping=False, hidden=(64,)).fit(X, Y)
+    m.choice_ = {"width": 64}
+    m.save(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    meta = json.loads(path.read_text())
+    del meta["choice"]
+    meta["width"] = 64
+    path.write_text(json.dumps(meta))
+    assert SlideClassifier.load(tmp_path / "m").choice_ == {"width": 64}
+    meta["choice"] = {"depth": 3}
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="'choice'"):
+        SlideClassifier.load(tmp_path / "m")
 
 
 def test_settings_are_validated_at_fit(tiny_data):
