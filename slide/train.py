@@ -345,7 +345,8 @@ def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **f
                 raise
             continue
         scores[name] = model.early_stopping_.best_score
-        if best is None or scores[name] > scores[choice_name(best)]:
+        # a run whose loss diverged scores NaN: it ranks below any other
+        if best is None or _ranked(scores[name]) > _ranked(scores[choice_name(best)]):
             best = choice
             if not keep:  # the refit needs the run's kept epochs and their learning rates
                 held = (model.early_stopping_, model.history_, model.stopping_)
@@ -362,6 +363,10 @@ def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **f
                        "choice": {"chosen": choice_name(best), "settings": dict(best),
                                   "validation_scores": scores}}
     return best
+
+
+def _ranked(score: float) -> float:
+    return -math.inf if math.isnan(score) else score
 
 
 def _refit(model, X, Y, seed, progress, on_epoch, choice=None):

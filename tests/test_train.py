@@ -451,6 +451,22 @@ def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
     np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
 
 
+def test_a_run_whose_loss_diverged_is_not_chosen(tiny_data):
+    X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
+
+    class DivergedRule(SlideClassifier):  # the rule's own run scores NaN
+        def evaluate(self, X, Y, k=5, loss=False, **predict_kw):
+            out = super().evaluate(X, Y, k=k, loss=loss, **predict_kw)
+            if loss and self.choice_ == {}:
+                out["loss"] = float("nan")
+            return out
+
+    m = DivergedRule(threads=1, seed=0, epochs=2).fit(X, Y, validation=(Xv, Yv))
+    scores = m.stopping_["choice"]["validation_scores"]
+    assert math.isnan(scores["rule"]) and m.stopping_["choice"]["chosen"] != "rule"
+    assert m.choice_ and all(np.isfinite(v).all() for v in m.params_.values())
+
+
 @pytest.mark.parametrize("engine", ["slide", "dense", "hetero"])
 def test_a_held_fitted_state_survives_another_fit(engine, tiny_data):
     X, Y = tiny_data[0][:300], tiny_data[1][:300]
