@@ -333,7 +333,7 @@ def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **f
     replaces them. ``on_epoch`` sees each run's records with the name of its ``"choice"``.
     A choice too large for this machine's free memory is not tried. Checkpoints saved on the
     way hold the run in progress: one resumed from them continues that run, without choosing."""
-    scores, best, held = {}, None, None  # held: the best run's records, or with keep its state
+    scores, best, records, state = {}, None, None, None
     for i, choice in enumerate(choices):
         name = choice_name(choice)
         shown = None if on_epoch is None else \
@@ -348,16 +348,13 @@ def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **f
         # a run whose loss diverged scores NaN: it ranks below any other
         if best is None or _ranked(scores[name]) > _ranked(scores[choice_name(best)]):
             best = choice
-            if not keep:  # the refit needs the run's kept epochs and their learning rates
-                held = (model.early_stopping_, model.history_, model.stopping_)
-            elif i < len(choices) - 1:  # a later run replaces it (or fails half-way)
-                held = model.fitted_state()
-            else:
-                held = None
-    if keep and held is not None:
-        model.restore_fitted(held)
-    elif not keep:
-        model.early_stopping_, model.history_, model.stopping_ = held
+            # the refit needs the run's kept epochs and their learning rates; with keep, the
+            # whole run is held while a later run replaces it (or fails half-way)
+            records = (model.early_stopping_, model.history_, model.stopping_)
+            state = model.fitted_state() if keep and i < len(choices) - 1 else None
+    if state is not None:
+        model.restore_fitted(state)
+    model.early_stopping_, model.history_, model.stopping_ = records
     model.stopping_ = {**model.stopping_,
                        "validation": "held out from the training rows" if held_out else "given",
                        "choice": {"chosen": choice_name(best), "settings": dict(best),
