@@ -298,7 +298,8 @@ def _cmd_train(a):
     if stop.get("choice"):
         c = stop["choice"]
         scores = ", ".join(f"{k}: {v:.4f}" for k, v in c["validation_scores"].items())
-        print(f"settings {c['chosen']}: the best validation score of those tried ({scores})")
+        print(f"settings chosen on the validation set: {c['chosen']}, the best score of those "
+              f"tried ({scores})")
     print(f"kept epoch {stop['kept_epoch']}: {stop['reason']}")
     if stop.get("refit"):
         r = stop["refit"]

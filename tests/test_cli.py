@@ -72,7 +72,7 @@ def test_train_names_each_run_it_chooses_among(tiny_data, capsys, tmp_path):
     doc = json.loads((tmp_path / "r.json").read_text())
     choice = doc["stopping"]["choice"]
     assert list(choice["validation_scores"]) == ["rule", "decay 0.3"]
-    assert f"settings {choice['chosen']}: the best validation score of those tried" in out
+    assert f"settings chosen on the validation set: {choice['chosen']}, the best score of those tried" in out
     assert "[rule]  epoch=1" in out and "[decay 0.3]  epoch=2" in out
     assert [r.get("choice") for r in doc["epochs"]] == ["rule"] * 2 + ["decay 0.3"] * 2 + [None]
 
