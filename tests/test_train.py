@@ -415,15 +415,16 @@ def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     np.testing.assert_array_equal(loaded.decision_function(X[:20]), m.decision_function(X[:20]))
 
 
-def _preferring_the_rule(cls):
-    """``cls`` whose validation loss makes every choice but the rule's own far worse."""
-    class PrefersRule(cls):
-        def evaluate(self, X, Y, k=5, loss=False, **kw):
-            out = super().evaluate(X, Y, k=k, loss=loss, **kw)
-            if loss and self.choice_:
-                out["loss"] += 100.0
+def _validation_loss_as(adjust):
+    """A SlideClassifier whose validation loss is ``adjust(choice_, loss)``: a run made to
+    score as a test needs, whatever it learned."""
+    class Adjusted(SlideClassifier):
+        def evaluate(self, X, Y, k=5, loss=False, **predict_kw):
+            out = super().evaluate(X, Y, k=k, loss=loss, **predict_kw)
+            if loss:
+                out["loss"] = adjust(self.choice_, out["loss"])
             return out
-    return PrefersRule
+    return Adjusted
 
 
 def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
@@ -431,15 +432,9 @@ def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
     # trained, though two runs trained after it (one thread: runs repeat exactly)
     X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
     kw = dict(threads=1, seed=0, epochs=4)
-
-    class PrefersRule(SlideClassifier):  # every choice but the rule's own scores far worse
-        def evaluate(self, X, Y, k=5, loss=False, **predict_kw):
-            out = super().evaluate(X, Y, k=k, loss=loss, **predict_kw)
-            if loss and self.choice_:
-                out["loss"] += 100.0
-            return out
-
-    m = PrefersRule(**kw).fit(X, Y, validation=(Xv, Yv))
+    # every choice but the rule's own scores far worse
+    prefers_rule = _validation_loss_as(lambda choice, loss: loss + 100.0 if choice else loss)
+    m = prefers_rule(**kw).fit(X, Y, validation=(Xv, Yv))
     c = m.stopping_["choice"]
     assert list(c["validation_scores"]) == ["rule", "hidden 2048", "decay 0.3"]
     assert c["chosen"] == "rule" and m.choice_ == {} and "refit" not in m.stopping_
@@ -453,15 +448,8 @@ def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
 
 def test_a_run_whose_loss_diverged_is_not_chosen(tiny_data):
     X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
-
-    class DivergedRule(SlideClassifier):  # the rule's own run scores NaN
-        def evaluate(self, X, Y, k=5, loss=False, **predict_kw):
-            out = super().evaluate(X, Y, k=k, loss=loss, **predict_kw)
-            if loss and self.choice_ == {}:
-                out["loss"] = float("nan")
-            return out
-
-    m = DivergedRule(threads=1, seed=0, epochs=2).fit(X, Y, validation=(Xv, Yv))
+    diverged_rule = _validation_loss_as(lambda choice, loss: float("nan") if choice == {} else loss)
+    m = diverged_rule(threads=1, seed=0, epochs=2).fit(X, Y, validation=(Xv, Yv))
     scores = m.stopping_["choice"]["validation_scores"]
     assert math.isnan(scores["rule"]) and m.stopping_["choice"]["chosen"] != "rule"
     assert m.choice_ and all(np.isfinite(v).all() for v in m.params_.values())
