@@ -16,7 +16,7 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "checked_choice", "choice_name", "CHOICE_KEYS",
+__all__ = ["SlideConfig", "resolve", "checked_choice", "choice_name", "CHOICE_CHECKS",
            "sampled_width", "touched_share", "rare_share",
            "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
            "HASH_FAMILIES", "BUCKET_POLICIES"]
@@ -46,6 +46,25 @@ def _number(name, value, *, lo=None, hi=None, integer=False, none=True, lo_open=
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value!r}")
     return int(value) if integer else float(value)
+
+
+#: the bounds each numeric setting is checked against (:func:`_number`'s keywords)
+_NUMBER_CHECKS = {
+    "sparsity": dict(lo=0, hi=1, lo_open=True),
+    "hard_negatives": dict(lo=0, hi=1 << 20, integer=True),
+    "K": dict(lo=1, hi=32, integer=True), "L": dict(lo=1, hi=4096, integer=True),
+    "range_pow": dict(lo=1, hi=30, integer=True), "bucket_size": dict(lo=1, hi=1 << 16, integer=True),
+    "rehash_every": dict(lo=1, integer=True), "rebuild_every": dict(lo=1, integer=True),
+    "rehash_growth": dict(lo=1, hi=100, none=False),
+    "lr": dict(lo=0, hi=10, lo_open=True), "beta1": dict(lo=0, hi=0.999999, none=False),
+    "beta2": dict(lo=0, hi=0.999999, none=False), "eps": dict(lo=0, hi=1, lo_open=True, none=False),
+    "weight_decay": dict(lo=0, hi=1e4), "batch_size": dict(lo=1, hi=1 << 20, integer=True),
+    "epochs": dict(lo=1, hi=100_000, integer=True),
+    "validation_fraction": dict(lo=0, hi=0.5, lo_open=True, none=False),
+    "n_iter_no_change": dict(lo=1, hi=10_000, integer=True, none=False),
+    "threads": dict(lo=1, hi=4096, integer=True),
+    "seed": dict(lo=0, hi=2**32 - 1, integer=True, none=False),
+}
 
 
 @dataclass(frozen=True)
@@ -147,23 +166,7 @@ class SlideConfig:
             if not isinstance(self.refit, (bool, np.bool_)):
                 raise TypeError(f"refit must be True, False or None, got {self.refit!r}")
             set_("refit", bool(self.refit))
-        checks = {
-            "sparsity": dict(lo=0, hi=1, lo_open=True),
-            "hard_negatives": dict(lo=0, hi=1 << 20, integer=True),
-            "K": dict(lo=1, hi=32, integer=True), "L": dict(lo=1, hi=4096, integer=True),
-            "range_pow": dict(lo=1, hi=30, integer=True), "bucket_size": dict(lo=1, hi=1 << 16, integer=True),
-            "rehash_every": dict(lo=1, integer=True), "rebuild_every": dict(lo=1, integer=True),
-            "rehash_growth": dict(lo=1, hi=100, none=False),
-            "lr": dict(lo=0, hi=10, lo_open=True), "beta1": dict(lo=0, hi=0.999999, none=False),
-            "beta2": dict(lo=0, hi=0.999999, none=False), "eps": dict(lo=0, hi=1, lo_open=True, none=False),
-            "weight_decay": dict(lo=0, hi=1e4), "batch_size": dict(lo=1, hi=1 << 20, integer=True),
-            "epochs": dict(lo=1, hi=100_000, integer=True),
-            "validation_fraction": dict(lo=0, hi=0.5, lo_open=True, none=False),
-            "n_iter_no_change": dict(lo=1, hi=10_000, integer=True, none=False),
-            "threads": dict(lo=1, hi=4096, integer=True),
-            "seed": dict(lo=0, hi=2**32 - 1, integer=True, none=False),
-        }
-        for name, kw in checks.items():
+        for name, kw in _NUMBER_CHECKS.items():
             set_(name, _number(name, getattr(self, name), **kw))
 
     def replace(self, **changes) -> "SlideConfig":
@@ -252,22 +255,18 @@ RARE_SHARE = 0.5
 RARE_POSITIVES = 0.1
 
 
-#: the settings ``fit`` may choose on a held-out slice instead of the rule's (:func:`resolve`)
-CHOICE_KEYS = ("width", "weight_decay")
+#: the settings ``fit`` may choose on a held-out slice instead of the rule's (:func:`resolve`),
+#: with the bounds of the settings they stand for: a hidden layer's size and ``weight_decay``
+CHOICE_CHECKS = {"width": dict(lo=1, integer=True), "weight_decay": _NUMBER_CHECKS["weight_decay"]}
 
 
 def checked_choice(choice) -> dict:
-    """``choice`` (a dict of :data:`CHOICE_KEYS`, or None) validated; ``{}`` for None."""
+    """``choice`` (a dict of :data:`CHOICE_CHECKS`' keys, or None) validated; ``{}`` for None."""
     if choice is None:
         return {}
-    if not isinstance(choice, dict) or not set(choice) <= set(CHOICE_KEYS):
-        raise ValueError(f"a choice is a dict of {', '.join(CHOICE_KEYS)}, got {choice!r}")
-    out = {}
-    if "width" in choice:
-        out["width"] = _number("width", choice["width"], lo=1, integer=True, none=False)
-    if "weight_decay" in choice:
-        out["weight_decay"] = _number("weight_decay", choice["weight_decay"], lo=0, hi=1e4, none=False)
-    return out
+    if not isinstance(choice, dict) or not set(choice) <= set(CHOICE_CHECKS):
+        raise ValueError(f"a choice is a dict of {', '.join(CHOICE_CHECKS)}, got {choice!r}")
+    return {k: _number(k, v, **CHOICE_CHECKS[k], none=False) for k, v in choice.items()}
 
 
 def choice_name(choice: dict) -> str:
