@@ -16,7 +16,7 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "checked_choice", "choice_name", "CHOICE_CHECKS",
+__all__ = ["SlideConfig", "resolve", "checked_choice", "next_choice", "choice_name", "CHOICE_CHECKS",
            "sampled_width", "touched_share", "rare_share",
            "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
            "HASH_FAMILIES", "BUCKET_POLICIES"]
@@ -210,14 +210,18 @@ REFIT_ROWS = 10_000
 WIDE_HIDDEN = 2048
 
 #: where the output layer is computed whole and the rule gives its rows decay 1 every step,
-#: ``fit`` also trains with this lighter decay, early-stopped on the same held-out slice, and
-#: keeps the run with the better validation loss: decay 1 holds back rows whose evidence is
-#: diluted among many features (rows of 236 features, a tenth of them telling: P@1 0.86 against
-#: 0.98), while the real sets here mostly want 1 (0.3 lower in 11 of 14 runs, by up to 0.027).
-#: The loss took 0.3 there (+0.12) and on stackex_cs (+0.002, +0.005) and decay 1 on every other
-#: real run; the few-steps settings as the alternative lost 0.084 P@1 over the runs it was taken
-#: in (bench/results/accuracy_experiments.md)
-LIGHT_DECAY = 0.3
+#: ``fit`` also trains with lighter decays, early-stopped on the same held-out slice, and keeps
+#: the run with the best validation loss: first the first of these, then each next one for as
+#: long as the last one tried is the best run so far (:func:`next_choice`). Decay 1 holds back
+#: rows whose evidence is diluted among many features (rows of 236 features, a tenth of them
+#: telling: P@1 0.86 against 0.98 at 0.3), while the real sets here mostly want 1 (0.3 lower in
+#: 11 of 14 runs, by up to 0.027). The loss took 0.3 there (+0.12) and on stackex_cs (+0.002,
+#: +0.005), and decay 1 on every other real run; where 0.3 won, 0.1 lost to it on the slice
+#: and on the test rows, except on shapes that want lighter decay still (dense rows of 120
+#: features: P@5 0.613 / 0.645 / 0.653 at 0.3 / 0.1 / 0.03, the slice's loss in the same
+#: order; 0.01, 0.654, is not worth a run). The few-steps settings as the alternative lost
+#: 0.084 P@1 over the runs they were taken in (bench/results/accuracy_experiments.md)
+LIGHT_DECAYS = (0.3, 0.1, 0.03)
 
 #: a sampled output layer is as wide as its state (weights, two Adam moments and early
 #: stopping's best weights: 16 bytes a weight) allows within this budget, 512 at most, 128 at least.
@@ -267,6 +271,15 @@ def checked_choice(choice) -> dict:
     if not isinstance(choice, dict) or not set(choice) <= set(CHOICE_CHECKS):
         raise ValueError(f"a choice is a dict of {', '.join(CHOICE_CHECKS)}, got {choice!r}")
     return {k: _number(k, v, **CHOICE_CHECKS[k], none=False) for k, v in choice.items()}
+
+
+def next_choice(choice: dict) -> dict | None:
+    """The choice ``fit`` tries next where ``choice``'s run is the best so far: the next of
+    :data:`LIGHT_DECAYS` after a choice of one of them (lighter decay, while it keeps paying),
+    None after the last one and after any other choice."""
+    if set(choice) != {"weight_decay"} or choice["weight_decay"] not in LIGHT_DECAYS[:-1]:
+        return None
+    return {"weight_decay": LIGHT_DECAYS[LIGHT_DECAYS.index(choice["weight_decay"]) + 1]}
 
 
 def choice_name(choice: dict) -> str:
@@ -343,9 +356,10 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
       slice, keeping the run with the best validation score (:func:`slide.train.fit_loop`):
       ``{}`` (the rule's own) first, then ``{"width": WIDE_HIDDEN}`` where ``hidden`` is not
       set, the output is computed whole, the refit runs and the wide layer's state fits
-      :data:`OUTPUT_STATE_BYTES`, and ``{"weight_decay": LIGHT_DECAY}`` where ``weight_decay``
-      is not set, the output is computed whole and the rule gives decay 1; empty where there is
-      nothing to choose, without early stopping, or where ``choice`` is given. ``choice``: the
+      :data:`OUTPUT_STATE_BYTES`, and ``{"weight_decay": LIGHT_DECAYS[0]}`` where ``weight_decay``
+      is not set, the output is computed whole and the rule gives decay 1 (``fit`` goes on to
+      the lighter ones while each wins: :func:`next_choice`); empty where there is nothing to
+      choose, without early stopping, or where ``choice`` is given. ``choice``: the
       one ``fit`` chose, whose values replace the rule's (not settings given in ``config``);
       None before a choice is made.
     """
@@ -400,7 +414,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
         if c.hidden is None and not sampled and out["refit"] and wide_fits:
             out["choices"].append({"width": WIDE_HIDDEN})
         if c.weight_decay is None and not sampled and out["weight_decay"] == 1.0:
-            out["choices"].append({"weight_decay": LIGHT_DECAY})
+            out["choices"].append({"weight_decay": LIGHT_DECAYS[0]})
         if out["choices"]:
             out["choices"].insert(0, {})
     # an input row is trained only in the steps whose samples hold its feature, and a rare

@@ -9,7 +9,7 @@ that is not engine-specific):
 * ``check_data(X, Y, where, fitted)``: validated float32 CSR ``X`` and CSR indicator ``Y``;
 * ``initialize(X, Y, choice=None)``: fit the preprocessing on the training rows, draw fresh
   parameters (``choice``: settings to use instead of the rule's, one of
-  ``resolved_["choices"]``);
+  ``resolved_["choices"]`` or a :func:`slide.config.next_choice` of one);
 * ``preprocess(X)``: the fitted preprocessing (CSR in, float32 CSR out);
 * ``train_epoch(Xp, Y, order, progress)``: one pass over preprocessed rows in ``order``
   (the mixin runs ``train_step`` over consecutive batches of ``batch_size_``); returns a dict
@@ -40,7 +40,7 @@ import scipy.sparse as sp
 from sklearn.exceptions import NotFittedError
 from sklearn.utils import ClassifierTags
 
-from slide.config import choice_name
+from slide.config import choice_name, next_choice
 from slide.data import DataFormatError, read_dataset, shuffle_rows, take_rows
 from slide.resources import ModelTooLargeError, peak_rss_mb
 from slide.synthetic import load_default
@@ -325,16 +325,17 @@ def _progress_bar(progress: bool, total: int, desc: str):
 
 def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **fit_kw):
     """Train ``model`` afresh on ``X, Y`` with each choice in ``choices``, early-stopped on
-    ``validation``; return the choice with the best validation score (ties: the earlier one)
-    and leave the model with that run's record (``history_``, ``early_stopping_``,
-    ``stopping_`` with ``"choice"``: its name, its settings and every choice's score). With
-    ``keep`` the model is the chosen run as trained (the best run so far is held while the next
-    trains: two models in memory); otherwise its parameters are the last run's until the refit
-    replaces them. ``on_epoch`` sees each run's records with the name of its ``"choice"``.
-    A choice too large for this machine's free memory is not tried. Checkpoints saved on the
-    way hold the run in progress: one resumed from them continues that run, without choosing."""
-    scores, best, records, state = {}, None, None, None
-    for i, choice in enumerate(choices):
+    ``validation``, and after a run that scores best so far with its :func:`next_choice` too;
+    return the choice with the best validation score (ties: the earlier one) and leave the
+    model with that run's record (``history_``, ``early_stopping_``, ``stopping_`` with
+    ``"choice"``: its name, its settings and every run's score). With ``keep`` the model is the
+    chosen run as trained (the best run so far is held while the next trains: two models in
+    memory); otherwise its parameters are the last run's until the refit replaces them.
+    ``on_epoch`` sees each run's records with the name of its ``"choice"``. A choice too large
+    for this machine's free memory is not tried. Checkpoints saved on the way hold the run in
+    progress: one resumed from them continues that run, without choosing."""
+    queue, scores, best, records, state = list(choices), {}, None, None, None
+    for i, choice in enumerate(queue):  # the queue grows while a run is the best so far
         name = choice_name(choice)
         shown = None if on_epoch is None else \
             (lambda m, record, name=name: on_epoch(m, {**record, "choice": name}))
@@ -348,10 +349,12 @@ def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **f
         # a run whose loss diverged scores NaN: it ranks below any other
         if best is None or _ranked(scores[name]) > _ranked(scores[choice_name(best)]):
             best = choice
+            if next_choice(choice) is not None:
+                queue.append(next_choice(choice))
             # the refit needs the run's kept epochs and their learning rates; with keep, the
             # whole run is held while a later run replaces it (or fails half-way)
             records = (model.early_stopping_, model.history_, model.stopping_)
-            state = model.fitted_state() if keep and i < len(choices) - 1 else None
+            state = model.fitted_state() if keep and i < len(queue) - 1 else None
     if state is not None:
         model.restore_fitted(state)
     model.early_stopping_, model.history_, model.stopping_ = records

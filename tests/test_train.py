@@ -9,9 +9,9 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, resources
-from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS, RARE_SHARE,
-                          REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, LIGHT_DECAY, SlideConfig, positives_per_step,
-                          rare_share, resolve, sampled_width, touched_share)
+from slide.config import (HARD_NEGATIVES, LIGHT_DECAYS, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS,
+                          RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig, next_choice,
+                          positives_per_step, rare_share, resolve, sampled_width, touched_share)
 from slide.resources import model_memory_bytes
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
@@ -360,7 +360,7 @@ def test_choices_follow_the_rule(tiny_data):
     # output whole, the refit runs and its state fits the budget, and the light decay where the
     # decay is derived and would be 1; nothing where a choice was made or there is no early stop
     whole = dict(n_features=1449, n_labels=45, n_train=300)
-    wide, light = {"width": WIDE_HIDDEN}, {"weight_decay": LIGHT_DECAY}
+    wide, light = {"width": WIDE_HIDDEN}, {"weight_decay": LIGHT_DECAYS[0]}
     assert resolve(SlideConfig(), **whole)["choices"] == [{}, wide, light]
     assert resolve(SlideConfig(hidden=(64,)), **whole)["choices"] == [{}, light]
     assert resolve(SlideConfig(refit=False), **whole)["choices"] == [{}, light]
@@ -376,7 +376,7 @@ def test_choices_follow_the_rule(tiny_data):
     # a choice replaces the rule's values, not settings given, and leaves nothing to choose
     chosen = resolve(SlideConfig(), **whole, choice=wide)
     assert chosen["hidden"] == [WIDE_HIDDEN] and chosen["choices"] == []
-    assert resolve(SlideConfig(), **whole, choice=light)["weight_decay"] == LIGHT_DECAY
+    assert resolve(SlideConfig(), **whole, choice=light)["weight_decay"] == LIGHT_DECAYS[0]
     assert resolve(SlideConfig(weight_decay=0.5), **whole, choice=light)["weight_decay"] == 0.5
     assert resolve(SlideConfig(), **whole, choice={}) == {**resolve(SlideConfig(), **whole), "choices": []}
     for bad in ({"width": 0}, {"lr": 1.0}, [("width", 2)]):
@@ -392,12 +392,19 @@ def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     kw = dict(threads=1, seed=0, epochs=3)
     m = SlideClassifier(**kw).fit(X, Y)
     tr, va = validation_split(1000, 0.1, 0)
-    settings = {"rule": (512, 1.0), "hidden 2048": (WIDE_HIDDEN, 1.0), "decay 0.3": (512, LIGHT_DECAY)}
-    runs = {name: SlideClassifier(hidden=(w,), weight_decay=d, **kw)
-            .fit(X[tr], Y[tr], validation=(X[va], Y[va])) for name, (w, d) in settings.items()}
-    scores = {name: run.early_stopping_.best_score for name, run in runs.items()}
+    settings = {"rule": (512, 1.0), "hidden 2048": (WIDE_HIDDEN, 1.0),
+                **{f"decay {d:g}": (512, d) for d in LIGHT_DECAYS}}
     c = m.stopping_["choice"]
+    names = list(c["validation_scores"])
+    runs = {name: SlideClassifier(hidden=settings[name][:1], weight_decay=settings[name][1], **kw)
+            .fit(X[tr], Y[tr], validation=(X[va], Y[va])) for name in names}
+    scores = {name: run.early_stopping_.best_score for name, run in runs.items()}
     assert c["validation_scores"] == pytest.approx(scores, rel=1e-6)
+    # the lighter decays follow one another while the last one tried is the best so far
+    assert names[:3] == ["rule", "hidden 2048", "decay 0.3"]
+    for i in range(2, len(names)):
+        best_so_far = max(names[:i + 1], key=scores.get) == names[i]
+        assert best_so_far == (i + 1 < len(names)) or names[i] == f"decay {LIGHT_DECAYS[-1]:g}"
     assert c["chosen"] == max(scores, key=scores.get) and m.choice_ == c["settings"]
     # the refit follows the chosen run's record, whichever run trained last
     chosen = runs[c["chosen"]]
@@ -446,6 +453,33 @@ def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
     np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
 
 
+def test_lighter_decays_are_tried_while_each_is_the_best_so_far(tiny_data):
+    assert [next_choice({"weight_decay": d}) for d in LIGHT_DECAYS] == \
+        [{"weight_decay": d} for d in LIGHT_DECAYS[1:]] + [None]
+    for choice in ({}, {"width": WIDE_HIDDEN}, {"weight_decay": 0.5},
+                   {"width": WIDE_HIDDEN, "weight_decay": LIGHT_DECAYS[0]}):
+        assert next_choice(choice) is None
+    X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
+    kw = dict(threads=1, seed=0, epochs=2)
+    # the loss made to fall with the decay: every rung is tried, the lightest is kept
+    lighter_is_better = _validation_loss_as(
+        lambda choice, loss: loss + 10.0 * choice.get("weight_decay", 2.0 if choice else 1.0))
+    m = lighter_is_better(**kw).fit(X, Y, validation=(Xv, Yv))
+    c = m.stopping_["choice"]
+    assert list(c["validation_scores"]) == ["rule", "hidden 2048"] + [f"decay {d:g}" for d in LIGHT_DECAYS]
+    assert m.choice_ == {"weight_decay": LIGHT_DECAYS[-1]} == c["settings"]
+    # 0.3 the best and 0.1 worse: the ladder stops there, and the model is the 0.3 run as it
+    # was trained, though the 0.1 run trained after it
+    best_at_first_rung = _validation_loss_as(
+        lambda choice, loss: loss + {LIGHT_DECAYS[0]: -10.0}.get(choice.get("weight_decay"), 10.0))
+    m = best_at_first_rung(**kw).fit(X, Y, validation=(Xv, Yv))
+    c = m.stopping_["choice"]
+    assert list(c["validation_scores"]) == ["rule", "hidden 2048", "decay 0.3", "decay 0.1"]
+    assert m.choice_ == {"weight_decay": LIGHT_DECAYS[0]} and m.resolved_["weight_decay"] == LIGHT_DECAYS[0]
+    alone = SlideClassifier(hidden=(512,), weight_decay=LIGHT_DECAYS[0], **kw).fit(X, Y, validation=(Xv, Yv))
+    np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
+
+
 def test_a_run_whose_loss_diverged_is_not_chosen(tiny_data):
     X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
     diverged_rule = _validation_loss_as(lambda choice, loss: float("nan") if choice == {} else loss)
@@ -482,7 +516,8 @@ def test_a_choice_too_large_for_free_memory_is_not_tried(monkeypatch, tiny_data)
                                   X.shape[1], Y.shape[1], 1)["total"] for w in (512, WIDE_HIDDEN)}
     monkeypatch.setattr(resources, "available_memory_bytes", lambda: (need[512] + need[WIDE_HIDDEN]) // 2)
     m = SlideClassifier(threads=1, seed=0, epochs=2).fit(X, Y)
-    assert list(m.stopping_["choice"]["validation_scores"]) == ["rule", "decay 0.3"]
+    tried = list(m.stopping_["choice"]["validation_scores"])
+    assert tried[:2] == ["rule", "decay 0.3"] and "hidden 2048" not in tried
     assert m.resolved_["hidden"] == [512]
     monkeypatch.setattr(resources, "available_memory_bytes", lambda: need[512] // 2)
     with pytest.raises(resources.ModelTooLargeError):
