@@ -26,7 +26,10 @@ at 670K labels), and a pool row that is no sample's own, in :func:`pool_gradient
 rows' gradients are summed in the step's *compact gradient*, a row for each of them (its slot,
 given by :func:`mark_rows`) instead of a full-size array that a step would write at scattered
 rows, lock-free (Hogwild): threads may race on a row and lose an addition, by design; Adam then
-updates those rows (:func:`adam_rows`). With one thread everything is deterministic.
+updates those rows (:func:`adam_rows`). Input rows that several samples hold are the exception:
+each one's gradient is summed by one thread over the samples after their pass
+(:func:`backward_hidden`), where a feature most samples hold would have its row's cache lines
+taken from thread to thread. With one thread everything is deterministic.
 
 The per-sample kernels (:func:`select_active`, :func:`output_step`, :func:`backward_hidden`)
 run one loop on each of ``n_threads`` threads, each claiming the batch's next unclaimed sample
@@ -432,20 +435,21 @@ def _prefetch_update(i, at, B, G):
 #: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange
 #: body gets it from parallel=True; a kernel it calls does not)
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_CONTRACT)
-def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, slots, k_w, Wh, h_off, sizes, gW0,
-                     gb0, gWh, gbh, b_off, dbuf):
-    """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) to all hidden
-    parameters; an input row marked ALONE in ``owners`` gets its Adam step here (``W0``: the
-    input layer's row block; constants ``k_w``), the others add to row ``slots[f]`` of the
-    compact gradient ``gW0``. ``dbuf`` is scratch of size max(sizes) * 2."""
+def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, sizes, gWh, gbh,
+                     b_off, dbuf, d_first):
+    """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) through the
+    hidden stack (its gradients added to ``gWh``/``gbh``, Hogwild) to the first hidden layer's
+    pre-activation, written to ``d_first`` [H0]; an input row marked ALONE in ``owners`` gets
+    its Adam step here (``W0``: the input layer's row block; constants ``k_w``), the others are
+    left to :func:`_shared_input_rows`. ``dbuf`` is scratch of size max(sizes) * 2."""
     n_layers = sizes.size
     # offsets of each layer's activation inside act
     lo_last = 0
     for l in range(n_layers - 1):
         lo_last += sizes[l]
-    m = dbuf.size // 2
-    cur = dbuf[:m]
-    nxt = dbuf[m:]
+    half = dbuf.size // 2
+    cur = dbuf[:half]
+    nxt = dbuf[half:]
     H = sizes[n_layers - 1]
     for j in range(H):
         cur[j] = dh_last[j] if act[lo_last + j] > 0 else np.float32(0.0)
@@ -472,42 +476,101 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, slots, k_w, Wh, h_
         for j in range(n_in):
             cur[j] = nxt[j] if prev[j] > 0 else np.float32(0.0)
         lo = lo_in
-    H0 = sizes[0]
-    for j in range(H0):
-        gb0[j] += cur[j]
+    copy_into(d_first, cur[:sizes[0]])
     for p in range(x_ids.size):
-        if p + _AHEAD < x_ids.size:
-            ahead = x_ids[p + _AHEAD]
-            _prefetch_update(ahead, _grad_row(owners, slots, ahead, ALONE), W0, gW0)
+        if p + _AHEAD < x_ids.size and owners[x_ids[p + _AHEAD]] == ALONE:
+            prefetch_w(W0[x_ids[p + _AHEAD]])
         f = x_ids[p]
-        _update_row(f, _grad_row(owners, slots, f, ALONE), W0, gW0, cur, x_vals[p], k_w)
+        if owners[f] == ALONE:
+            w, m, v = row_parts(W0, f)
+            _adam_row(w, m, v, d_first, x_vals[p], k_w)
+
+
+@njit(cache=True, nogil=True)
+def _shared_pairs(x_indptr, x_indices, x_data, owners, slots, n_shared, starts, pair_rows,
+                  pair_vals):
+    """The batch's entries in SHARED input rows grouped by row: the entries of the row at slot
+    s (:func:`mark_ids`) are ``pair_rows`` (their sample) and ``pair_vals`` (their value) at
+    ``starts[s]:starts[s + 1]``, in sample order (a counting sort; ``starts`` int64 [S + 1])."""
+    starts[:n_shared + 1] = 0
+    for p in range(x_indices.size):
+        f = x_indices[p]
+        if owners[f] == SHARED:
+            starts[slots[f] + 1] += 1
+    for s in range(n_shared):
+        starts[s + 1] += starts[s]
+    for r in range(x_indptr.size - 1):  # each entry at its row's next place
+        for p in range(x_indptr[r], x_indptr[r + 1]):
+            f = x_indices[p]
+            if owners[f] == SHARED:
+                k = starts[slots[f]]
+                pair_rows[k] = r
+                pair_vals[k] = x_data[p]
+                starts[slots[f]] = k + 1
+    for s in range(n_shared, 0, -1):  # each start was moved to the next row's
+        starts[s] = starts[s - 1]
+    starts[0] = 0
+
+
+@njit(cache=True, nogil=True, fastmath=_CONTRACT)
+def _shared_input_rows(D, starts, pair_rows, pair_vals, gW0, lo, hi):
+    """The gradients of the SHARED input rows at slots ``lo:hi``, each summed in sample order
+    over the batch's entries in it (:func:`_shared_pairs`) into its row of ``gW0``, from the
+    samples' first-layer gradients ``D`` [n, H0]."""
+    for s in range(lo, hi):
+        g = gW0[s]
+        for k in range(starts[s], starts[s + 1]):
+            v, d = pair_vals[k], D[pair_rows[k]]
+            for j in range(g.size):
+                g[j] += v * d[j]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, Wh, h_off, sizes,
-                    gW0, gb0, gWh, gbh, b_off, n_threads, dbuf, lr, beta1, beta2, eps, step,
-                    weight_decay):
+def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_shared, Wh,
+                    h_off, sizes, gW0, gb0, gWh, gbh, b_off, n_threads, dbuf, D, starts,
+                    pair_rows, pair_vals, lr, beta1, beta2, eps, step, weight_decay):
     """Back-propagate ``dH`` [n, H_last] (gradient w.r.t. the last hidden activations, already
-    scaled by 1/n) into the hidden layers' gradients (Hogwild); ``dbuf`` [n_threads, 2·max H].
+    scaled by 1/n) into the hidden layers' gradients; ``dbuf`` [n_threads, 2·max H].
 
-    An input row marked ALONE in ``owners`` uint8 [n_features] (:func:`mark_ids`: a feature of
-    one sample of the batch, most of them at Amazon-670K shape) has its whole gradient in that
-    sample's pass and gets its Adam step there (``W0``: the input layer's row block
-    [n_features, 3·H0]; Adam's hyperparameters for ``step``, as :func:`adam_rows`), while its
-    weights no longer feed this batch; the others add their gradients to the step's compact
-    gradient ``gW0`` [S, H0] at their ``slots`` int32 [n_features] (:func:`mark_ids`) for Adam
-    after the batch. ``n_threads`` threads claim the samples one at a time (see the module
-    docstring), each with its row of ``dbuf``."""
+    First per sample: the hidden stack's gradients (Hogwild), and the sample's first-layer
+    gradient into ``D`` float32 [n, H0]. An input row marked ALONE in ``owners`` uint8
+    [n_features] (:func:`mark_ids`: a feature of one sample of the batch, most of them at
+    Amazon-670K shape) has its whole gradient in that sample's pass and gets its Adam step
+    there (``W0``: the input layer's row block [n_features, 3·H0]; Adam's hyperparameters for
+    ``step``, as :func:`adam_rows`). ``n_threads`` threads claim the samples one at a time (see
+    the module docstring), each with its row of ``dbuf``.
+
+    Then the ``n_shared`` other rows: each one's gradient, summed over the samples that hold
+    it, into the step's compact gradient ``gW0`` [S, H0] at its ``slots`` int32 [n_features]
+    (:func:`mark_ids`) for Adam after the batch, and the input biases' into ``gb0``, each sum
+    by one thread in sample order. Added by every sample as it went, the rows of features that
+    most samples hold took each write as a cache line the other threads had just taken: on
+    rows of 120 dense features this pass took 13.6 us a sample on 2 threads, 3.3 now
+    (bench/README.md). Scratch for the rows' entries, :func:`_shared_pairs`: ``starts`` int64
+    [S + 1], ``pair_rows`` int32 and ``pair_vals`` float32 [nnz]."""
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     n = x_indptr.size - 1
+    _shared_pairs(x_indptr, x_indices, x_data, owners, slots, n_shared, starts, pair_rows,
+                  pair_vals)
     next_row = np.zeros(1, np.int64)  # the next sample to claim
     for c in prange(n_threads):
         r = fetch_add(next_row, 1)
         while r < n:
             lo, hi = x_indptr[r], x_indptr[r + 1]
-            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, owners, slots,
-                             k_w, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off, dbuf[c])
+            _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, owners, k_w,
+                             Wh, h_off, sizes, gWh, gbh, b_off, dbuf[c], D[r])
             r = fetch_add(next_row, 1)
+    # each thread a run of rows holding about as many entries as the others'
+    bounds = np.searchsorted(starts[:n_shared + 1],
+                             np.arange(n_threads + 1) * starts[n_shared] // n_threads)
+    bounds[n_threads] = n_shared
+    H0 = gb0.size
+    for c in prange(n_threads):
+        _shared_input_rows(D, starts, pair_rows, pair_vals, gW0, bounds[c], bounds[c + 1])
+        for r in range(n):  # the biases: each thread a block of them
+            d = D[r]
+            for j in range(c * H0 // n_threads, (c + 1) * H0 // n_threads):
+                gb0[j] += d[j]
 
 
 # --------------------------------------------------------------------------------------------

@@ -285,6 +285,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._scratch_key = None
         self._pool_buf = None
         self._in_lists = np.empty((3, 0), np.int32)
+        self._pairs = (np.zeros(1, np.int64), np.empty(0, np.int32), np.empty(0, np.float32))
         self._numbers = np.arange(0, dtype=np.int32)
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
         self._tables_stale = False
@@ -353,8 +354,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if "W0" not in self.grads_ or self.grads_["W0"].shape[0] < need:
             # a quarter more room, so that a slightly fuller batch does not allocate again
             self.grads_["W0"] = np.zeros((min(need + need // 4, n_features), H0), np.float32)
-        if self._in_lists.shape[1] < nnz:  # kernels.mark_ids' three lists of input rows
-            self._in_lists = np.empty((3, nnz + nnz // 4), np.int32)
+        if self._in_lists.shape[1] < nnz:
+            room = nnz + nnz // 4
+            self._in_lists = np.empty((3, room), np.int32)  # kernels.mark_ids' lists of input rows
+            # kernels.backward_hidden's entries of the shared input rows, grouped by row
+            self._pairs = (np.empty(room + 1, np.int64), np.empty(room, np.int32),
+                           np.empty(room, np.float32))
         old = self._scratch_key
         if old is None or old[0] != t or old[1] < width or old[2] < n_rows:
             width = max(width, old[1] if old else 0)
@@ -367,6 +372,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._logits = np.zeros((t, width), np.float32)
             self._dbuf = np.zeros((t, 2 * int(self._sizes.max())), np.float32)
             self._dH = np.empty((n_rows, int(self._sizes[-1])), np.float32)
+            self._d_first = np.empty((n_rows, int(self._sizes[0])), np.float32)
             self._losses = np.empty(n_rows, np.float32)
             self._touched = np.zeros(n_rows * width + self.resolved_["pool"], np.int32)
             self._shared = np.zeros_like(self._touched)
@@ -506,9 +512,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         n_in, n_in_shared = kernels.mark_ids(Xb.indices, self._owners_in, in_place, in_touched,
                                              self._slots_in, in_rows)
         kernels.backward_hidden(Xb.indptr.astype(np.int64), Xb.indices, Xb.data, acts, dH,
-                                blocks["W0"], self._owners_in, self._slots_in, p["Wh"],
-                                self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"], g["bh"],
-                                self._b_off, n_threads, self._dbuf, *hyper)
+                                blocks["W0"], self._owners_in, self._slots_in, n_in_shared,
+                                p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"],
+                                g["bh"], self._b_off, n_threads, self._dbuf, self._d_first[:n],
+                                *self._pairs, *hyper)
         t0 = self._tick("backward_hidden", t0)
         # the rows updated in place are listed only for data parallelism's averages
         listed = dp is not None

@@ -420,6 +420,11 @@ def _output_case(in_place: bool):
                 shared=shared, in_place=rest[:n_in_place])
 
 
+def _pair_scratch(nnz: int):
+    """backward_hidden's scratch for the entries of shared input rows."""
+    return np.zeros(nnz + 1, np.int64), np.zeros(nnz, np.int32), np.zeros(nnz, np.float32)
+
+
 def _claimed_step(threads: int):
     """select_active, mark_rows, output_step and backward_hidden on a batch of 9 samples whose
     own sets and input features are their own alone (one label shared with the pool), on
@@ -469,23 +474,25 @@ def _claimed_step(threads: int):
         assert mean == pytest.approx(losses.astype(np.float64).mean(), rel=1e-12)
         owners_in, touched_in = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
         slots_in, shared_in = np.zeros(n_f, np.int32), np.zeros(X.nnz, np.int32)
-        K.mark_ids(X.indices, owners_in, True, touched_in, slots_in, shared_in)
-        gb0 = np.zeros(H, np.float32)
+        _, n_shared = K.mark_ids(X.indices, owners_in, True, touched_in, slots_in, shared_in)
+        gW0, gb0 = np.zeros((X.nnz, H), np.float32), np.zeros(H, np.float32)
         K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, W0, owners_in,
-                          slots_in, np.zeros(1, np.float32), np.zeros(1, np.int64),
-                          np.array([H], np.int64), np.zeros((1, H), np.float32), gb0,
+                          slots_in, n_shared, np.zeros(1, np.float32), np.zeros(1, np.int64),
+                          np.array([H], np.int64), gW0, gb0,
                           np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.int64),
-                          T, np.zeros((T, 2 * H), np.float32), *hyper)
+                          T, np.zeros((T, 2 * H), np.float32), np.zeros((n, H), np.float32),
+                          *_pair_scratch(X.nnz), *hyper)
     return dict(active=active, n_active=n_active, zpool=zpool, B=B, b=b, bM=bM, bV=bV, gW=gW,
-                gb=gb, dH=dH, losses=losses, W0=W0)
+                gb=gb, dH=dH, losses=losses, W0=W0, gb0=gb0)
 
 
 def test_threads_claiming_samples_give_each_sample_what_one_thread_gives():
     """The per-sample kernels share a batch out as each thread finishes a sample: on 2 threads
     every sample is processed once, and everything a sample alone writes (its active set, pool
     logit gradients, loss, hidden gradient, the rows it alone touches, updated in place) is the
-    same bits as on one thread. (Sums over samples, such as the input bias gradient, are
-    Hogwild's: two threads may race on them and lose an addition, so they are not compared.)"""
+    same bits as on one thread, and so is the input biases' gradient, summed over the samples
+    by one thread. (Rows of the output layer that two samples add to are Hogwild's: here one
+    sample adds to the shared one.)"""
     one, two = _claimed_step(1), _claimed_step(2)
     assert list(one["n_active"]) == [2, 1, 1, 2, 1, 1, 2, 1, 0]
     for k in one:
@@ -495,6 +502,51 @@ def test_threads_claiming_samples_give_each_sample_what_one_thread_gives():
     # the last sample's whole softmax is its pool's: its probabilities, scaled by 1/n, sum to 1/n
     np.testing.assert_allclose(one["zpool"][-1].sum(), 1 / 9, rtol=1e-5)
     assert one["gW"].any()  # the shared row got sample 0's gradient
+
+
+def test_shared_input_rows_sum_their_samples_in_order_on_any_thread_count():
+    """An input row that several samples of the batch hold gets its gradient summed over them
+    by one thread, in sample order: X.T @ D over those rows (D: each sample's first-layer
+    gradient, dH where the unit is active), the same bits on 1 and 2 threads; the biases' is
+    D's column sums. Rows of one sample get their Adam step instead, not a gradient row."""
+    import scipy.sparse as sp
+
+    import slide.kernels as K
+    from lsh import engine_threads
+
+    rng = np.random.default_rng(5)
+    n, n_f, H = 40, 16, 8
+    dense = np.where(rng.random((n, n_f)) < 0.4, rng.random((n, n_f)) + 0.5, 0).astype(np.float32)
+    dense[:, 12:] = 0
+    dense[[3, 3, 17, 39], [12, 13, 14, 15]] = 1.5  # features of one sample each
+    X = sp.csr_matrix(dense)
+    acts = rng.standard_normal((n, H)).astype(np.float32)  # about half the units active
+    dH = rng.standard_normal((n, H)).astype(np.float32)
+    D = np.where(acts > 0, dH, 0).astype(np.float32)
+    hyper = (1e-2, 0.9, 0.999, 1e-8, 3, 0.1)
+    out = {}
+    for threads in (1, 2):
+        with engine_threads(threads) as T:
+            W0 = _row_block(*(rng.standard_normal((n_f, H)).astype(np.float32) for _ in range(3)))
+            owners, touched = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
+            slots, shared = np.zeros(n_f, np.int32), np.zeros(X.nnz, np.int32)
+            _, n_shared = K.mark_ids(X.indices, owners, True, touched, slots, shared)
+            gW0, gb0 = np.zeros((X.nnz, H), np.float32), np.zeros(H, np.float32)
+            d_first = np.zeros((n, H), np.float32)
+            K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, W0, owners,
+                              slots, n_shared, np.zeros(1, np.float32), np.zeros(1, np.int64),
+                              np.array([H], np.int64), gW0, gb0, np.zeros(1, np.float32),
+                              np.zeros(1, np.float32), np.zeros(1, np.int64), T,
+                              np.zeros((T, 2 * H), np.float32), d_first, *_pair_scratch(X.nnz),
+                              *hyper)
+            out[threads] = gW0[:n_shared], gb0, d_first, shared[:n_shared].copy()
+    (g1, b1, d1, rows), (g2, b2, d2, rows2) = out[1], out[2]
+    assert 0 < rows.size < n_f and np.array_equal(rows, rows2)  # some rows of one sample only
+    assert np.array_equal(g1, g2) and np.array_equal(b1, b2) and np.array_equal(d1, d2)
+    np.testing.assert_array_equal(d1, D)
+    expected = (X.T.toarray().astype(np.float64) @ D)[rows]
+    np.testing.assert_allclose(g1, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b1, D.astype(np.float64).sum(0), rtol=1e-5, atol=1e-6)
 
 
 def test_output_step_softmax_is_own_set_and_the_random_rest_of_the_pool():
@@ -611,9 +663,9 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
         slots, shared = np.zeros(n_f, np.int32), np.zeros(X.nnz, np.int32)
         n, n_shared = K.mark_ids(X.indices, owners, in_place, touched, slots, shared)
         K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, B, owners,
-                          slots, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off,
+                          slots, n_shared, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off,
                           1, np.zeros((1, 2 * max(hidden)), np.float32),
-                          *hyper)
+                          np.zeros((3, H0), np.float32), *_pair_scratch(X.nnz), *hyper)
         alone = np.zeros(n, np.int32)
         n_alone = K.clear_marks(owners, touched[:n], alone)
         K.adam_rows(shared[:n_shared], np.arange(n_shared, dtype=np.int32), B, gW0, *hyper)
