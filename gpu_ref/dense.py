@@ -16,11 +16,10 @@ from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
 from slide.checkpoint import read_checkpoint, write_checkpoint
-from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters, rare_share,
+from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
                           parameter_shapes, resolve)
 from slide.data import check_xy, take_rows
 from slide.metrics import check_k, topk
-from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
 from slide.sampling import draw_key, shared_negatives
 from slide.train import EarlyStopping, TrainableMixin, fit_loop
@@ -243,10 +242,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     def initialize(self, X, Y, choice: dict | None = None) -> None:
         """As :meth:`slide.SlideClassifier.initialize`."""
         self.config_ = self._config()
-        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], X.shape[0]
-        self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
-        self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
-        self.labels_per_row_ = Y.nnz / max(X.shape[0], 1)
+        self.fit_data(X, Y)
         self.choice_ = choice
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1,

@@ -25,10 +25,9 @@ from lsh.tables import QueryScratch
 from slide import kernels
 from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, hidden_block, hidden_blocks,
-                          init_parameters, parameter_shapes, rare_share, resolve)
+                          init_parameters, parameter_shapes, resolve)
 from slide.data import check_xy
 from slide.metrics import check_k, topk, topk_product
-from slide.preprocess import Preprocessor
 from slide.resources import check_fits, model_memory_bytes
 from slide.sampling import draw_key, shared_negatives
 from slide.screen import SCREEN_MIN_LABELS, has_int8_dot, quantize_rows, screened_topk
@@ -212,14 +211,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         ``choice``: settings chosen on a held-out slice, one of ``resolved_["choices"]`` (see
         :func:`slide.train.fit_loop`); None before a choice is made."""
         self.config_ = SlideConfig(**self.get_params())
-        n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
-        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
-        self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
-        if distributed is not None:
-            distributed.merge_preprocessor(self.preprocessor_)
-        self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
-        n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
-        self.labels_per_row_ = n_positives / max(n_train, 1)
+        self.fit_data(X, Y, distributed)
         self.choice_ = choice
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,

@@ -7,7 +7,8 @@ that is not engine-specific):
 * ``fit_settings()``: early stopping, validation fraction, patience and seed (the current
   settings, valid before the model is fitted); after ``initialize``, ``resolved_["epochs"]``;
 * ``check_data(X, Y, where, fitted)``: validated float32 CSR ``X`` and CSR indicator ``Y``;
-* ``initialize(X, Y, choice=None)``: fit the preprocessing on the training rows, draw fresh
+* ``initialize(X, Y, choice=None)``: fit the preprocessing on the training rows (the mixin's
+  ``fit_data``, which also records what the defaults rule reads from them), draw fresh
   parameters (``choice``: settings to use instead of the rule's, one of
   ``resolved_["choices"]`` or a :func:`slide.config.next_choice` of one);
 * ``preprocess(X)``: the fitted preprocessing (CSR in, float32 CSR out);
@@ -40,8 +41,9 @@ import scipy.sparse as sp
 from sklearn.exceptions import NotFittedError
 from sklearn.utils import ClassifierTags
 
-from slide.config import choice_name, next_choice
+from slide.config import choice_name, next_choice, rare_share
 from slide.data import DataFormatError, read_dataset, shuffle_rows, take_rows
+from slide.preprocess import Preprocessor
 from slide.resources import ModelTooLargeError, peak_rss_mb
 from slide.synthetic import load_default
 
@@ -486,10 +488,10 @@ def _array_module(a):
 class TrainableMixin:
     """The engine-independent half of the step API and of the estimator interface.
 
-    A subclass provides ``fit_settings``, ``check_data``, ``initialize``, ``train_step``,
-    ``predict_topk`` and ``_params_changed`` (called after :meth:`restore`), and keeps its
-    parameters in the dict ``params_`` (numpy or cupy arrays) and its preprocessing in
-    ``preprocessor_``.
+    A subclass provides ``fit_settings``, ``check_data``, ``initialize`` (which sets
+    ``config_`` and calls :meth:`fit_data`), ``train_step``, ``predict_topk`` and
+    ``_params_changed`` (called after :meth:`restore`), and keeps its parameters in the dict
+    ``params_`` (numpy or cupy arrays) and its preprocessing in ``preprocessor_``.
     """
 
     def __sklearn_tags__(self):
@@ -499,6 +501,22 @@ class TrainableMixin:
         tags.target_tags.multi_output = True  # Y: a label-indicator matrix or label lists
         tags.classifier_tags = ClassifierTags(multi_class=True, multi_label=True)
         return tags
+
+    def fit_data(self, X, Y, distributed=None) -> None:
+        """Learn what the defaults rule reads from the training rows (``initialize``'s first
+        step, after ``config_`` is set): ``n_features_in_``, ``n_labels_``, ``n_train_``, the
+        preprocessing ``preprocessor_`` (``config_.norm``, ``config_.tfidf``) fitted on ``X``,
+        ``rare_share_`` (:func:`slide.config.rare_share`) and ``labels_per_row_``. With
+        ``distributed`` (a :class:`slide.distributed.DataParallel`), ``X``, ``Y`` are this
+        rank's shard and the counts and feature statistics are the whole data's."""
+        n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
+        n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
+        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
+        self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
+        if distributed is not None:
+            distributed.merge_preprocessor(self.preprocessor_)
+        self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
+        self.labels_per_row_ = n_positives / max(n_train, 1)
 
     def preprocess(self, X):
         """The model's fitted preprocessing of CSR ``X`` (float32 CSR, same shape)."""
