@@ -147,7 +147,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     the device while the current step runs.
     """
 
-    def __init__(self, hidden=None, norm="l2", tfidf=False, lr=None, beta1=0.9, beta2=0.999,
+    def __init__(self, hidden=None, norm="l2", tfidf=None, lr=None, beta1=0.9, beta2=0.999,
                  eps=1e-8, weight_decay=None, batch_size=None, epochs=None, early_stopping=True,
                  validation_fraction=0.1, n_iter_no_change=5, refit=None, seed=0, warm_start=False,
                  device="auto", negatives=None, precision="tf32"):
@@ -242,8 +242,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     def initialize(self, X, Y, choice: dict | None = None) -> None:
         """As :meth:`slide.SlideClassifier.initialize`."""
         self.config_ = self._config()
-        self.fit_data(X, Y)
         self.choice_ = choice
+        self.fit_data(X, Y)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1,
                                       compact_gradients=False),

@@ -35,6 +35,7 @@ def _positive(text):
 
 def _build_parser() -> argparse.ArgumentParser:
     from slide import __version__
+    from slide.config import IDF_CHOICE_ROWS
     from slide.synthetic import PRESETS
     p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
     p.add_argument("--version", action="version", version=f"slide {__version__}")
@@ -71,7 +72,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="decoupled weight decay, a multiple of the learning rate (default: 1, or "
                         "from the share of output rows a step touches when the output is sampled "
                         "or most non-zeros are in rare features)")
-    t.add_argument("--tfidf", action="store_true", help="weight features by idf (fitted on TRAIN)")
+    t.add_argument("--tfidf", action=argparse.BooleanOptionalAction, default=None,
+                   help="weight features by idf, fitted on TRAIN (default: chosen on the "
+                        f"validation slice below {IDF_CHOICE_ROWS:,} rows, else off)")
     t.add_argument("--no-norm", action="store_true", help="keep rows as given (default: L2-normalised)")
     t.add_argument("--no-early-stopping", action="store_true",
                    help="train every epoch on all rows (default: hold out a validation slice, "

@@ -58,7 +58,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     def __init__(self, hidden=None, hidden_sparsity=None, sparsity=None, hard_negatives=None,
                  hash_family="dwta", K=None, L=None, range_pow=None, bucket_size=None,
                  bucket_policy="reservoir", rehash_every=None, rehash_growth=1.25,
-                 rebuild_every=None, norm="l2", tfidf=False, lr=None, beta1=0.9, beta2=0.999,
+                 rebuild_every=None, norm="l2", tfidf=None, lr=None, beta1=0.9, beta2=0.999,
                  eps=1e-8, weight_decay=None, batch_size=None,
                  epochs=None, early_stopping=True, validation_fraction=0.1, n_iter_no_change=5,
                  refit=None, threads=None, seed=0, warm_start=False):
@@ -211,8 +211,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         ``choice``: settings chosen on a held-out slice, one of ``resolved_["choices"]`` (see
         :func:`slide.train.fit_loop`); None before a choice is made."""
         self.config_ = SlideConfig(**self.get_params())
-        self.fit_data(X, Y, distributed)
         self.choice_ = choice
+        self.fit_data(X, Y, distributed)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
                                       self.config_.threads or numba.config.NUMBA_NUM_THREADS),

@@ -10,7 +10,8 @@ that is not engine-specific):
 * ``initialize(X, Y, choice=None)``: fit the preprocessing on the training rows (the mixin's
   ``fit_data``, which also records what the defaults rule reads from them), draw fresh
   parameters (``choice``: settings to use instead of the rule's, one of
-  ``resolved_["choices"]`` or a :func:`slide.config.next_choice` of one);
+  ``resolved_["choices"]``, a :func:`slide.config.next_choice` of one, or the best of those
+  with one of ``resolved_["choices_on_best"]`` added);
 * ``preprocess(X)``: the fitted preprocessing (CSR in, float32 CSR out);
 * ``train_epoch(Xp, Y, order, progress)``: one pass over preprocessed rows in ``order``
   (the mixin runs ``train_step`` over consecutive batches of ``batch_size_``); returns a dict
@@ -41,7 +42,7 @@ import scipy.sparse as sp
 from sklearn.exceptions import NotFittedError
 from sklearn.utils import ClassifierTags
 
-from slide.config import choice_name, next_choice, rare_share
+from slide.config import choice_name, idf_weighted, next_choice, rare_share
 from slide.data import DataFormatError, read_dataset, shuffle_rows, take_rows
 from slide.preprocess import Preprocessor
 from slide.resources import ModelTooLargeError, peak_rss_mb
@@ -232,7 +233,8 @@ def fit_loop(model, X, Y, *, validation=None, progress: bool = False, on_epoch=N
         validation = (Xv, Yv)
     choices = model.resolved_["choices"]
     if choices and validation is not None and not continue_training and distributed is None:
-        chosen = _choose(model, X, Y, validation, choices, keep=not refit, held_out=held_out,
+        chosen = _choose(model, X, Y, validation, choices, model.resolved_["choices_on_best"],
+                         keep=not refit, held_out=held_out,
                          progress=progress, on_epoch=on_epoch, until_epoch=until_epoch,
                          eval_k=eval_k, save_every=save_every, on_save=on_save)
         if refit and model.early_stopping_.scores:
@@ -325,38 +327,44 @@ def _progress_bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, unit="samples", unit_scale=True, leave=True, desc=desc)
 
 
-def _choose(model, X, Y, validation, choices, keep, held_out, on_epoch=None, **fit_kw):
+def _choose(model, X, Y, validation, choices, on_best, keep, held_out, on_epoch=None, **fit_kw):
     """Train ``model`` afresh on ``X, Y`` with each choice in ``choices``, early-stopped on
     ``validation``, and after a run that scores best so far with its :func:`next_choice` too;
-    return the choice with the best validation score (ties: the earlier one) and leave the
-    model with that run's record (``history_``, ``early_stopping_``, ``stopping_`` with
-    ``"choice"``: its name, its settings and every run's score). With ``keep`` the model is the
-    chosen run as trained (the best run so far is held while the next trains: two models in
-    memory); otherwise its parameters are the last run's until the refit replaces them.
-    ``on_epoch`` sees each run's records with the name of its ``"choice"``. A choice too large
-    for this machine's free memory is not tried. Checkpoints saved on the way hold the run in
-    progress: one resumed from them continues that run, without choosing."""
-    queue, scores, best, records, state = list(choices), {}, None, None, None
+    then, one by one, the best choice so far with each of ``on_best``'s settings added
+    (``resolved_["choices_on_best"]``). Return the choice with the best validation score
+    (ties: the earlier one) and leave the model with that run's record (``history_``,
+    ``early_stopping_``, ``stopping_`` with ``"choice"``: its name, its settings and every
+    run's score). With ``keep`` the model is the chosen run as trained (the best run so far is
+    held while the next trains: two models in memory); otherwise its parameters are the last
+    run's until the refit replaces them. ``on_epoch`` sees each run's records with the name of
+    its ``"choice"``. A choice too large for this machine's free memory is not tried.
+    Checkpoints saved on the way hold the run in progress: one resumed from them continues
+    that run, without choosing."""
+    queue, on_best = list(choices), list(on_best)
+    scores, best, records, state = {}, None, None, None
     for i, choice in enumerate(queue):  # the queue grows while a run is the best so far
         name = choice_name(choice)
         shown = None if on_epoch is None else \
             (lambda m, record, name=name: on_epoch(m, {**record, "choice": name}))
         try:
             fit_loop(model, X, Y, validation=validation, choice=choice, on_epoch=shown, **fit_kw)
+            scores[name] = model.early_stopping_.best_score
         except ModelTooLargeError:
             if not scores:  # the rule's own settings do not fit: nothing to choose from
                 raise
-            continue
-        scores[name] = model.early_stopping_.best_score
         # a run whose loss diverged scores NaN: it ranks below any other
-        if best is None or _ranked(scores[name]) > _ranked(scores[choice_name(best)]):
+        if name in scores and (best is None or
+                               _ranked(scores[name]) > _ranked(scores[choice_name(best)])):
             best = choice
             if next_choice(choice) is not None:
                 queue.append(next_choice(choice))
             # the refit needs the run's kept epochs and their learning rates; with keep, the
             # whole run is held while a later run replaces it (or fails half-way)
             records = (model.early_stopping_, model.history_, model.stopping_)
-            state = model.fitted_state() if keep and i < len(queue) - 1 else None
+            later = i < len(queue) - 1 or bool(on_best)
+            state = model.fitted_state() if keep and later else None
+        if i == len(queue) - 1 and on_best:  # the choices are through: add to the best one
+            queue.append({**best, **on_best.pop(0)})
     if state is not None:
         model.restore_fitted(state)
     model.early_stopping_, model.history_, model.stopping_ = records
@@ -504,15 +512,17 @@ class TrainableMixin:
 
     def fit_data(self, X, Y, distributed=None) -> None:
         """Learn what the defaults rule reads from the training rows (``initialize``'s first
-        step, after ``config_`` is set): ``n_features_in_``, ``n_labels_``, ``n_train_``, the
-        preprocessing ``preprocessor_`` (``config_.norm``, ``config_.tfidf``) fitted on ``X``,
+        step, after ``config_`` and ``choice_`` are set): ``n_features_in_``, ``n_labels_``,
+        ``n_train_``, the preprocessing ``preprocessor_`` (``config_.norm``, and idf weighting
+        as :func:`slide.config.idf_weighted` says) fitted on ``X``,
         ``rare_share_`` (:func:`slide.config.rare_share`) and ``labels_per_row_``. With
         ``distributed`` (a :class:`slide.distributed.DataParallel`), ``X``, ``Y`` are this
         rank's shard and the counts and feature statistics are the whole data's."""
         n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
         n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
-        self.preprocessor_ = Preprocessor(self.config_.norm, self.config_.tfidf).fit(X)
+        self.preprocessor_ = Preprocessor(self.config_.norm,
+                                          idf_weighted(self.config_, self.choice_)).fit(X)
         if distributed is not None:
             distributed.merge_preprocessor(self.preprocessor_)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)

@@ -18,7 +18,7 @@ def test_train_eval_predict_round_trip(synth, capsys):
     d = synth
     rc = main(["train", str(d / "eur_train.txt"), "--test", str(d / "eur_test.txt"), "--epochs", "3",
                "--hidden", "32", "--metrics-json", str(d / "m.json"), "--save", str(d / "model"),
-               "--no-progress", "--seed", "1", "--no-refit"])
+               "--no-progress", "--seed", "1", "--no-refit", "--no-tfidf"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "final: P@1=" in out and "trained again" not in out
@@ -71,10 +71,11 @@ def test_train_names_each_run_it_chooses_among(tiny_data, capsys, tmp_path):
     out = capsys.readouterr().out
     doc = json.loads((tmp_path / "r.json").read_text())
     choice = doc["stopping"]["choice"]
-    assert list(choice["validation_scores"]) == ["rule", "decay 0.3"]
+    # the rule's decay beats 0.3, and idf weighting is tried on the rule's settings last
+    assert list(choice["validation_scores"]) == ["rule", "decay 0.3", "tf-idf"]
     assert f"settings chosen on the validation set: {choice['chosen']}, the best score of those tried" in out
-    assert "[rule]  epoch=1" in out and "[decay 0.3]  epoch=2" in out
-    assert [r.get("choice") for r in doc["epochs"]] == ["rule"] * 2 + ["decay 0.3"] * 2 + [None]
+    assert "[rule]  epoch=1" in out and "[decay 0.3]  epoch=2" in out and "[tf-idf]  epoch=2" in out
+    assert [r.get("choice") for r in doc["epochs"]] == ["rule"] * 2 + ["decay 0.3"] * 2 + ["tf-idf"] * 2 + [None]
 
 
 def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_path):

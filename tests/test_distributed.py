@@ -153,7 +153,7 @@ def test_settings_are_checked_and_one_rank_trains_like_no_mpi():
     rng = np.random.default_rng(0)
     X = sp.random(150, 40, density=0.1, format="csr", random_state=0, dtype=np.float32)
     Y = sp.csr_matrix((np.ones(150, np.float32), (np.arange(150), rng.integers(0, 6, 150))), shape=(150, 6))
-    settings = dict(hidden=(8,), threads=1, batch_size=16, epochs=2, seed=1, refit=False)
+    settings = dict(hidden=(8,), threads=1, batch_size=16, epochs=2, seed=1, refit=False, tfidf=False)
     alone = SlideClassifier(**settings).fit(X, Y)
     with pytest.raises(ValueError, match="refit"):  # the ranks train on shards: no refit
         SlideClassifier(**{**settings, "refit": True}).fit(X, Y, distributed=DataParallel())

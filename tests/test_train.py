@@ -9,9 +9,10 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, resources
-from slide.config import (HARD_NEGATIVES, LIGHT_DECAYS, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS,
-                          RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig, next_choice,
-                          positives_per_step, rare_share, resolve, sampled_width, touched_share)
+from slide.config import (HARD_NEGATIVES, IDF_CHOICE_ROWS, LIGHT_DECAYS, OUTPUT_STATE_BYTES, RARE_POSITIVES,
+                          RARE_ROWS, RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig,
+                          checked_choice, choice_name, idf_weighted, next_choice, positives_per_step,
+                          rare_share, resolve, sampled_width, touched_share)
 from slide.resources import model_memory_bytes
 from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
 
@@ -80,7 +81,7 @@ class _Scripted(SlideClassifier):
 def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
     X, Y = tiny_data[0][:400], tiny_data[1][:400]
     m = _Scripted(hidden=(8,), sparsity=0.5, epochs=20, n_iter_no_change=4, seed=0, lr=1e-3,
-                  refit=False)
+                  refit=False, tfidf=False)
     m.script = [0.1, 0.3, 0.2, 0.25, 0.2, 0.1, 0.1, 0.1]
     weights, best = {}, {}
 
@@ -111,7 +112,7 @@ def test_held_out_rows_are_not_trained_on(tiny_data):
             return super().train_step(Xb, Yb)
 
     m = Recording(hidden=(8,), sparsity=0.5, epochs=1, validation_fraction=0.2, seed=0,
-                  refit=False).fit(X, Y)
+                  refit=False, tfidf=False).fit(X, Y)
     assert sum(seen) == 400 and m.n_train_ == 400
     # a sampled output layer: ranked by nDCG@5, without the full softmax's loss
     assert "val_nDCG@5" in m.history_[0] and "val_loss" not in m.history_[0]
@@ -142,7 +143,7 @@ def test_fit_restarts_and_warm_start_continues(tiny_data):
 def test_resume_during_early_stopping_equals_straight_run(tmp_path, tiny_data):
     X, Y = tiny_data[0][:600], tiny_data[1][:600]
     kw = dict(hidden=(16,), sparsity=0.25, threads=1, seed=5, rehash_every=300, epochs=12,
-              n_iter_no_change=3, lr=0.05, weight_decay=0.0, refit=False)
+              n_iter_no_change=3, lr=0.05, weight_decay=0.0, refit=False, tfidf=False)
 
     def save_then_die(model, record):  # a checkpoint per epoch, then the process is killed
         model.save(tmp_path / f"ck{record['epoch']}")
@@ -367,9 +368,19 @@ def test_choices_follow_the_rule(tiny_data):
     assert resolve(SlideConfig(), 1449, 45, REFIT_ROWS)["choices"] == [{}, light]
     assert resolve(SlideConfig(weight_decay=1.0), **whole)["choices"] == [{}, wide]
     assert resolve(SlideConfig(), **whole, rare_fraction=RARE_SHARE)["choices"] == [{}, wide]
-    for config in (SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5),
-                   SlideConfig(hidden=(64,), weight_decay=0.5)):
+    for config in (SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5, tfidf=False),
+                   SlideConfig(hidden=(64,), weight_decay=0.5, tfidf=False)):
         assert resolve(config, **whole)["choices"] == []
+    # idf weighting, tried on the best of those where tfidf is not given and the rows are few,
+    # whether the output is sampled or not
+    idf = [{"tfidf": True}]
+    assert resolve(SlideConfig(), **whole)["choices_on_best"] == idf
+    assert resolve(SlideConfig(sparsity=0.5), **whole)["choices"] == [{}]
+    assert resolve(SlideConfig(sparsity=0.5), **whole)["choices_on_best"] == idf
+    assert resolve(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS - 1)["choices_on_best"] == idf
+    assert resolve(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS)["choices_on_best"] == []
+    for config in (SlideConfig(tfidf=False), SlideConfig(tfidf=True), SlideConfig(early_stopping=False)):
+        assert resolve(config, **whole)["choices_on_best"] == []
     too_wide = OUTPUT_STATE_BYTES // (16 * WIDE_HIDDEN)
     assert resolve(SlideConfig(), too_wide + 1 - 45, 45, 300)["choices"] == [{}, light]
     assert resolve(SlideConfig(), too_wide - 45, 45, 300)["choices"] == [{}, wide, light]
@@ -378,10 +389,18 @@ def test_choices_follow_the_rule(tiny_data):
     assert chosen["hidden"] == [WIDE_HIDDEN] and chosen["choices"] == []
     assert resolve(SlideConfig(), **whole, choice=light)["weight_decay"] == LIGHT_DECAYS[0]
     assert resolve(SlideConfig(weight_decay=0.5), **whole, choice=light)["weight_decay"] == 0.5
-    assert resolve(SlideConfig(), **whole, choice={}) == {**resolve(SlideConfig(), **whole), "choices": []}
+    assert resolve(SlideConfig(), **whole, choice={}) == \
+        {**resolve(SlideConfig(), **whole), "choices": [], "choices_on_best": []}
     for bad in ({"width": 0}, {"lr": 1.0}, [("width", 2)]):
         with pytest.raises(ValueError, match="width|choice"):
             resolve(SlideConfig(), **whole, choice=bad)
+    with pytest.raises(TypeError, match="tfidf must be True or False"):
+        checked_choice({"tfidf": 1})
+    # the features are idf-weighted as tfidf says where it is given, else as the choice does
+    assert [idf_weighted(SlideConfig(tfidf=t), c) for t in (None, False, True)
+            for c in (None, {}, {"tfidf": True})] == [False, False, True] + [False] * 3 + [True] * 3
+    assert choice_name({"weight_decay": 0.3, "tfidf": True}) == "decay 0.3, tf-idf"
+    assert choice_name({"tfidf": True}) == "tf-idf"
 
 
 def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
@@ -389,7 +408,7 @@ def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     # separate fits on that split), keeps the best, and refits it on every row. 1,000 rows: with
     # fewer, most non-zeros are in rare features and the decay is the rare rows' (no choice)
     X, Y = tiny_data[0][:1000], tiny_data[1][:1000]
-    kw = dict(threads=1, seed=0, epochs=3)
+    kw = dict(threads=1, seed=0, epochs=3, tfidf=False)  # idf weighting: the test after the next
     m = SlideClassifier(**kw).fit(X, Y)
     tr, va = validation_split(1000, 0.1, 0)
     settings = {"rule": (512, 1.0), "hidden 2048": (WIDE_HIDDEN, 1.0),
@@ -438,7 +457,7 @@ def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
     # with a validation set given there is no refit: the model is the best run as it was
     # trained, though two runs trained after it (one thread: runs repeat exactly)
     X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
-    kw = dict(threads=1, seed=0, epochs=4)
+    kw = dict(threads=1, seed=0, epochs=4, tfidf=False)
     # every choice but the rule's own scores far worse
     prefers_rule = _validation_loss_as(lambda choice, loss: loss + 100.0 if choice else loss)
     m = prefers_rule(**kw).fit(X, Y, validation=(Xv, Yv))
@@ -460,7 +479,7 @@ def test_lighter_decays_are_tried_while_each_is_the_best_so_far(tiny_data):
                    {"width": WIDE_HIDDEN, "weight_decay": LIGHT_DECAYS[0]}):
         assert next_choice(choice) is None
     X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
-    kw = dict(threads=1, seed=0, epochs=2)
+    kw = dict(threads=1, seed=0, epochs=2, tfidf=False)
     # the loss made to fall with the decay: every rung is tried, the lightest is kept
     lighter_is_better = _validation_loss_as(
         lambda choice, loss: loss + 10.0 * choice.get("weight_decay", 2.0 if choice else 1.0))
@@ -478,6 +497,43 @@ def test_lighter_decays_are_tried_while_each_is_the_best_so_far(tiny_data):
     assert m.choice_ == {"weight_decay": LIGHT_DECAYS[0]} and m.resolved_["weight_decay"] == LIGHT_DECAYS[0]
     alone = SlideClassifier(hidden=(512,), weight_decay=LIGHT_DECAYS[0], **kw).fit(X, Y, validation=(Xv, Yv))
     np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
+
+
+def test_idf_weighting_is_tried_on_the_best_choice(tmp_path, tiny_data):
+    # once the network's choices are through, the best one is trained again on idf-weighted
+    # features and kept where it scores better; the model is then that run, features and all
+    X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
+    kw = dict(threads=1, seed=0, epochs=2)
+    light = {"weight_decay": LIGHT_DECAYS[0]}
+    # decay 0.3 the best of the network's choices (its next rung worse), idf weighting better still
+    idf_on_light = _validation_loss_as(lambda choice, loss: loss + (
+        -20.0 if choice == {**light, "tfidf": True} else -10.0 if choice == light else 10.0))
+    m = idf_on_light(**kw).fit(X, Y, validation=(Xv, Yv))
+    c = m.stopping_["choice"]
+    assert list(c["validation_scores"]) == ["rule", "hidden 2048", "decay 0.3", "decay 0.1",
+                                            "decay 0.3, tf-idf"]
+    assert m.choice_ == {**light, "tfidf": True} == c["settings"] and m.preprocessor_.tfidf
+    alone = SlideClassifier(hidden=(512,), weight_decay=LIGHT_DECAYS[0], tfidf=True, **kw).fit(
+        X, Y, validation=(Xv, Yv))
+    assert alone.stopping_["best_score"] == pytest.approx(c["validation_scores"]["decay 0.3, tf-idf"] - 20.0,
+                                                          rel=1e-6)
+    np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m.preprocessor_.idf_, alone.preprocessor_.idf_)
+    # the choice and the weighting travel with the model
+    m.save(tmp_path / "m")
+    loaded = SlideClassifier.load(tmp_path / "m")
+    assert loaded.choice_ == m.choice_ and loaded.preprocessor_.tfidf
+    np.testing.assert_array_equal(loaded.decision_function(Xv), m.decision_function(Xv))
+    # idf weighting worse: the best run before it is kept, as it was trained, on plain features
+    idf_worse = _validation_loss_as(lambda choice, loss: loss + (10.0 if choice.get("tfidf") else 0.0))
+    m = idf_worse(**kw).fit(X, Y, validation=(Xv, Yv))
+    c = m.stopping_["choice"]
+    assert list(c["validation_scores"])[-1] == choice_name({**m.choice_, "tfidf": True})
+    assert not m.choice_.get("tfidf") and not m.preprocessor_.tfidf
+    settings = {"hidden": (WIDE_HIDDEN,) if "width" in m.choice_ else (512,),
+                "weight_decay": m.choice_.get("weight_decay", 1.0)}
+    kept = SlideClassifier(**settings, tfidf=False, **kw).fit(X, Y, validation=(Xv, Yv))
+    np.testing.assert_allclose(m.decision_function(Xv), kept.decision_function(Xv), rtol=1e-5, atol=1e-6)
 
 
 def test_a_run_whose_loss_diverged_is_not_chosen(tiny_data):
