@@ -234,11 +234,12 @@ LIGHT_DECAYS = (0.3, 0.1, 0.03)
 #: below this many training rows (after the held-out slice), where ``tfidf`` is not given,
 #: ``fit`` also trains the chosen settings on idf-weighted features, early-stopped on the same
 #: held-out slice, and keeps whichever scores better (a run there takes minutes at most, even
-#: where the output is sampled). Idf weighting lifted every generator shape (P@1 at the
-#: ``eurlex-4k`` preset 0.828 -> 0.854, ``demo`` 0.390 -> 0.406, 3,993 labels with 1.5 a row
-#: 0.825 -> 0.856) and the slice's score agreed each time; on the real sets it cost up to 0.05
-#: (Medical) where it did not help, and the slice's loss took it in 3 of 16 runs, by -0.008 to
-#: +0.002 (bench/results/accuracy_experiments.md)
+#: where the output is sampled). Idf weighting lifted every generator shape whose rows dilute
+#: their evidence, and the slice took it there (P@1 at the ``eurlex-4k`` preset 0.821 -> 0.849,
+#: ``demo`` 0.388 -> 0.414, 3,993 labels with 1.5 a row 0.825 -> 0.855, 1,000 labels with 5.3 a
+#: row 0.982 -> 0.990 on top of decay 0.3); on the real sets it cost up to 0.05 (Medical) where
+#: forced, and the slice took it on one of eight, Corel16k001, at +0.001
+#: (bench/results/accuracy_experiments.md)
 IDF_CHOICE_ROWS = 50_000
 
 #: a sampled output layer is as wide as its state (weights, two Adam moments and early
@@ -280,9 +281,11 @@ RARE_POSITIVES = 0.1
 #: the settings ``fit`` may choose on a held-out slice instead of the rule's (:func:`resolve`),
 #: each with the check of the setting it stands for: a hidden layer's size, ``weight_decay``
 #: and ``tfidf``
-CHOICE_CHECKS = {"width": functools.partial(_number, lo=1, integer=True, none=False),
-                 "weight_decay": functools.partial(_number, **_NUMBER_CHECKS["weight_decay"], none=False),
-                 "tfidf": functools.partial(_flag, none=False)}
+CHOICE_CHECKS = {
+    "width": functools.partial(_number, lo=1, integer=True, none=False),
+    "weight_decay": functools.partial(_number, **_NUMBER_CHECKS["weight_decay"], none=False),
+    "tfidf": functools.partial(_flag, none=False),
+}
 
 
 def checked_choice(choice) -> dict:
