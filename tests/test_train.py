@@ -408,7 +408,7 @@ def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     # separate fits on that split), keeps the best, and refits it on every row. 1,000 rows: with
     # fewer, most non-zeros are in rare features and the decay is the rare rows' (no choice)
     X, Y = tiny_data[0][:1000], tiny_data[1][:1000]
-    kw = dict(threads=1, seed=0, epochs=3, tfidf=False)  # idf weighting: the test after the next
+    kw = dict(threads=1, seed=0, epochs=3, tfidf=False)  # idf: test_idf_weighting_is_tried_on_the_best_choice
     m = SlideClassifier(**kw).fit(X, Y)
     tr, va = validation_split(1000, 0.1, 0)
     settings = {"rule": (512, 1.0), "hidden 2048": (WIDE_HIDDEN, 1.0),
