@@ -213,6 +213,8 @@ def _check_resume_flags(a, model):
         if isinstance(value, (list, tuple)):
             value = tuple(value)
         have = saved.get(param)
+        if flag == "tfidf" and have is None:  # chosen on the validation slice: as it trained
+            have = model.preprocessor_.tfidf
         if isinstance(have, list):
             have = tuple(have)
         if value != have:

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from slide import SlideClassifier
 from slide.cli import main
 
 
@@ -101,6 +102,11 @@ def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_pat
     assert main(resume + ["--hard-negatives", "8"]) == 2  # a sampling setting is kept too
     assert "--hard-negatives 8 differs" in capsys.readouterr().err
     assert main(resume + ["--hidden", "16"]) == 0  # the same value is fine
+    # idf weighting chosen on the slice: the weighting it trained with is the same value
+    weighted = SlideClassifier.load(tmp_path / "m").preprocessor_.tfidf
+    assert main(resume + ["--tfidf" if weighted else "--no-tfidf"]) == 0
+    assert main(resume + ["--no-tfidf" if weighted else "--tfidf"]) == 2
+    assert "differs from the checkpoint" in capsys.readouterr().err
     assert main(base) == 0
     assert "model not saved" in capsys.readouterr().out
 
