@@ -497,9 +497,10 @@ class TrainableMixin:
     """The engine-independent half of the step API and of the estimator interface.
 
     A subclass provides ``fit_settings``, ``check_data``, ``initialize`` (which sets
-    ``config_`` and calls :meth:`fit_data`), ``train_step``, ``predict_topk`` and
-    ``_params_changed`` (called after :meth:`restore`), and keeps its parameters in the dict
-    ``params_`` (numpy or cupy arrays) and its preprocessing in ``preprocessor_``.
+    ``config_`` and ``choice_``, then calls :meth:`fit_data`), ``train_step``,
+    ``predict_topk`` and ``_params_changed`` (called after :meth:`restore`), and keeps its
+    parameters in the dict ``params_`` (numpy or cupy arrays) and its preprocessing in
+    ``preprocessor_``.
     """
 
     def __sklearn_tags__(self):
