@@ -398,8 +398,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     * choices_on_best: settings ``fit`` adds to the best of ``choices`` once they are through,
       each trained and kept where it scores better still: ``{"tfidf": True}`` where ``tfidf``
       is not given and ``n_train`` is below :data:`IDF_CHOICE_ROWS` (with early stopping,
-      before a choice is made); ``choices`` then holds at least the rule's own ``{}``. Features
-      are idf-weighted as :func:`idf_weighted` says.
+      before a choice is made); ``choices`` then holds at least the rule's own ``{}``.
+    * tfidf: whether the features are idf-weighted (:func:`idf_weighted`: as given, else as
+      ``choice`` says).
     """
     c = config
     out = {}
@@ -446,6 +447,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
         out["weight_decay"] = min(1.0, SAMPLED_DECAY / share)
     else:
         out["weight_decay"] = 1.0
+    out["tfidf"] = idf_weighted(c, choice)
     out["choices"], out["choices_on_best"] = [], []
     if choice is None and c.early_stopping:
         wide_fits = 16 * WIDE_HIDDEN * (n_features + n_labels) <= OUTPUT_STATE_BYTES

@@ -513,6 +513,7 @@ def test_idf_weighting_is_tried_on_the_best_choice(tmp_path, tiny_data):
     assert list(c["validation_scores"]) == ["rule", "hidden 2048", "decay 0.3", "decay 0.1",
                                             "decay 0.3, tf-idf"]
     assert m.choice_ == {**light, "tfidf": True} == c["settings"] and m.preprocessor_.tfidf
+    assert m.resolved_["tfidf"]
     alone = SlideClassifier(hidden=(512,), weight_decay=LIGHT_DECAYS[0], tfidf=True, **kw).fit(
         X, Y, validation=(Xv, Yv))
     assert alone.stopping_["best_score"] == pytest.approx(c["validation_scores"]["decay 0.3, tf-idf"] - 20.0,
@@ -522,14 +523,14 @@ def test_idf_weighting_is_tried_on_the_best_choice(tmp_path, tiny_data):
     # the choice and the weighting travel with the model
     m.save(tmp_path / "m")
     loaded = SlideClassifier.load(tmp_path / "m")
-    assert loaded.choice_ == m.choice_ and loaded.preprocessor_.tfidf
+    assert loaded.choice_ == m.choice_ and loaded.preprocessor_.tfidf and loaded.resolved_["tfidf"]
     np.testing.assert_array_equal(loaded.decision_function(Xv), m.decision_function(Xv))
     # idf weighting worse: the best run before it is kept, as it was trained, on plain features
     idf_worse = _validation_loss_as(lambda choice, loss: loss + (10.0 if choice.get("tfidf") else 0.0))
     m = idf_worse(**kw).fit(X, Y, validation=(Xv, Yv))
     c = m.stopping_["choice"]
     assert list(c["validation_scores"])[-1] == choice_name({**m.choice_, "tfidf": True})
-    assert not m.choice_.get("tfidf") and not m.preprocessor_.tfidf
+    assert not m.choice_.get("tfidf") and not m.preprocessor_.tfidf and not m.resolved_["tfidf"]
     settings = {"hidden": (WIDE_HIDDEN,) if "width" in m.choice_ else (512,),
                 "weight_decay": m.choice_.get("weight_decay", 1.0)}
     kept = SlideClassifier(**settings, tfidf=False, **kw).fit(X, Y, validation=(Xv, Yv))
