@@ -63,6 +63,8 @@ def _run(engine, args, queue):
     evaluated = model.model if hetero else model
     workers = {w: {"samples": 0, "updates": 0, "busy_seconds": 0.0} for w in ("cpu", "gpu")}
     chunk = args.batch_size * args.chunk_batches
+    if hetero:  # each call ends both workers' streams: let it hold several of the GPU's batches
+        chunk = max(chunk, 8 * model.config.gpu_batch)
     points = []
     train_seconds, samples, epoch = 0.0, 0, 0
     next_eval = 0.0  # the first point comes after the first chunk

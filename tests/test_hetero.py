@@ -1,3 +1,4 @@
+import threading
 import time
 
 import numpy as np
@@ -42,14 +43,16 @@ class _SlowGPU(HeteroTrainer):
 
 class _PacedWorkers(HeteroTrainer):
     """Both workers slowed by a fixed delay per sample, far above their compute: their speeds are
-    set by the delays (10,000 and 1,000 samples a second), not by how busy the machine is."""
+    set by the delays (10,000 and 1,000 samples a second unless set), not by how busy the
+    machine is."""
+    cpu_pace, gpu_pace = 1e-4, 1e-3
 
     def _cpu_step(self, X, Y, idx):
-        time.sleep(1e-4 * idx.size)
+        time.sleep(self.cpu_pace * idx.size)
         return super()._cpu_step(X, Y, idx)
 
     def _gpu_step(self, X, Y, idx):
-        time.sleep(1e-3 * idx.size)
+        time.sleep(self.gpu_pace * idx.size)
         return super()._gpu_step(X, Y, idx)
 
 
@@ -106,6 +109,52 @@ def test_policy_rule_and_bounds():
         assert not slow.retired  # judged only after warmup_updates of each
         slow.observe("gpu", 400, 1.0)
     assert slow.retired
+
+
+def test_end_of_stream_is_shared_by_speed():
+    p = BatchPolicy(HeteroConfig(policy="hogbatch", cpu_batch=100, gpu_batch=400))
+    assert p.take_size("gpu", 300) == 400  # no speeds measured yet: the batch
+    p.observe("cpu", 1000, 1.0)
+    p.observe("gpu", 3000, 1.0)
+    assert p.take_size("gpu", 10_000) == 400 and p.take_size("cpu", 10_000) == 100
+    assert p.take_size("gpu", 400) == 300  # three quarters of what is left
+    assert p.take_size("cpu", 1000) == 100  # its quarter (250) is more than its batch
+    assert p.take_size("gpu", 40) == 100  # never below the smaller batch
+    p.retired = True
+    assert p.take_size("gpu", 400) == 400
+
+
+def test_partial_fit_calls_keep_both_workers_busy(tiny_data):
+    """Every partial_fit call ends its stream: with a GPU batch of 256 in calls of 320 rows, a
+    worker that waited for the engine's first step in every call and took a whole batch
+    regardless of what was left would leave the CPU worker 64 of the 320 rows (16 before the
+    GPU worker starts, 48 after), and idle for most of the call. Both paced at 10,000 samples
+    a second, the rows are shared about evenly once their speeds are known."""
+    Xtr, Ytr = tiny_data[0], tiny_data[1]
+    h = _trainer(cls=_PacedWorkers, cpu_batch=16, gpu_batch=256, min_speed=0.0)
+    h.cpu_pace = h.gpu_pace = 1e-4
+    shares = []
+    for lo in range(0, 2240, 320):
+        stats = h.partial_fit(Xtr[lo:lo + 320], Ytr[lo:lo + 320])
+        shares.append(stats["cpu"]["samples"] / 320)
+    assert min(shares[2:]) > 0.35, shares
+
+
+class _ThreadRecorder(HeteroTrainer):
+    def _cpu_step(self, X, Y, idx):
+        self.cpu_threads_seen.add(threading.get_ident())
+        return super()._cpu_step(X, Y, idx)
+
+
+def test_engine_steps_on_the_calling_thread(tiny_data):
+    """The engine's steps run on the thread that calls fit / partial_fit (whose OpenMP team
+    the engine already has), never on a thread started for the run."""
+    Xtr, Ytr = tiny_data[0][:1000], tiny_data[1][:1000]
+    h = _trainer(cls=_ThreadRecorder, min_speed=0.0, epochs=2)
+    h.cpu_threads_seen = set()
+    h.fit(Xtr, Ytr)
+    h.partial_fit(Xtr[:300], Ytr[:300])
+    assert h.cpu_threads_seen == {threading.get_ident()}
 
 
 class _FailingGPU(HeteroTrainer):
