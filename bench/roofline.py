@@ -30,7 +30,8 @@
    * ``rehash``: re-inserting every output row (weights read, tables written), times the
      rehashes the timed window actually ran (counted by the tables), spread over its samples.
      The schedule's interval grows (x1.25 per rehash), so the later the window starts
-     (``--warm-steps``), the fewer it holds.
+     (``--warm-steps``, which may run past the first epoch: each epoch a new permutation), the
+     fewer it holds.
 
    Distinct rows per batch are estimated as draws without overlap structure:
    ``n · (1 - exp(-draws / n))`` for n rows and the batch's draws; rows alone as the LSH
@@ -285,6 +286,17 @@ def _builds(model) -> int:
     return model.tables_.builds if model.tables_ is not None else 0
 
 
+def batch_order(n_rows: int, batch: int, n_batches: int) -> np.ndarray:
+    """Row ids int64 [n_batches · batch] of ``n_batches`` batches, epoch after epoch: each epoch a
+    new permutation of the ``n_rows`` rows cut to whole batches, so that no batch holds a row
+    twice and a window may sit as late in training as a run's steady state. The first epoch is
+    ``default_rng(0).permutation(n_rows)``, the order of every window inside it."""
+    per_epoch = n_rows // batch
+    orders = [np.random.default_rng(0 if e == 0 else [0, e]).permutation(n_rows)[:per_epoch * batch]
+              for e in range(-(-n_batches // per_epoch))]
+    return np.concatenate(orders)[:n_batches * batch]
+
+
 def main(argv=None):
     from slide.network import SlideClassifier
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -308,12 +320,11 @@ def main(argv=None):
                             **json.loads(args.config))
     model.initialize(X, Y)
     B = model.batch_size_
-    order = np.random.default_rng(0).permutation(X.shape[0])
     Xp = model.preprocess(X)
     w = args.warm_steps
-    if (w + args.steps) * B > X.shape[0]:
-        p.error(f"--warm-steps + --steps batches need {(w + args.steps) * B} rows, "
-                f"--n-train has {X.shape[0]}")
+    if X.shape[0] < B:
+        p.error(f"--n-train must hold a batch of {B} rows, got {X.shape[0]}")
+    order = batch_order(X.shape[0], B, w + args.steps)
     if not 1 <= args.rounds <= args.steps:
         p.error(f"--rounds must be between 1 and --steps ({args.steps}), got {args.rounds}")
     model.train_rows(Xp, Y, order[:w * B])  # compile, first rehashes

@@ -1,6 +1,7 @@
 """The roofline's counts of bytes and operations per sample, against hand-computed cases."""
 import math
 
+import numpy as np
 import pytest
 
 from bench.roofline import bytes_per_sample, flops_per_sample
@@ -108,6 +109,17 @@ def test_roofline_limit_takes_each_phase_at_its_later_roof():
     least, limit = roofline_limit(need, work, bw=10.0, fl=100.0)
     assert least == {"a": 10.0, "b": 10.0}  # a by memory (100 / 10), b by arithmetic (1000 / 100)
     assert limit == pytest.approx(1 / 20)
+
+
+def test_batch_order_runs_epoch_after_epoch_in_whole_batches():
+    from bench.roofline import batch_order
+    order = batch_order(100, 32, 7)  # 3 whole batches an epoch: epochs 0, 1 and a third of 2
+    assert order.shape == (7 * 32,)
+    np.testing.assert_array_equal(order[:96], np.random.default_rng(0).permutation(100)[:96])
+    for e in range(3):
+        epoch = order[96 * e:96 * (e + 1)]
+        assert np.unique(epoch).size == epoch.size  # no row twice within an epoch's batches
+    assert not np.array_equal(order[:96], order[96:192])  # a new permutation each epoch
 
 
 def test_rounds_are_each_measured_against_the_roofs_either_side(tmp_path):
