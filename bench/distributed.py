@@ -258,7 +258,7 @@ def _launch(args, mode, ranks, result):
                                   (("preset", args.preset), ("n_train", args.n_train),
                                    ("n_test", args.n_test), ("seconds", args.seconds),
                                    ("chunk_batches", args.chunk_batches), ("every", args.every),
-                                   ("delay", args.delay))]
+                                   ("delay", args.delay)) if v is not None]
     if ranks > 1:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + cmd
@@ -275,9 +275,13 @@ def main(argv=None):
     p.add_argument("--n-train", type=int, default=40000)
     p.add_argument("--n-test", type=int, default=1000)
     p.add_argument("--seconds", type=float, default=60.0, help="training seconds per run")
-    p.add_argument("--chunk-batches", type=int, default=64, help="steps per partial_fit chunk")
-    p.add_argument("--every", type=int, default=16)
-    p.add_argument("--delay", type=int, default=8)
+    p.add_argument("--chunk-batches", type=int, default=256,
+                   help="steps per partial_fit chunk (each ends with a blocking average: keep it "
+                        "several times --every)")
+    p.add_argument("--every", type=int, default=None,
+                   help="local/delayed: steps between averages (default: the engine's)")
+    p.add_argument("--delay", type=int, default=None,
+                   help="delayed: steps an average is in flight (default: the engine's)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--model-only", action="store_true", help="re-model and re-plot OUT.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

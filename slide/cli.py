@@ -8,6 +8,8 @@ import traceback
 
 import numpy as np
 
+from slide.distributed import DEFAULT_EVERY
+
 
 def _hidden(text):
     try:
@@ -94,7 +96,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "sync averages gradients every step, local averages weights every "
                         "--average-every steps, delayed overlaps that average with --delay steps")
     t.add_argument("--average-every", type=_positive, default=None, metavar="STEPS",
-                   help="local/delayed: steps between weight averages (default: 16)")
+                   help=f"local/delayed: steps between weight averages (default: {DEFAULT_EVERY})")
     t.add_argument("--delay", type=_positive, default=None, metavar="STEPS",
                    help="delayed: steps an average is in flight (default: half of --average-every)")
     t.add_argument("--mpi-timeout", type=float, default=300.0, metavar="SECONDS",

@@ -51,10 +51,15 @@ from lsh.arrays import copy_into
 __all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank"]
 
 MODES = ("sync", "local", "delayed")
-#: local/delayed: steps between averages. At Amazon-670K shape a round moves up to 413 MB (every
-#: row of W and W0); 16 steps of batch 128 hide that behind computation on 25 Gb/s links
-#: (``bench/distributed.py`` models it)
-DEFAULT_EVERY = 16
+#: local/delayed: steps between averages. A round carries every row any rank changed since the
+#: last, and the rows a step touches overlap little from step to step, so longer rounds carry
+#: fewer bytes a step: at Amazon-670K shape on 2 ranks, 14.5 MB a step at 16 steps (320,673
+#: output rows a round) against 6.3 MB at 64 (431,326), and packing and merging them, not the
+#: link, had become the cost once a step took 23 ms on one thread. 2 ranks trained at 4,904
+#: samples/s against 6,886 (one rank alone: 5,509), P@1 at the end of 60 s 0.038 against 0.056,
+#: and on the EURLex-4K preset 0.697 against 0.715 after 30 s (bench/README.md, "Data
+#: parallelism")
+DEFAULT_EVERY = 64
 DEFAULT_TIMEOUT = 300.0
 
 
