@@ -162,3 +162,32 @@ def test_settings_are_checked_and_one_rank_trains_like_no_mpi():
         one = SlideClassifier(**settings).fit(X, Y, distributed=dp)
         for k in alone.params_:
             np.testing.assert_array_equal(one.params_[k], alone.params_[k])
+
+
+def test_round_rows_are_gathered_and_merged_in_the_row_blocks_alone(tiny_data):
+    """A round's rows go out of, and the average back into, a training model's weights, which
+    are the leading columns of their row blocks: the moments beside them are never touched."""
+    from slide.distributed import _merge_rows, _Parts
+    Xtr, Ytr = tiny_data[0][:500], tiny_data[1][:500]
+    model = SlideClassifier(hidden=(16,), sparsity=0.5, seed=0, epochs=1, early_stopping=False)
+    model.fit(Xtr, Ytr)
+    p = model.params_
+    assert not p["W"].flags.c_contiguous  # a view into its row block
+    before = {k: np.array(v) for k, v in {**p, **{f"m_{k}": v for k, v in model.moments_.items()}}.items()}
+    out_ids = np.array([0, 3, 7, Ytr.shape[1] - 1], np.int32)
+    in_ids = np.array([1, 2, Xtr.shape[1] - 1], np.int32)
+    parts = _Parts(p, out_ids, in_ids, lambda n: np.empty(n, np.float32))
+    parts.gather()
+    np.testing.assert_array_equal(parts.views[0], before["W"][out_ids])
+    np.testing.assert_array_equal(parts.views[1][:, 0], before["b"][out_ids])
+    np.testing.assert_array_equal(parts.views[2], before["W0"][in_ids])
+    # an average of zeros from ranks that sent these rows: each row becomes its progress since
+    # (zero), and nothing else moves
+    for rows, (_, ids), sent in zip(parts.rows, parts.pieces, parts.views):
+        _merge_rows(rows, ids, np.zeros_like(sent), sent, np.float32(0.5))
+    for name, ids in (("W", out_ids), ("W0", in_ids)):
+        expect = before[name].copy()
+        expect[ids] = 0.0
+        np.testing.assert_array_equal(p[name], expect)
+    for k in model.moments_:
+        np.testing.assert_array_equal(model.moments_[k], before[f"m_{k}"])
