@@ -183,7 +183,7 @@ def test_round_rows_are_gathered_and_merged_in_the_row_blocks_alone(tiny_data):
     np.testing.assert_array_equal(parts.views[2], before["W0"][in_ids])
     # an average of zeros from ranks that sent these rows: each row becomes its progress since
     # (zero), and nothing else moves
-    for rows, (_, ids), sent in zip(parts.rows, parts.pieces, parts.views):
+    for (rows, ids), sent in zip(parts.pieces, parts.views):
         _merge_rows(rows, ids, np.zeros_like(sent), sent, np.float32(0.5))
     for name, ids in (("W", out_ids), ("W0", in_ids)):
         expect = before[name].copy()
