@@ -4,7 +4,8 @@
     python -m bench.distributed --out bench/results/distributed --model-only   # re-model, re-plot
 
 **Measured.** One process without MPI, then ``mpiexec -n 2`` for each mode (sync, local,
-delayed), each rank on 1 thread, train the engine with its defaults on the Amazon-670K preset
+delayed), each rank on 1 thread, train the engine with its defaults (``--lr``: another learning
+rate for every run) on the Amazon-670K preset
 (each rank its own rows, in ``partial_fit`` chunks of ``--chunk-batches`` steps) for
 ``--seconds`` of training. Between chunks rank 0 scores P@1 on a fixed test sample (not timed:
 all ranks wait at a barrier before the clock runs again). Each run records samples/s over all
@@ -69,7 +70,7 @@ def _worker(args):
     barrier = comm.Barrier if comm is not None else (lambda: None)
     X, Y, Xte, Yte = make_dataset(args.preset, args.n_train, args.n_test, seed=0)
     X, Y = X[rank::size], Y[rank::size]
-    model = SlideClassifier(threads=1, early_stopping=False, seed=0)
+    model = SlideClassifier(threads=1, early_stopping=False, seed=0, lr=args.lr)
     if dp is None:  # the defaults follow the whole training set's shape, not the first chunk's
         model.initialize(X, Y)
     else:
@@ -258,7 +259,7 @@ def _launch(args, mode, ranks, result):
                                   (("preset", args.preset), ("n_train", args.n_train),
                                    ("n_test", args.n_test), ("seconds", args.seconds),
                                    ("chunk_batches", args.chunk_batches), ("every", args.every),
-                                   ("delay", args.delay)) if v is not None]
+                                   ("delay", args.delay), ("lr", args.lr)) if v is not None]
     if ranks > 1:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + cmd
@@ -282,6 +283,8 @@ def main(argv=None):
                    help="local/delayed: steps between averages (default: the engine's)")
     p.add_argument("--delay", type=int, default=None,
                    help="delayed: steps an average is in flight (default: the engine's)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="every run's learning rate (default: the engine's rule)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--model-only", action="store_true", help="re-model and re-plot OUT.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
