@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import threading
 import time
 
 import numba
@@ -37,6 +38,10 @@ from slide.train import EarlyStopping, TrainableMixin, fit_loop
 EXACT_BLOCK_ROWS = 1024
 
 __all__ = ["SlideClassifier"]
+
+
+#: guards the check-and-set of a model's training thread (:meth:`SlideClassifier._training`)
+_TRAINER_LOCK = threading.Lock()
 
 
 class SlideClassifier(TrainableMixin, BaseEstimator):
@@ -158,6 +163,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         ``distributed``: a :class:`slide.distributed.DataParallel`; every rank calls ``fit``
         with its own shard of the rows and ends with the same model.
         """
+        with self._training():
+            return self._fit(X, Y, validation, progress, on_epoch, distributed)
+
+    def _fit(self, X, Y, validation, progress, on_epoch, distributed):
         warm = self.warm_start and self._is_fitted()
         if warm:
             self._refresh_config()
@@ -175,10 +184,30 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         calls, so a stream of small calls costs what one epoch over the same rows does.
         ``distributed``: see :meth:`fit`; every rank calls with its own rows (a shard shorter
         than the others repeats its first rows to take as many steps)."""
-        if distributed is not None:
-            with distributed.guard():
-                return self._partial_fit(X, Y, distributed)
-        return self._partial_fit(X, Y, None)
+        with self._training(), \
+                distributed.guard() if distributed is not None else contextlib.nullcontext():
+            return self._partial_fit(X, Y, distributed)
+
+    @contextlib.contextmanager
+    def _training(self):
+        """Mark the model as training on the calling thread for the block. Another thread that
+        starts training it meanwhile gets an error instead of racing the first through the
+        model's parameters and step buffers (where both would train garbage); nested calls on
+        the same thread (``partial_fit`` from an ``on_epoch`` callback) go through."""
+        me = threading.get_ident()
+        with _TRAINER_LOCK:
+            owner = self.__dict__.get("_trainer")
+            if owner is not None and owner != me:
+                raise RuntimeError(
+                    f"this {type(self).__name__} is already training on another thread: a model "
+                    "trains on one thread at a time (its kernels already use `threads` cores); "
+                    "train a clone on each thread instead")
+            self._trainer = me
+        try:
+            yield
+        finally:
+            if owner is None:
+                self._trainer = None
 
     def _partial_fit(self, X, Y, distributed):
         if self._is_fitted():

@@ -739,3 +739,36 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     assert all(np.array_equal(state[k][rest], before[k][rest]) for k in state)
     rest = slots[np.setdiff1d(np.arange(n_out), pool)]
     assert (gW[rest] == 1).all() and (gb[rest] == 1).all()
+
+
+def test_a_model_trains_on_one_thread_at_a_time(tiny_data):
+    """A second thread that starts training a model while another trains it gets an error,
+    not a race through the same parameters and step buffers; once the first is done, any
+    thread may train it."""
+    X, Y = tiny_data[0][:300], tiny_data[1][:300]
+    model = SlideClassifier(hidden=(16,), seed=0, epochs=2, early_stopping=False, threads=1)
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def hold(m, record):  # the first epoch's end: the model is training on this thread
+        inside.set()
+        release.wait(60)
+
+    def train():
+        try:
+            model.fit(X, Y, on_epoch=hold)
+        except Exception as e:  # pragma: no cover - surfaced below
+            errors.append(e)
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        assert inside.wait(120)
+        with pytest.raises(RuntimeError, match="already training on another thread"):
+            model.partial_fit(X[:20], Y[:20])
+        with pytest.raises(RuntimeError, match="already training on another thread"):
+            model.fit(X, Y)
+    finally:
+        release.set()
+        t.join()
+    assert not errors and model.epoch_ == 2
+    model.partial_fit(X[:20], Y[:20])  # the first thread is done: this one may train it
