@@ -188,6 +188,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 distributed.guard() if distributed is not None else contextlib.nullcontext():
             return self._partial_fit(X, Y, distributed)
 
+    def __getstate__(self):
+        # a copy (pickle, deepcopy) is not being trained, whichever thread trains this model
+        state = super().__getstate__()
+        state.pop("_trainer", None)
+        return state
+
     @contextlib.contextmanager
     def _training(self):
         """Mark the model as training on the calling thread for the block. Another thread that

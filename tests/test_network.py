@@ -1,3 +1,4 @@
+import copy
 import threading
 
 import numpy as np
@@ -767,6 +768,7 @@ def test_a_model_trains_on_one_thread_at_a_time(tiny_data):
             model.partial_fit(X[:20], Y[:20])
         with pytest.raises(RuntimeError, match="already training on another thread"):
             model.fit(X, Y)
+        copy.deepcopy(model).partial_fit(X[:20], Y[:20])  # a copy is no one's to train yet
     finally:
         release.set()
         t.join()
