@@ -163,16 +163,15 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         ``distributed``: a :class:`slide.distributed.DataParallel`; every rank calls ``fit``
         with its own shard of the rows and ends with the same model.
         """
-        with self._training():
+        with self._training(distributed):
             return self._fit(X, Y, validation, progress, on_epoch, distributed)
 
     def _fit(self, X, Y, validation, progress, on_epoch, distributed):
         warm = self.warm_start and self._is_fitted()
         if warm:
             self._refresh_config()
-        with distributed.guard() if distributed is not None else contextlib.nullcontext():
-            fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
-                     continue_training=warm, distributed=distributed)
+        fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                 continue_training=warm, distributed=distributed)
         if self._tables_stale:  # serving-ready: predictions then leave the model as it is
             self._refresh_tables()
         return self
@@ -184,8 +183,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         calls, so a stream of small calls costs what one epoch over the same rows does.
         ``distributed``: see :meth:`fit`; every rank calls with its own rows (a shard shorter
         than the others repeats its first rows to take as many steps)."""
-        with self._training(), \
-                distributed.guard() if distributed is not None else contextlib.nullcontext():
+        with self._training(distributed):
             return self._partial_fit(X, Y, distributed)
 
     def __getstate__(self):
@@ -195,11 +193,20 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         return state
 
     @contextlib.contextmanager
-    def _training(self):
+    def _training(self, distributed=None):
         """Mark the model as training on the calling thread for the block. Another thread that
         starts training it meanwhile gets an error instead of racing the first through the
         model's parameters and step buffers (where both would train garbage); nested calls on
-        the same thread (``partial_fit`` from an ``on_epoch`` callback) go through."""
+        the same thread (``partial_fit`` from an ``on_epoch`` callback) go through. With
+        ``distributed``, the whole block (that check too) is inside its
+        :meth:`~slide.distributed.DataParallel.guard`: an error on one rank ends the job
+        instead of leaving the other ranks waiting for it."""
+        with distributed.guard() if distributed is not None else contextlib.nullcontext():
+            with self._marked_training():
+                yield
+
+    @contextlib.contextmanager
+    def _marked_training(self):
         me = threading.get_ident()
         with _TRAINER_LOCK:
             owner = self.__dict__.get("_trainer")

@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import threading
 
@@ -742,6 +743,22 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     assert (gW[rest] == 1).all() and (gb[rest] == 1).all()
 
 
+class _RecordingGuard:
+    """Stands in for a :class:`slide.distributed.DataParallel` where only its guard is
+    reached: records the exceptions that pass through it."""
+
+    def __init__(self):
+        self.seen = []
+
+    @contextlib.contextmanager
+    def guard(self):
+        try:
+            yield
+        except Exception as e:
+            self.seen.append(e)
+            raise
+
+
 def test_a_model_trains_on_one_thread_at_a_time(tiny_data):
     """A second thread that starts training a model while another trains it gets an error,
     not a race through the same parameters and step buffers; once the first is done, any
@@ -768,6 +785,13 @@ def test_a_model_trains_on_one_thread_at_a_time(tiny_data):
             model.partial_fit(X[:20], Y[:20])
         with pytest.raises(RuntimeError, match="already training on another thread"):
             model.fit(X, Y)
+        # on MPI the check is inside the rank's guard, which ends the job rather than leave
+        # the other ranks waiting (a stand-in guard records what reached it)
+        for train_on in (model.partial_fit, model.fit):
+            guard = _RecordingGuard()
+            with pytest.raises(RuntimeError, match="already training on another thread"):
+                train_on(X[:20], Y[:20], distributed=guard)
+            assert [type(e) for e in guard.seen] == [RuntimeError]
         copy.deepcopy(model).partial_fit(X[:20], Y[:20])  # a copy is no one's to train yet
     finally:
         release.set()
