@@ -55,12 +55,14 @@ def get_array_module(device: str = "auto"):
     return np, sp
 
 
-def forward(xp, Xd, p, blocks) -> list:
-    """Activations of every hidden layer for CSR ``Xd`` [n, rows of p["W0"]] on module ``xp``."""
-    acts = [xp.maximum(Xd @ p["W0"] + p["b0"], 0)]
+def forward(xp, Xd, p, blocks, relu: bool = True) -> list:
+    """Activations of every hidden layer for CSR ``Xd`` [n, rows of p["W0"]] on module ``xp``:
+    ReLU, or the identity with ``relu=False``."""
+    act = (lambda a: xp.maximum(a, 0)) if relu else (lambda a: a)
+    acts = [act(Xd @ p["W0"] + p["b0"])]
     for blk in blocks:
         W, b = hidden_block(p, blk)
-        acts.append(xp.maximum(acts[-1] @ W.T + b, 0))
+        acts.append(act(acts[-1] @ W.T + b))
     return acts
 
 
@@ -80,8 +82,9 @@ def local_columns(M: sp.csr_matrix, columns: np.ndarray) -> sp.csr_matrix:
                          shape=(M.shape[0], columns.size))
 
 
-def softmax_grads(xp, Xd, targets, p, blocks):
-    """Mean softmax cross-entropy of the network ``p`` and its gradients.
+def softmax_grads(xp, Xd, targets, p, blocks, relu: bool = True):
+    """Mean softmax cross-entropy of the network ``p`` and its gradients (hidden layers ReLU,
+    or the identity with ``relu=False``).
 
     ``p`` holds ``W0`` [d, H0] (the rows of the features in ``Xd`` [n, d]), ``b0``, the flat hidden
     stack ``Wh``/``bh`` and an output block ``W`` [m, H], ``b`` [m]: every label, or any subset
@@ -89,7 +92,7 @@ def softmax_grads(xp, Xd, targets, p, blocks):
     (device arrays, see :func:`uniform_targets`) index. Returns ``(loss, grads)``: the loss as a
     0-d device array (reading it waits for the device), grads shaped like ``p``.
     """
-    acts = forward(xp, Xd, p, blocks)
+    acts = forward(xp, Xd, p, blocks, relu)
     n = Xd.shape[0]
     h = acts[-1]
     dz = h @ p["W"].T
@@ -100,12 +103,12 @@ def softmax_grads(xp, Xd, targets, p, blocks):
     del dz
     gWh, gbh = [], []
     for l in range(len(blocks) - 1, -1, -1):
-        dpre = dh * (acts[l + 1] > 0)
+        dpre = dh * (acts[l + 1] > 0) if relu else dh
         W, _ = hidden_block(p, blocks[l])
         gWh.append((dpre.T @ acts[l]).ravel())
         gbh.append(dpre.sum(axis=0))
         dh = dpre @ W
-    d0 = dh * (acts[0] > 0)
+    d0 = dh * (acts[0] > 0) if relu else dh
     g["W0"] = xp.asarray(Xd.T @ d0)
     g["b0"] = d0.sum(axis=0)
     g["Wh"] = xp.concatenate(gWh[::-1]) if gWh else xp.zeros(0, xp.float32)
@@ -147,11 +150,12 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     the device while the current step runs.
     """
 
-    def __init__(self, hidden=None, norm="l2", tfidf=None, lr=None, beta1=0.9, beta2=0.999,
-                 eps=1e-8, weight_decay=None, batch_size=None, epochs=None, early_stopping=True,
+    def __init__(self, hidden=None, activation=None, norm="l2", tfidf=None, lr=None, beta1=0.9,
+                 beta2=0.999, eps=1e-8, weight_decay=None, batch_size=None, epochs=None, early_stopping=True,
                  validation_fraction=0.1, n_iter_no_change=5, refit=None, seed=0, warm_start=False,
                  device="auto", negatives=None, precision="tf32"):
         self.hidden = hidden
+        self.activation = activation
         self.norm = norm
         self.tfidf = tfidf
         self.lr = lr
@@ -309,7 +313,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         if out_rows is not None:
             local["W"], local["b"] = p["W"][out_rows], p["b"][out_rows]
         with ops.matmul_precision(xp, self.precision):
-            loss, g = softmax_grads(xp, batch["X"], batch["targets"], local, self._blocks)
+            loss, g = softmax_grads(xp, batch["X"], batch["targets"], local, self._blocks,
+                                    self.resolved_["activation"] == "relu")
         self.step_ += 1
         c, lr, wd = self.config_, self.learning_rate_, self.resolved_["weight_decay"]
         hp = (lr, c.beta1, c.beta2, c.eps, self.step_)
@@ -395,7 +400,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             hi = min(lo + block, Xp.shape[0])
             Xd = Xp[lo:hi] if xp is np else self._sparse.csr_matrix(Xp[lo:hi])
             with ops.matmul_precision(xp, self.precision):
-                S = forward(xp, Xd, self.params_, self._blocks)[-1] @ self.params_["W"].T
+                S = forward(xp, Xd, self.params_, self._blocks,
+                            self.resolved_["activation"] == "relu")[-1] @ self.params_["W"].T
             S += self.params_["b"]
             yield lo, hi, S
 

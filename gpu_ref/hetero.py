@@ -256,7 +256,8 @@ class HeteroTrainer:
         Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
         targets = tuple(xp.asarray(t) for t in uniform_targets(Yl))
         with matmul_precision(xp, self.config.precision):
-            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks)
+            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks,
+                                        m.resolved_["activation"] == "relu")
         host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
                 for k, v in grads.items()}
         m.apply_gradients(out_rows, in_rows, host)

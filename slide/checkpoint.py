@@ -173,8 +173,9 @@ class Checkpoint:
     def config_params(self, estimator_cls) -> dict:
         """The saved settings that ``estimator_cls`` takes (engines share the format)."""
         names = estimator_cls._get_param_names()
-        return {k: (tuple(v) if isinstance(v, list) else v)
-                for k, v in self.meta["config"].items() if k in names}
+        # checkpoints written before the activation was a setting were trained with ReLU
+        saved = {"activation": "relu", **self.meta["config"]}
+        return {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in names}
 
     def __contains__(self, key: str) -> bool:
         return key in self._members

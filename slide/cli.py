@@ -65,6 +65,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="most LSH candidates per sample in the output's active set (default: auto)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
+    t.add_argument("--activation", choices=["relu", "identity"], default=None,
+                   help="hidden layers' activation (default: identity where the output is "
+                        "sampled, relu where it is computed whole)")
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
                    help="LSH family of the output layer's tables (default: dwta, densified WTA)")
     t.add_argument("--lr", type=float, default=None,
@@ -169,8 +172,8 @@ def _load_model(path):
 #: ``slide train`` flags that fix the model's architecture, sampling or preprocessing: a resumed
 #: run keeps the checkpoint's, so giving another value is an error rather than silently ignored
 _FIXED_ON_RESUME = {"hidden": "hidden", "sparsity": "sparsity", "hidden_sparsity": "hidden_sparsity",
-                    "hard_negatives": "hard_negatives", "hash_family": "hash_family",
-                    "tfidf": "tfidf", "no_norm": "norm"}
+                    "activation": "activation", "hard_negatives": "hard_negatives",
+                    "hash_family": "hash_family", "tfidf": "tfidf", "no_norm": "norm"}
 
 
 def _check_outputs(a):
@@ -217,6 +220,8 @@ def _check_resume_flags(a, model):
         have = saved.get(param)
         if flag == "tfidf" and have is None:  # chosen on the validation slice: as it trained
             have = model.preprocessor_.tfidf
+        if flag == "activation" and have is None:  # the rule's: as it trained
+            have = model.resolved_["activation"]
         if isinstance(have, list):
             have = tuple(have)
         if value != have:
@@ -276,7 +281,7 @@ def _cmd_train(a):
         _check_resume_flags(a, model)
         log(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
-        common = dict(hidden=a.hidden, batch_size=a.batch_size, seed=a.seed, lr=a.lr,
+        common = dict(hidden=a.hidden, activation=a.activation, batch_size=a.batch_size, seed=a.seed, lr=a.lr,
                       weight_decay=a.weight_decay, tfidf=a.tfidf, norm=None if a.no_norm else "l2",
                       early_stopping=not a.no_early_stopping,
                       validation_fraction=a.validation_fraction, refit=a.refit, epochs=a.epochs)

@@ -81,9 +81,9 @@ def _dot(a, b):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def forward_input(x_indptr, x_indices, x_data, W0, b0, acts):
-    """First hidden layer, ReLU(x W0 + b0), for a batch of CSR rows into ``acts[:, :H0]``
-    (``W0``: rows led by the weights, H0 = ``b0.size``)."""
+def forward_input(x_indptr, x_indices, x_data, W0, b0, relu, acts):
+    """First hidden layer, ReLU(x W0 + b0) (``relu``, bool) or x W0 + b0, for a batch of CSR
+    rows into ``acts[:, :H0]`` (``W0``: rows led by the weights, H0 = ``b0.size``)."""
     H0 = b0.size
     for r in prange(x_indptr.size - 1):
         h = acts[r, :H0]
@@ -96,16 +96,17 @@ def forward_input(x_indptr, x_indices, x_data, W0, b0, acts):
             v = x_data[p]
             for j in range(H0):
                 h[j] += v * row[j]
-        for j in range(H0):
-            h[j] = max(h[j], np.float32(0.0))
+        if relu:
+            for j in range(H0):
+                h[j] = max(h[j], np.float32(0.0))
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def forward_layer(acts, lo_in, lo_out, W, b, active, n_active):
-    """Hidden layer ReLU(W h + b) from ``acts[:, lo_in:lo_in+n_in]`` into
-    ``acts[:, lo_out:lo_out+n_out]`` for W [n_out, n_in]. With ``active`` [n, m] (m > 0) only
-    the neurons ``active[r, :n_active[r]]`` are computed and the others are 0 (a sampled layer);
-    with m == 0 every neuron is."""
+def forward_layer(acts, lo_in, lo_out, W, b, active, n_active, relu):
+    """Hidden layer ReLU(W h + b) (``relu``, bool) or W h + b from ``acts[:, lo_in:lo_in+n_in]``
+    into ``acts[:, lo_out:lo_out+n_out]`` for W [n_out, n_in]. With ``active`` [n, m] (m > 0)
+    only the neurons ``active[r, :n_active[r]]`` are computed and the others are 0 (a sampled
+    layer, ReLU only: see :func:`backward_hidden`); with m == 0 every neuron is."""
     n_out, n_in = W.shape
     for r in prange(acts.shape[0]):
         prev = acts[r, lo_in:lo_in + n_in]
@@ -115,7 +116,8 @@ def forward_layer(acts, lo_in, lo_out, W, b, active, n_active):
             out[:] = 0.0
         for a in range(k):
             i = a if active.shape[1] == 0 else active[r, a]
-            out[i] = max(b[i] + _dot(W[i], prev), np.float32(0.0))
+            a_i = b[i] + _dot(W[i], prev)
+            out[i] = max(a_i, np.float32(0.0)) if relu else a_i
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,12 +438,14 @@ def _prefetch_update(i, at, B, G):
 #: body gets it from parallel=True; a kernel it calls does not)
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_CONTRACT)
 def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, sizes, gWh, gbh,
-                     b_off, dbuf, d_first):
+                     b_off, dbuf, d_first, relu):
     """Back-propagate ``dh_last`` (gradient w.r.t. the last hidden activation) through the
     hidden stack (its gradients added to ``gWh``/``gbh``, Hogwild) to the first hidden layer's
     pre-activation, written to ``d_first`` [H0]; an input row marked ALONE in ``owners`` gets
     its Adam step here (``W0``: the input layer's row block; constants ``k_w``), the others are
-    left to :func:`_shared_input_rows`. ``dbuf`` is scratch of size max(sizes) * 2."""
+    left to :func:`_shared_input_rows`. ``dbuf`` is scratch of size max(sizes) * 2. ``relu``:
+    a neuron passes its gradient where its activation is positive (ReLU's derivative, which is
+    also 0 for the neurons a sampled layer did not compute), else everywhere (the identity)."""
     n_layers = sizes.size
     # offsets of each layer's activation inside act
     lo_last = 0
@@ -452,7 +456,7 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, si
     nxt = dbuf[half:]
     H = sizes[n_layers - 1]
     for j in range(H):
-        cur[j] = dh_last[j] if act[lo_last + j] > 0 else np.float32(0.0)
+        cur[j] = dh_last[j] if act[lo_last + j] > 0 or not relu else np.float32(0.0)
     lo = lo_last
     for l in range(n_layers - 1, 0, -1):
         n_in, n_outl = sizes[l - 1], sizes[l]
@@ -474,7 +478,7 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, si
                 nxt[j] += d * wi[j]
                 gi[j] += d * prev[j]
         for j in range(n_in):
-            cur[j] = nxt[j] if prev[j] > 0 else np.float32(0.0)
+            cur[j] = nxt[j] if prev[j] > 0 or not relu else np.float32(0.0)
         lo = lo_in
     copy_into(d_first, cur[:sizes[0]])
     for p in range(x_ids.size):
@@ -528,7 +532,7 @@ def _shared_input_rows(D, starts, pair_rows, pair_vals, gW0, lo, hi):
 @njit(cache=True, nogil=True, parallel=True)
 def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_shared, Wh,
                     h_off, sizes, gW0, gb0, gWh, gbh, b_off, n_threads, dbuf, D, starts,
-                    pair_rows, pair_vals, lr, beta1, beta2, eps, step, weight_decay):
+                    pair_rows, pair_vals, relu, lr, beta1, beta2, eps, step, weight_decay):
     """Back-propagate ``dH`` [n, H_last] (gradient w.r.t. the last hidden activations, already
     scaled by 1/n) into the hidden layers' gradients; ``dbuf`` [n_threads, 2·max H].
 
@@ -547,7 +551,8 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_
     most samples hold took each write as a cache line the other threads had just taken: on
     rows of 120 dense features this pass took 13.6 us a sample on 2 threads, 3.3 now
     (bench/README.md). Scratch for the rows' entries, :func:`_shared_pairs`: ``starts`` int64
-    [S + 1], ``pair_rows`` int32 and ``pair_vals`` float32 [nnz]."""
+    [S + 1], ``pair_rows`` int32 and ``pair_vals`` float32 [nnz]. ``relu`` (bool): the hidden
+    layers' activation is ReLU, else the identity."""
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     n = x_indptr.size - 1
     _shared_pairs(x_indptr, x_indices, x_data, owners, slots, n_shared, starts, pair_rows,
@@ -558,7 +563,7 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_
         while r < n:
             lo, hi = x_indptr[r], x_indptr[r + 1]
             _backward_hidden(x_indices[lo:hi], x_data[lo:hi], acts[r], dH[r], W0, owners, k_w,
-                             Wh, h_off, sizes, gWh, gbh, b_off, dbuf[c], D[r])
+                             Wh, h_off, sizes, gWh, gbh, b_off, dbuf[c], D[r], relu)
             r = fetch_add(next_row, 1)
     # each thread a run of rows holding about as many entries as the others'
     bounds = np.searchsorted(starts[:n_shared + 1],

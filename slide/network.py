@@ -60,8 +60,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     ``timings_`` (seconds per phase).
     """
 
-    def __init__(self, hidden=None, hidden_sparsity=None, sparsity=None, hard_negatives=None,
-                 hash_family="dwta", K=None, L=None, range_pow=None, bucket_size=None,
+    def __init__(self, hidden=None, hidden_sparsity=None, activation=None, sparsity=None,
+                 hard_negatives=None, hash_family="dwta", K=None, L=None, range_pow=None,
+                 bucket_size=None,
                  bucket_policy="reservoir", rehash_every=None, rehash_growth=1.25,
                  rebuild_every=None, norm="l2", tfidf=None, lr=None, beta1=0.9, beta2=0.999,
                  eps=1e-8, weight_decay=None, batch_size=None,
@@ -69,6 +70,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                  refit=None, threads=None, seed=0, warm_start=False):
         self.hidden = hidden
         self.hidden_sparsity = hidden_sparsity
+        self.activation = activation
         self.sparsity = sparsity
         self.hard_negatives = hard_negatives
         self.hash_family = hash_family
@@ -443,8 +445,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Activations of every hidden layer, float32 [n, Σ hidden], for preprocessed rows."""
         p, sizes = self.params_, self._sizes
         acts = np.empty((X.shape[0], self._n_acts), np.float32)
+        relu = self.resolved_["activation"] == "relu"
         kernels.forward_input(X.indptr.astype(np.int64), X.indices, X.data, self._weight_rows("W0"),
-                              p["b0"], acts)
+                              p["b0"], relu, acts)
         lo = 0
         for l in range(1, sizes.size):
             W, b = self._block(l)
@@ -455,7 +458,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 codes = tables.family.hash_dense(acts[:, lo:lo + int(sizes[l - 1])])
                 active, n_active = tables.query_codes(
                     codes, self.resolved_["hidden_layers"][l]["target"], rank=True)
-            kernels.forward_layer(acts, lo, lo + int(sizes[l - 1]), W, b, active, n_active)
+            kernels.forward_layer(acts, lo, lo + int(sizes[l - 1]), W, b, active, n_active, relu)
             lo += int(sizes[l - 1])
         return acts
 
@@ -549,7 +552,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                 blocks["W0"], self._owners_in, self._slots_in, n_in_shared,
                                 p["Wh"], self._h_off, self._sizes, g["W0"], g["b0"], g["Wh"],
                                 g["bh"], self._b_off, n_threads, self._dbuf, self._d_first[:n],
-                                *self._pairs, *hyper)
+                                *self._pairs, self.resolved_["activation"] == "relu", *hyper)
         t0 = self._tick("backward_hidden", t0)
         # the rows updated in place are listed only for data parallelism's averages
         listed = dp is not None

@@ -13,9 +13,11 @@ Bound, per row ``h`` and label ``w`` (``ĥ``, ``ŵ``: the dequantised copies)::
 
     |h·w - ĥ·ŵ| = |(h - ĥ)·w + ĥ·(w - ŵ)| <= |h - ĥ| |w| + |ĥ| |w - ŵ|
 
-(Cauchy-Schwarz on both terms), plus a float32 rounding allowance. ``h`` is a ReLU output,
-so it is quantised to uint8 (``vpdpbusd`` multiplies unsigned by signed bytes); a batch with a
-negative entry, and machines without VNNI, take :func:`slide.metrics.topk_product`.
+(Cauchy-Schwarz on both terms), plus a float32 rounding allowance. ``vpdpbusd`` multiplies
+unsigned by signed bytes: a row with no negative entry (a ReLU output) is quantised to
+0..255; a row with one (an identity layer's) to -127..127 and stored plus 128, and the
+label's sum of its int8 weights, times 128, taken off its dot product again (exact, in int32).
+Machines without VNNI take :func:`slide.metrics.topk_product`.
 """
 from __future__ import annotations
 
@@ -125,22 +127,25 @@ class Int8Rows:
         single query was TLB-bound at 11 ms); within a tile the layout ``_dot_tile`` reads.
     scale : float32 [L']: w_j ~ scale_j * q_j (symmetric, per label: max |w_j| / 127).
     norm, error : float32 [L']: |w_j| and |w_j - scale_j q_j|, rounded up.
+    sums : int32 [L']: sum_i q_ji (a signed query's offset, see the module docstring).
     n_rows, dim : L and d.
     """
     packed: np.ndarray
     scale: np.ndarray
     norm: np.ndarray
     error: np.ndarray
+    sums: np.ndarray
     n_rows: int
     dim: int
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes + self.norm.nbytes + self.error.nbytes
+        return (self.packed.nbytes + self.scale.nbytes + self.norm.nbytes + self.error.nbytes
+                + self.sums.nbytes)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _quantize_rows(W, packed, scale, norm, error):
+def _quantize_rows(W, packed, scale, norm, error, sums):
     L, d = W.shape
     for j in prange(L):
         m = 0.0
@@ -149,13 +154,16 @@ def _quantize_rows(W, packed, scale, norm, error):
         s = m / 127.0
         nw = 0.0
         ne = 0.0
+        total = 0
         for i in range(d):
             q = 0 if s == 0.0 else min(127, max(-127, round(W[j, i] / s)))
             packed[j // TILE_LABELS, i // 4, 4 * (j % TILE_LABELS) + i % 4] = q
+            total += q
             w = np.float64(W[j, i])
             nw += w * w
             ne += (w - q * np.float64(np.float32(s))) ** 2
         scale[j] = s
+        sums[j] = total
         # one float32 step up: the bounds must not round below their float64 values
         norm[j] = np.nextafter(np.float32(np.sqrt(nw)), np.float32(np.inf))
         error[j] = np.nextafter(np.float32(np.sqrt(ne)), np.float32(np.inf))
@@ -169,48 +177,55 @@ def quantize_rows(W) -> Int8Rows:
     Lp = -(-L // TILE_LABELS) * TILE_LABELS
     packed = np.zeros((Lp // TILE_LABELS, -(-d // 4), 4 * TILE_LABELS), np.int8)
     scale, norm, error = (np.zeros(Lp, np.float32) for _ in range(3))
-    _quantize_rows(W, packed, scale, norm, error)
-    return Int8Rows(packed, scale, norm, error, L, d)
+    sums = np.zeros(Lp, np.int32)
+    _quantize_rows(W, packed, scale, norm, error, sums)
+    return Int8Rows(packed, scale, norm, error, sums, L, d)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _quantize_queries(H, rounding, hq_bytes, t, slack, nh):
-    """uint8 rows of ``H`` [n, d] (>= 0) into ``hq_bytes`` [n', 4 D4]; per row the scale ``t``,
-    ``slack`` = |h - t q| + ``rounding`` |h| (multiplies |w_j|), ``nh`` = |t q| (multiplies
-    |w_j - ŵ_j|)."""
+def _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh):
+    """uint8 rows of ``H`` [n, d] into ``hq_bytes`` [n', 4 D4]: q in 0..255 for a row with no
+    negative entry, else q in -127..127 stored as q + ``off`` (128; 0 for the others); per
+    row the scale ``t`` (h ~ t q), ``slack`` = |h - t q| + ``rounding`` |h| (multiplies |w_j|),
+    ``nh`` = |t q| (multiplies |w_j - ŵ_j|)."""
     n, d = H.shape
     for r in prange(n):
         m = 0.0
+        lo = 0.0
         for i in range(d):
-            m = max(m, H[r, i])
-        s = m / 255.0
+            m = max(m, abs(H[r, i]))
+            lo = min(lo, H[r, i])
+        signed = lo < 0
+        s = m / (127.0 if signed else 255.0)
         e = 0.0
         nq = 0.0
         nx = 0.0
         for i in range(d):
             x = np.float64(H[r, i])
-            q = 0 if s == 0.0 else min(255, round(x / s))
-            hq_bytes[r, i] = q
+            q = 0 if s == 0.0 else (min(127, max(-127, round(x / s))) if signed
+                                    else min(255, round(x / s)))
+            hq_bytes[r, i] = q + 128 if signed else q
             v = q * np.float64(np.float32(s))
             e += (x - v) ** 2
             nq += v * v
             nx += x * x
         t[r] = s
+        off[r] = 128 if signed else 0
         slack[r] = np.nextafter(np.float32(np.sqrt(e) + rounding * np.sqrt(nx)), np.float32(np.inf))
         nh[r] = np.nextafter(np.float32(np.sqrt(nq)), np.float32(np.inf))
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
-def _bounds(acc, a, j, jj, t, slack, nh, rounding, scale, norm, error, bias):
+def _bounds(acc, a, j, jj, t, off, slack, nh, rounding, scale, norm, error, sums, bias):
     """Lower and upper bound of the score of label ``j`` (tile column ``jj``) for tile row ``a``
-    of the int32 dots ``acc`` (the row's scale ``t``, ``slack`` and ``nh``)."""
-    v = np.float32(acc[a, jj]) * (t * scale[j]) + bias[j]
+    of the int32 dots ``acc`` (the row's scale ``t``, offset ``off``, ``slack`` and ``nh``)."""
+    v = np.float32(acc[a, jj] - off * sums[j]) * (t * scale[j]) + bias[j]
     e = slack * norm[j] + nh * error[j] + rounding * abs(bias[j])
     return v - e, v + e
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
-def _count_reaching(acc, a, g, t, slack, nh, rounding, floor, scale, norm, error, bias):
+def _count_reaching(acc, a, g, t, off, slack, nh, rounding, floor, scale, norm, error, sums, bias):
     """How many of labels g..g+63 have an upper bound that reaches ``floor`` (tile row ``a``).
 
     A vectorised loop: unsigned indices, so numba emits no negative-index wraparound, which
@@ -220,14 +235,15 @@ def _count_reaching(acc, a, g, t, slack, nh, rounding, floor, scale, norm, error
     g = np.uint64(g)
     a = np.uint64(a)
     for jj in range(np.uint64(TILE_LABELS)):
-        up = _bounds(acc, a, g + jj, jj, t, slack, nh, rounding, scale, norm, error, bias)[1]
+        up = _bounds(acc, a, g + jj, jj, t, off, slack, nh, rounding, scale, norm, error, sums,
+                     bias)[1]
         hits += np.int32(up >= floor)
     return hits
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _screen(hq, n, t, slack, nh, rounding, packed, scale, norm, error, bias, L, bounds,
-            heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow):
+def _screen(hq, n, t, off, slack, nh, rounding, packed, scale, norm, error, sums, bias, L,
+            bounds, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow):
     """For each chunk c of labels ``bounds[c]..bounds[c + 1]`` (in parallel): every row's k
     best lower bounds (``heap_*`` [C, n, k]) and the labels whose upper bound reached the
     running k-th best lower bound (``cand_*`` [C, n, cap], in label order)."""
@@ -246,13 +262,13 @@ def _screen(hq, n, t, slack, nh, rounding, packed, scale, norm, error, bias, L, 
             for r in range(n):
                 full = sizes[c, r] >= k
                 floor = heap_lows[c, r, 0] if full else -np.inf
-                if _count_reaching(acc, r, g, t[r], slack[r], nh[r], rounding, floor, scale, norm,
-                                   error, bias) == 0:
+                if _count_reaching(acc, r, g, t[r], off[r], slack[r], nh[r], rounding, floor,
+                                   scale, norm, error, sums, bias) == 0:
                     continue  # the common case: no label of the tile can enter
                 for jj in range(min(TILE_LABELS, L - g)):
                     j = g + jj
-                    low, up = _bounds(acc, r, j, jj, t[r], slack[r], nh[r], rounding, scale, norm,
-                                      error, bias)
+                    low, up = _bounds(acc, r, j, jj, t[r], off[r], slack[r], nh[r], rounding,
+                                      scale, norm, error, sums, bias)
                     if up < floor and full:
                         continue
                     if not full or low > floor:
@@ -311,8 +327,8 @@ def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
     """Row-wise top-k of ``H @ W.T + b``, exactly, through the int8 screen of ``rows``
     (``quantize_rows(W)``; rebuild it whenever W changes).
 
-    H float32 [n, d] (a ReLU output: a batch with a negative entry, or a CPU without the int8
-    dot product, goes to :func:`slide.metrics.topk_product`), W float32 [L, d], b float32 [L].
+    H float32 [n, d] (a CPU without the int8 dot product sends it to
+    :func:`slide.metrics.topk_product`), W float32 [L, d], b float32 [L].
     ``chunks``: label ranges scored in parallel (default 4 per numba thread); ``capacity``:
     candidates kept per row and chunk before a row falls back to the float32 kernel. Returns
     ids int64 [n, k] and scores float32 [n, k], best first, ties to the lower id, -1 / -inf
@@ -326,7 +342,7 @@ def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
     if rows.n_rows != W.shape[0] or rows.dim != d or W.shape[1] != d:
         raise ValueError(f"the int8 rows are of a [{rows.n_rows}, {rows.dim}] matrix; "
                          f"W is {list(W.shape)} and H has {d} columns: quantize W again")
-    if n == 0 or not has_int8_dot() or (H < 0).any():
+    if n == 0 or not has_int8_dot():
         return topk_product(H, W, b, k)
     # per call, shared by the row blocks: padding labels get a bias no bound can lift to a
     # candidate; the label chunks scored in parallel
@@ -353,7 +369,8 @@ def _screened_block(H, W, b, rows, bias, bounds, rounding, capacity, ids, scores
     n_pad = -(-n // TILE_ROWS) * TILE_ROWS
     hq_bytes = np.zeros((n_pad, 4 * rows.packed.shape[1]), np.uint8)
     t, slack, nh = (np.zeros(n_pad, np.float32) for _ in range(3))
-    _quantize_queries(H, rounding, hq_bytes, t, slack, nh)
+    off = np.zeros(n_pad, np.int32)
+    _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh)
     heap_ids = np.full((C, n, k), -1, np.int64)
     heap_lows = np.full((C, n, k), -np.inf, np.float32)
     sizes = np.zeros((C, n), np.int64)
@@ -361,9 +378,9 @@ def _screened_block(H, W, b, rows, bias, bounds, rounding, capacity, ids, scores
     cand_ups = np.empty((C, n, capacity), np.float32)
     n_cand = np.zeros((C, n), np.int64)
     overflow = np.zeros(n, np.bool_)
-    _screen(hq_bytes.view(np.int32), n, t, slack, nh, rounding, rows.packed, rows.scale, rows.norm,
-            rows.error, bias, W.shape[0], bounds, heap_ids, heap_lows, sizes, cand_ids, cand_ups,
-            n_cand, overflow)
+    _screen(hq_bytes.view(np.int32), n, t, off, slack, nh, rounding, rows.packed, rows.scale,
+            rows.norm, rows.error, rows.sums, bias, W.shape[0], bounds, heap_ids, heap_lows, sizes,
+            cand_ids, cand_ups, n_cand, overflow)
     _rescore(H, W, b, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow, ids, scores)
     if overflow.any():
         ids[overflow], scores[overflow] = topk_product(H[overflow], W, b, k)

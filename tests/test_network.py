@@ -21,11 +21,13 @@ def _small(tiny_data, n=64, labels=300):
     return X[keep], Y[keep]
 
 
+@pytest.mark.parametrize("activation", ["relu", "identity"])
 @pytest.mark.parametrize("hidden", [(32,), (24, 16)])
-def test_one_step_with_every_neuron_active_equals_dense_reference(tiny_data, hidden):
+def test_one_step_with_every_neuron_active_equals_dense_reference(tiny_data, hidden, activation):
     X, Y = _small(tiny_data)
-    eng = SlideClassifier(hidden=hidden, sparsity=1.0, threads=1, batch_size=64, seed=3)
-    ref = DenseClassifier(hidden=hidden, batch_size=64, seed=3, device="cpu")
+    eng = SlideClassifier(hidden=hidden, activation=activation, sparsity=1.0, threads=1,
+                          batch_size=64, seed=3)
+    ref = DenseClassifier(hidden=hidden, activation=activation, batch_size=64, seed=3, device="cpu")
     # weight decay on: both decay exactly the rows a step touches
     eng.partial_fit(X, Y)
     ref.partial_fit(X, Y)
@@ -39,10 +41,12 @@ def test_one_step_with_every_neuron_active_equals_dense_reference(tiny_data, hid
         np.testing.assert_allclose(eng.params_[k], v, atol=1e-4, rtol=1e-3, err_msg=k)
 
 
-def test_engine_gradient_matches_numerical_gradient(tiny_data):
+@pytest.mark.parametrize("activation", ["relu", "identity"])
+def test_engine_gradient_matches_numerical_gradient(tiny_data, activation):
     """Finite differences of the dense loss (float64) against the engine's accumulated gradient."""
     X, Y = _small(tiny_data, n=8, labels=40)
-    eng = SlideClassifier(hidden=(12, 5), sparsity=1.0, threads=1, batch_size=8, seed=1)
+    eng = SlideClassifier(hidden=(12, 5), activation=activation, sparsity=1.0, threads=1,
+                          batch_size=8, seed=1)
     eng.initialize(X, Y)
     before = {k: v.copy() for k, v in eng.params_.items()}
     grads = {}
@@ -64,7 +68,7 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data):
     blocks = hidden_blocks(eng.resolved_["hidden"])
 
     def loss():
-        return softmax_grads(np, Xp, T, params, blocks)[0]
+        return softmax_grads(np, Xp, T, params, blocks, activation == "relu")[0]
 
     rng = np.random.default_rng(0)
     for name in ("W", "b", "Wh", "bh", "W0", "b0"):
@@ -483,7 +487,7 @@ def _claimed_step(threads: int):
                           np.array([H], np.int64), gW0, gb0,
                           np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.int64),
                           T, np.zeros((T, 2 * H), np.float32), np.zeros((n, H), np.float32),
-                          *_pair_scratch(X.nnz), *hyper)
+                          *_pair_scratch(X.nnz), True, *hyper)
     return dict(active=active, n_active=n_active, zpool=zpool, B=B, b=b, bM=bM, bV=bV, gW=gW,
                 gb=gb, dH=dH, losses=losses, W0=W0, gb0=gb0)
 
@@ -540,7 +544,7 @@ def test_shared_input_rows_sum_their_samples_in_order_on_any_thread_count():
                               np.array([H], np.int64), gW0, gb0, np.zeros(1, np.float32),
                               np.zeros(1, np.float32), np.zeros(1, np.int64), T,
                               np.zeros((T, 2 * H), np.float32), d_first, *_pair_scratch(X.nnz),
-                              *hyper)
+                              True, *hyper)
             out[threads] = gW0[:n_shared], gb0, d_first, shared[:n_shared].copy()
     (g1, b1, d1, rows), (g2, b2, d2, rows2) = out[1], out[2]
     assert 0 < rows.size < n_f and np.array_equal(rows, rows2)  # some rows of one sample only
@@ -667,7 +671,7 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
         K.backward_hidden(X.indptr.astype(np.int64), X.indices, X.data, acts, dH, B, owners,
                           slots, n_shared, Wh, h_off, sizes, gW0, gb0, gWh, gbh, b_off,
                           1, np.zeros((1, 2 * max(hidden)), np.float32),
-                          np.zeros((3, H0), np.float32), *_pair_scratch(X.nnz), *hyper)
+                          np.zeros((3, H0), np.float32), *_pair_scratch(X.nnz), True, *hyper)
         alone = np.zeros(n, np.int32)
         n_alone = K.clear_marks(owners, touched[:n], alone)
         K.adam_rows(shared[:n_shared], np.arange(n_shared, dtype=np.int32), B, gW0, *hyper)

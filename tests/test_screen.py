@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from slide.metrics import topk
+from slide import screen
 from slide.screen import has_int8_dot, quantize_rows, screened_topk
 
 needs_vnni = pytest.mark.skipif(not has_int8_dot(), reason="the CPU has no AVX-512 VNNI")
@@ -24,6 +25,7 @@ def test_quantized_rows_and_their_bounds(rng):
     assert (Q[70:] == 0).all() and (Q[:, 9:] == 0).all()  # padding labels and depths
     Q = Q[:70, :9].astype(np.float64)
     assert np.abs(Q).max() == 127 and (Q[3] == 0).all()
+    assert np.array_equal(q.sums[:70], Q.sum(axis=1)) and (q.sums[70:] == 0).all()
     deq = Q * q.scale[:70, None].astype(np.float64)
     assert np.all(np.abs(deq - W) <= q.scale[:70, None] / 2 + 1e-7)
     assert np.all(q.norm[:70] >= np.linalg.norm(W.astype(np.float64), axis=1))
@@ -32,16 +34,22 @@ def test_quantized_rows_and_their_bounds(rng):
 
 
 @needs_vnni
+@pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(23, 301, 6), (130, 1000, 130), (5, 64, 8), (3, 2, 4)])
-def test_screened_topk_equals_topk_of_the_score_matrix(rng, threads, shape):
+def test_screened_topk_equals_topk_of_the_score_matrix(rng, threads, shape, signed, monkeypatch):
     n, L, d = shape
     # small integers: every score is exact whatever the order of summation, and many are
-    # equal (ties go to the lower id), while their int8 copies are not exact
+    # equal (ties go to the lower id), while their int8 copies are not exact. Signed rows
+    # (an identity layer's) are quantised around an offset; here every other row is signed
     H = rng.integers(0, 4, (n, d)).astype(np.float32)
+    if signed:
+        H[::2] -= 2
     W = rng.integers(-3, 4, (L, d)).astype(np.float32)
     b = rng.integers(-2, 3, L).astype(np.float32)
     q = quantize_rows(W)
+    # the screen serves every row: none goes to the float32 kernel
+    monkeypatch.setattr(screen, "topk_product", lambda *a, **kw: pytest.fail("float32 kernel"))
     previous = _threads(threads)
     try:
         for k in (1, 5, 40):
@@ -54,7 +62,8 @@ def test_screened_topk_equals_topk_of_the_score_matrix(rng, threads, shape):
 
 
 @needs_vnni
-def test_screened_topk_separates_scores_closer_than_the_int8_step(rng):
+@pytest.mark.parametrize("signed", [False, True])
+def test_screened_topk_separates_scores_closer_than_the_int8_step(rng, signed):
     # labels whose scores differ by far less than the int8 quantisation error: the bound must
     # send them all to the float32 rescoring, which orders them exactly
     base = rng.standard_normal(32).astype(np.float32)
@@ -63,6 +72,8 @@ def test_screened_topk_separates_scores_closer_than_the_int8_step(rng):
     b = np.zeros(W.shape[0], np.float32)
     H = np.maximum(rng.standard_normal((17, 32)), 0).astype(np.float32)
     H[:, :] += np.maximum(base, 0) * 3  # rows that prefer the near-identical labels
+    if signed:  # an identity layer's rows: quantised to 7 bits around the offset
+        H += (base * 3 - 0.5).astype(np.float32)
     ids, vals = screened_topk(H, W, b, 10, quantize_rows(W))
     S = H.astype(np.float64) @ W.T.astype(np.float64)
     got = np.take_along_axis(S, ids, 1)
@@ -75,13 +86,10 @@ def test_screened_topk_separates_scores_closer_than_the_int8_step(rng):
 
 @needs_vnni
 def test_screened_topk_falls_back_where_the_screen_cannot_serve(rng):
-    H = rng.standard_normal((9, 12)).astype(np.float32)  # negative entries: float32 kernel
+    H = np.abs(rng.standard_normal((9, 12))).astype(np.float32)
     W = rng.standard_normal((500, 12)).astype(np.float32)
     b = rng.standard_normal(500).astype(np.float32)
     q = quantize_rows(W)
-    ref = topk(H @ W.T + b, 5)
-    np.testing.assert_array_equal(screened_topk(H, W, b, 5, q)[0], ref[0])
-    H = np.abs(H)
     ref = topk(H @ W.T + b, 5)
     # a candidate list of 2 per row and chunk overflows: those rows take the float32 kernel
     np.testing.assert_array_equal(screened_topk(H, W, b, 5, q, capacity=2)[0], ref[0])

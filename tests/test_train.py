@@ -290,6 +290,13 @@ def test_sampled_width_and_decay_follow_the_output_layer():
     assert small["weight_decay"] == 1.0 and small["hidden"] == [512]
     # an explicit setting wins
     assert resolve(SlideConfig(weight_decay=0.0), 5000, 4000, 14_000)["weight_decay"] == 0.0
+    # the hidden layer's activation: the identity where the output is sampled and every hidden
+    # layer is dense, ReLU otherwise, unless given
+    assert (wide["activation"], mid["activation"], small["activation"]) == ("identity", "identity", "relu")
+    sampled_hidden = SlideConfig(hidden=(64, 64), hidden_sparsity=(1.0, 0.5))
+    assert resolve(sampled_hidden, 5000, 4000, 14_000)["activation"] == "relu"
+    assert resolve(SlideConfig(activation="relu"), 5000, 4000, 14_000)["activation"] == "relu"
+    assert resolve(SlideConfig(activation="identity"), 1000, 300, 5000)["activation"] == "identity"
 
 
 def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_data):
@@ -310,6 +317,25 @@ def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_da
     m, _, _ = _saved_without(tmp_path, tiny_data, "rare_share")
     assert m.rare_share_ == pytest.approx(rare_share(m.preprocessor_.document_frequency_))
     assert SlideClassifier.load(tmp_path / "m").rare_share_ == 0.0
+
+
+def test_checkpoints_from_before_the_activation_setting_load_with_relu(tmp_path, tiny_data):
+    """A sampled output resolves to the identity; a checkpoint whose settings do not name the
+    activation was written when every model was ReLU, and loads as one."""
+    X, Y = tiny_data[0], tiny_data[1]
+    m = SlideClassifier(sparsity=0.5, epochs=1, early_stopping=False, threads=1, seed=0).fit(X, Y)
+    assert m.resolved_["activation"] == "identity"
+    m.save(tmp_path / "m")
+    assert SlideClassifier.load(tmp_path / "m").resolved_["activation"] == "identity"
+    path = tmp_path / "m" / "config.json"
+    meta = json.loads(path.read_text())
+    assert meta["config"]["activation"] is None  # the rule's, as given
+    del meta["config"]["activation"]
+    path.write_text(json.dumps(meta))
+    old = SlideClassifier.load(tmp_path / "m")
+    assert old.activation == "relu" and old.resolved_["activation"] == "relu"
+    # a ReLU layer zeroes what the identity passes: the two give different scores
+    assert not np.allclose(old.decision_function(X[:20]), m.decision_function(X[:20]))
 
 
 def _saved_without(tmp_path, tiny_data, key):
@@ -607,6 +633,9 @@ def test_settings_are_validated_at_fit(tiny_data):
                        (dict(validation_fraction=0.9), "validation_fraction"),
                        (dict(norm="l1"), "norm"), (dict(early_stopping="yes"), "early_stopping"),
                        (dict(hard_negatives=-1), "hard_negatives"),
-                       (dict(hard_negatives=2.5), "hard_negatives must be an integer")]:
+                       (dict(hard_negatives=2.5), "hard_negatives must be an integer"),
+                       (dict(activation="tanh"), "activation must be one of relu, identity"),
+                       (dict(hidden=(8, 8), hidden_sparsity=(1.0, 0.5), activation="identity"),
+                        "activation='identity' needs every hidden layer dense")]:
         with pytest.raises((ValueError, TypeError), match=match):
             SlideClassifier(**bad).fit(X, Y)
