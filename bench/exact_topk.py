@@ -17,7 +17,8 @@ For each batch of rows and thread count, the median seconds (after a warm-up) of
 All give the same ids (checked). With ``--model`` (a saved :class:`slide.SlideClassifier`) and
 ``--data`` (rows in the repository text format) the weights and the rows' last hidden layer are
 the model's; otherwise both are random, whose scores spread more than a trained model's and so
-leave the screen fewer candidates. Writes ``OUT.json`` and prints rows/s and the ratios.
+leave the screen fewer candidates (``--activation identity``: signed hidden rows, which the
+screen quantises around an offset). Writes ``OUT.json`` and prints rows/s and the ratios.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--model", default=None, help="a saved SlideClassifier (its W, b, hidden layer)")
     p.add_argument("--data", default=None, help="with --model: rows whose hidden layer is scored")
+    p.add_argument("--activation", choices=["relu", "identity"], default="relu",
+                   help="without --model: random hidden rows of a ReLU layer (>= 0) or of an "
+                        "identity layer (signed)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -80,8 +84,9 @@ def main(argv=None):
         set_num_threads(threads)
         with threadpool_limits(limits=threads, user_api="blas"):
             for n in (int(r) for r in args.rows.split(",")):
-                H = hidden[:n] if args.model else \
-                    np.maximum(rng.standard_normal((n, args.hidden), np.float32), 0)
+                H = hidden[:n] if args.model else rng.standard_normal((n, args.hidden), np.float32)
+                if not args.model and args.activation == "relu":
+                    H = np.maximum(H, 0)
 
                 def matrix():
                     S = H @ W.T

@@ -107,7 +107,8 @@ def _run_network(engine, spec, args, queue):
                "kept_epoch": model.stopping_["kept_epoch"], "refit": "refit" in model.stopping_,
                "choice": model.stopping_.get("choice", {}).get("chosen"),
                "choices_tried": list(model.stopping_.get("choice", {}).get("validation_scores", [])),
-               "settings": {k: model.resolved_[k] for k in ("hidden", "lr", "weight_decay", "batch_size")}})
+               "settings": {k: model.resolved_[k]
+                            for k in ("hidden", "activation", "lr", "weight_decay", "batch_size")}})
 
 
 def _run_peer(engine, spec, args):

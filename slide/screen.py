@@ -14,9 +14,9 @@ Bound, per row ``h`` and label ``w`` (``ĥ``, ``ŵ``: the dequantised copies)::
     |h·w - ĥ·ŵ| = |(h - ĥ)·w + ĥ·(w - ŵ)| <= |h - ĥ| |w| + |ĥ| |w - ŵ|
 
 (Cauchy-Schwarz on both terms), plus a float32 rounding allowance. ``vpdpbusd`` multiplies
-unsigned by signed bytes: a row with no negative entry (a ReLU output) is quantised to
-0..255; a row with one (an identity layer's) to -127..127 and stored plus 128, and the
-label's sum of its int8 weights, times 128, taken off its dot product again (exact, in int32).
+unsigned by signed bytes: each row is quantised to 0..255 over its own range, which for a row
+with negative entries (an identity layer's) starts below 0 at a zero point z, ĥ = t (q - z);
+z times the label's sum of its int8 weights is taken off its int32 dot product (exactly).
 Machines without VNNI take :func:`slide.metrics.topk_product`.
 """
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Int8Rows:
         single query was TLB-bound at 11 ms); within a tile the layout ``_dot_tile`` reads.
     scale : float32 [L']: w_j ~ scale_j * q_j (symmetric, per label: max |w_j| / 127).
     norm, error : float32 [L']: |w_j| and |w_j - scale_j q_j|, rounded up.
-    sums : int32 [L']: sum_i q_ji (a signed query's offset, see the module docstring).
+    sums : int32 [L']: sum_i q_ji (times a query's zero point, see the module docstring).
     n_rows, dim : L and d.
     """
     packed: np.ndarray
@@ -184,33 +184,34 @@ def quantize_rows(W) -> Int8Rows:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh):
-    """uint8 rows of ``H`` [n, d] into ``hq_bytes`` [n', 4 D4]: q in 0..255 for a row with no
-    negative entry, else q in -127..127 stored as q + ``off`` (128; 0 for the others); per
-    row the scale ``t`` (h ~ t q), ``slack`` = |h - t q| + ``rounding`` |h| (multiplies |w_j|),
-    ``nh`` = |t q| (multiplies |w_j - ŵ_j|)."""
+    """uint8 rows of ``H`` [n, d] into ``hq_bytes`` [n', 4 D4], each over its own range
+    [min(0, min h), max(0, max h)] in 255 steps: h ~ t (q - off) with the scale ``t`` and the
+    zero point ``off`` (0 for a row with no negative entry); per row also ``slack`` =
+    |h - ĥ| + ``rounding`` |h| (multiplies |w_j|) and ``nh`` = |ĥ| (multiplies |w_j - ŵ_j|),
+    ĥ = t (q - off)."""
     n, d = H.shape
     for r in prange(n):
-        m = 0.0
         lo = 0.0
+        hi = 0.0
         for i in range(d):
-            m = max(m, abs(H[r, i]))
             lo = min(lo, H[r, i])
-        signed = lo < 0
-        s = m / (127.0 if signed else 255.0)
+            hi = max(hi, H[r, i])
+        s = (hi - lo) / 255.0
+        z = 0 if s == 0.0 else min(255, round(-lo / s))
+        s32 = np.float64(np.float32(s))
         e = 0.0
         nq = 0.0
         nx = 0.0
         for i in range(d):
             x = np.float64(H[r, i])
-            q = 0 if s == 0.0 else (min(127, max(-127, round(x / s))) if signed
-                                    else min(255, round(x / s)))
-            hq_bytes[r, i] = q + 128 if signed else q
-            v = q * np.float64(np.float32(s))
+            q = z if s == 0.0 else min(255, max(0, round(x / s) + z))
+            hq_bytes[r, i] = q
+            v = (q - z) * s32
             e += (x - v) ** 2
             nq += v * v
             nx += x * x
         t[r] = s
-        off[r] = 128 if signed else 0
+        off[r] = z
         slack[r] = np.nextafter(np.float32(np.sqrt(e) + rounding * np.sqrt(nx)), np.float32(np.inf))
         nh[r] = np.nextafter(np.float32(np.sqrt(nq)), np.float32(np.inf))
 
@@ -218,7 +219,7 @@ def _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh):
 @njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
 def _bounds(acc, a, j, jj, t, off, slack, nh, rounding, scale, norm, error, sums, bias):
     """Lower and upper bound of the score of label ``j`` (tile column ``jj``) for tile row ``a``
-    of the int32 dots ``acc`` (the row's scale ``t``, offset ``off``, ``slack`` and ``nh``)."""
+    of the int32 dots ``acc`` (the row's scale ``t``, zero point ``off``, ``slack`` and ``nh``)."""
     v = np.float32(acc[a, jj] - off * sums[j]) * (t * scale[j]) + bias[j]
     e = slack * norm[j] + nh * error[j] + rounding * abs(bias[j])
     return v - e, v + e

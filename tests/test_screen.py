@@ -41,7 +41,7 @@ def test_screened_topk_equals_topk_of_the_score_matrix(rng, threads, shape, sign
     n, L, d = shape
     # small integers: every score is exact whatever the order of summation, and many are
     # equal (ties go to the lower id), while their int8 copies are not exact. Signed rows
-    # (an identity layer's) are quantised around an offset; here every other row is signed
+    # (an identity layer's) are quantised with a zero point; here every other row is signed
     H = rng.integers(0, 4, (n, d)).astype(np.float32)
     if signed:
         H[::2] -= 2
@@ -72,7 +72,7 @@ def test_screened_topk_separates_scores_closer_than_the_int8_step(rng, signed):
     b = np.zeros(W.shape[0], np.float32)
     H = np.maximum(rng.standard_normal((17, 32)), 0).astype(np.float32)
     H[:, :] += np.maximum(base, 0) * 3  # rows that prefer the near-identical labels
-    if signed:  # an identity layer's rows: quantised to 7 bits around the offset
+    if signed:  # an identity layer's rows: quantised with a zero point
         H += (base * 3 - 0.5).astype(np.float32)
     ids, vals = screened_topk(H, W, b, 10, quantize_rows(W))
     S = H.astype(np.float64) @ W.T.astype(np.float64)
