@@ -18,7 +18,7 @@ All give the same ids (checked). With ``--model`` (a saved :class:`slide.SlideCl
 ``--data`` (rows in the repository text format) the weights and the rows' last hidden layer are
 the model's; otherwise both are random, whose scores spread more than a trained model's and so
 leave the screen fewer candidates (``--activation identity``: signed hidden rows, which the
-screen quantises around an offset). Writes ``OUT.json`` and prints rows/s and the ratios.
+screen quantises with a zero point). Writes ``OUT.json`` and prints rows/s and the ratios.
 """
 from __future__ import annotations
 

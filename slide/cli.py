@@ -37,7 +37,7 @@ def _positive(text):
 
 def _build_parser() -> argparse.ArgumentParser:
     from slide import __version__
-    from slide.config import IDF_CHOICE_ROWS
+    from slide.config import ACTIVATIONS, IDF_CHOICE_ROWS
     from slide.synthetic import PRESETS
     p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
     p.add_argument("--version", action="version", version=f"slide {__version__}")
@@ -65,7 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="most LSH candidates per sample in the output's active set (default: auto)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
-    t.add_argument("--activation", choices=["relu", "identity"], default=None,
+    t.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="hidden layers' activation (default: identity where the output is "
                         "sampled, relu where it is computed whole)")
     t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
@@ -281,8 +281,8 @@ def _cmd_train(a):
         _check_resume_flags(a, model)
         log(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
-        common = dict(hidden=a.hidden, activation=a.activation, batch_size=a.batch_size, seed=a.seed, lr=a.lr,
-                      weight_decay=a.weight_decay, tfidf=a.tfidf, norm=None if a.no_norm else "l2",
+        common = dict(hidden=a.hidden, activation=a.activation, batch_size=a.batch_size,
+                      seed=a.seed, lr=a.lr, weight_decay=a.weight_decay, tfidf=a.tfidf, norm=None if a.no_norm else "l2",
                       early_stopping=not a.no_early_stopping,
                       validation_fraction=a.validation_fraction, refit=a.refit, epochs=a.epochs)
         if a.engine == "slide":

@@ -494,8 +494,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     # where the output is sampled the hidden layer's identity generalised better than its ReLU
     # at every shape tried (`eurlex-4k` preset P@1 0.846 -> 0.858-0.871; Amazon-670K preset at
     # 100K rows P@1 even, P@5 0.137-0.144 -> 0.160-0.161); where it is computed whole, on the
-    # real sets, ReLU did
-    # (bench/results/accuracy_experiments.md)
+    # real sets, ReLU did (bench/results/accuracy_experiments.md)
     out["activation"] = c.activation or ("identity" if sampled and min(hs) == 1 else "relu")
     out["hidden_layers"] = [None] * len(hidden)
     for l in range(1, len(hidden)):

@@ -2,8 +2,8 @@ import numba
 import numpy as np
 import pytest
 
-from slide.metrics import topk
 from slide import screen
+from slide.metrics import topk
 from slide.screen import has_int8_dot, quantize_rows, screened_topk
 
 needs_vnni = pytest.mark.skipif(not has_int8_dot(), reason="the CPU has no AVX-512 VNNI")

@@ -292,7 +292,7 @@ def test_sampled_width_and_decay_follow_the_output_layer():
     assert resolve(SlideConfig(weight_decay=0.0), 5000, 4000, 14_000)["weight_decay"] == 0.0
     # the hidden layer's activation: the identity where the output is sampled and every hidden
     # layer is dense, ReLU otherwise, unless given
-    assert (wide["activation"], mid["activation"], small["activation"]) == ("identity", "identity", "relu")
+    assert [r["activation"] for r in (wide, mid, small)] == ["identity", "identity", "relu"]
     sampled_hidden = SlideConfig(hidden=(64, 64), hidden_sparsity=(1.0, 0.5))
     assert resolve(sampled_hidden, 5000, 4000, 14_000)["activation"] == "relu"
     assert resolve(SlideConfig(activation="relu"), 5000, 4000, 14_000)["activation"] == "relu"
