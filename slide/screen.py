@@ -220,7 +220,9 @@ def _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh):
 def _bounds(acc, a, j, jj, t, off, slack, nh, rounding, scale, norm, error, sums, bias):
     """Lower and upper bound of the score of label ``j`` (tile column ``jj``) for tile row ``a``
     of the int32 dots ``acc`` (the row's scale ``t``, zero point ``off``, ``slack`` and ``nh``)."""
-    v = np.float32(acc[a, jj] - off * sums[j]) * (t * scale[j]) + bias[j]
+    # the exact dot in int32 (|q - z| <= 255, |w| <= 127: far from overflow), so that the
+    # vectorised loop runs in 32-bit lanes; numba would widen the product to int64
+    v = np.float32(np.int32(acc[a, jj] - off * sums[j])) * (t * scale[j]) + bias[j]
     e = slack * norm[j] + nh * error[j] + rounding * abs(bias[j])
     return v - e, v + e
 
