@@ -37,7 +37,7 @@ def _positive(text):
 
 def _build_parser() -> argparse.ArgumentParser:
     from slide import __version__
-    from slide.config import ACTIVATIONS, IDF_CHOICE_ROWS
+    from slide.config import ACTIVATIONS, HASH_FAMILIES, IDF_CHOICE_ROWS
     from slide.synthetic import PRESETS
     p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
     p.add_argument("--version", action="version", version=f"slide {__version__}")
@@ -68,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--activation", choices=ACTIVATIONS, default=None,
                    help="hidden layers' activation (default: identity where the output is "
                         "sampled, relu where it is computed whole)")
-    t.add_argument("--hash-family", choices=["dwta", "wta", "simhash"], default="dwta",
+    t.add_argument("--hash-family", choices=HASH_FAMILIES, default="dwta",
                    help="LSH family of the output layer's tables (default: dwta, densified WTA)")
     t.add_argument("--lr", type=float, default=None,
                    help="Adam learning rate (default: 1e-3, or 4e-3 when the output is sampled "

@@ -228,34 +228,43 @@ def _bounds(acc, a, j, jj, t, off, slack, nh, rounding, scale, norm, error, sums
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
-def _count_reaching(acc, a, g, t, off, slack, nh, rounding, floor, scale, norm, error, sums, bias):
-    """How many of labels g..g+63 have an upper bound that reaches ``floor`` (tile row ``a``).
+def _tile_bounds(acc, a, g, t, off, slack, nh, rounding, floor, scale, norm, error, sums, bias,
+                 ups):
+    """The upper bounds of labels g..g+63 for tile row ``a`` into ``ups`` [64], and how many of
+    them reach ``floor``.
 
     A vectorised loop: unsigned indices, so numba emits no negative-index wraparound, which
     would turn every load into a gather (10x slower), and a count rather than a float max,
-    whose NaN-aware form LLVM does not vectorise."""
+    whose NaN-aware form LLVM does not vectorise. The bounds are kept so that a tile with a
+    hit computes again only those of the labels that reach the floor, not all 64."""
     hits = np.int32(0)
     g = np.uint64(g)
     a = np.uint64(a)
     for jj in range(np.uint64(TILE_LABELS)):
         up = _bounds(acc, a, g + jj, jj, t, off, slack, nh, rounding, scale, norm, error, sums,
                      bias)[1]
-        hits += np.int32(up >= floor)
+        ups[jj] = up
+        hits = np.int32(hits + np.int32(up >= floor))  # int32 lanes: numba widens a sum
     return hits
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, fastmath={"nsz", "contract", "arcp"})
 def _screen(hq, n, t, off, slack, nh, rounding, packed, scale, norm, error, sums, bias, L,
             bounds, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, overflow):
     """For each chunk c of labels ``bounds[c]..bounds[c + 1]`` (in parallel): every row's k
     best lower bounds (``heap_*`` [C, n, k]) and the labels whose upper bound reached the
-    running k-th best lower bound (``cand_*`` [C, n, cap], in label order)."""
+    running k-th best lower bound (``cand_*`` [C, n, cap], in label order).
+
+    Its fastmath flags are those of ``_bounds``: numba inlines a function into its caller
+    before LLVM sees it, so the caller's flags are the ones that hold (without them the bounds
+    took no fused multiply-adds)."""
     C = bounds.size - 1
     rows = hq.shape[0]
     k = heap_ids.shape[2]
     cap = cand_ids.shape[2]
     for c in prange(C):
         acc = np.empty((rows, TILE_LABELS), np.int32)
+        ups = np.empty(TILE_LABELS, np.float32)
         for g in range(bounds[c], bounds[c + 1], TILE_LABELS):
             tile = packed[g // TILE_LABELS]
             # every row's dots first, then their bounds: reading a tile right after the
@@ -264,16 +273,19 @@ def _screen(hq, n, t, off, slack, nh, rounding, packed, scale, norm, error, sums
                 _dot_tile(hq, r0, tile, acc)
             for r in range(n):
                 full = sizes[c, r] >= k
-                floor = heap_lows[c, r, 0] if full else -np.inf
-                if _count_reaching(acc, r, g, t[r], off[r], slack[r], nh[r], rounding, floor,
-                                   scale, norm, error, sums, bias) == 0:
+                # float32, as the bounds are: a float64 floor made the vectorised test
+                # convert every bound and count in 64-bit lanes
+                floor = heap_lows[c, r, 0] if full else np.float32(-np.inf)
+                if _tile_bounds(acc, r, g, t[r], off[r], slack[r], nh[r], rounding, floor,
+                                scale, norm, error, sums, bias, ups) == 0:
                     continue  # the common case: no label of the tile can enter
                 for jj in range(min(TILE_LABELS, L - g)):
-                    j = g + jj
-                    low, up = _bounds(acc, r, j, jj, t[r], off[r], slack[r], nh[r], rounding,
-                                      scale, norm, error, sums, bias)
+                    up = ups[jj]
                     if up < floor and full:
                         continue
+                    j = g + jj
+                    low = _bounds(acc, r, j, jj, t[r], off[r], slack[r], nh[r], rounding, scale,
+                                  norm, error, sums, bias)[0]
                     if not full or low > floor:
                         sizes[c, r] = _heap_push(low, j, k, sizes[c, r], heap_ids[c, r],
                                                  heap_lows[c, r])
