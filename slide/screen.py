@@ -216,7 +216,7 @@ def _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh):
         nh[r] = np.nextafter(np.float32(np.sqrt(nq)), np.float32(np.inf))
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
+@njit(cache=True, nogil=True, inline="always")
 def _bounds(acc, a, j, jj, t, off, slack, nh, rounding, scale, norm, error, sums, bias):
     """Lower and upper bound of the score of label ``j`` (tile column ``jj``) for tile row ``a``
     of the int32 dots ``acc`` (the row's scale ``t``, zero point ``off``, ``slack`` and ``nh``)."""
@@ -227,7 +227,7 @@ def _bounds(acc, a, j, jj, t, off, slack, nh, rounding, scale, norm, error, sums
     return v - e, v + e
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath={"nsz", "contract", "arcp"})
+@njit(cache=True, nogil=True, inline="always")
 def _tile_bounds(acc, a, g, t, off, slack, nh, rounding, floor, scale, norm, error, sums, bias,
                  ups):
     """The upper bounds of labels g..g+63 for tile row ``a`` into ``ups`` [64], and how many of
@@ -255,9 +255,9 @@ def _screen(hq, n, t, off, slack, nh, rounding, packed, scale, norm, error, sums
     best lower bounds (``heap_*`` [C, n, k]) and the labels whose upper bound reached the
     running k-th best lower bound (``cand_*`` [C, n, cap], in label order).
 
-    Its fastmath flags are those of ``_bounds``: numba inlines a function into its caller
-    before LLVM sees it, so the caller's flags are the ones that hold (without them the bounds
-    took no fused multiply-adds)."""
+    The bounds' fastmath flags are set here: numba inlines ``_bounds`` and ``_tile_bounds``
+    into this function before LLVM sees them, so flags of their own would not hold (set there
+    only, the bounds took no fused multiply-adds)."""
     C = bounds.size - 1
     rows = hq.shape[0]
     k = heap_ids.shape[2]
