@@ -17,10 +17,12 @@
 
 Writes ``OUT/summary.json`` (and prints its table), ``OUT/gpu_tests.txt``, ``OUT/batches.json``,
 ``OUT/tta.json``, ``OUT/tta.png``, ``OUT/thread_scaling.json``, ``OUT/roofline.json`` and
-``OUT/exact_topk.json``. On an H100 with 16 cores the GPU parts take about 8 minutes and
-``cores`` about 6; where one command may run 10 minutes at most, run ``--parts
-limits,tests,batches,tta`` and then ``--parts cores`` (parts run apart add to one summary).
-``--parts`` runs a subset, ``--minutes`` sets each engine's training budget.
+``OUT/exact_topk.json``. On an H200 machine with 16 cores (2026-11-27) ``cores`` took 152 s,
+then ``limits,tests,batches`` 77 s in the same command, and ``tta`` at ``--minutes 0.5`` 189 s
+in the next (numba's cache by then warm); where one command may run 10 minutes at most, run ``--parts cores`` and
+``--parts limits,tests,batches`` in one command and ``--parts tta`` in the next (parts run
+apart add to one summary). ``--parts`` runs a subset, ``--minutes`` sets each engine's
+training budget.
 """
 from __future__ import annotations
 
