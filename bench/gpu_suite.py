@@ -19,10 +19,10 @@ Writes ``OUT/summary.json`` (and prints its table), ``OUT/gpu_tests.txt``, ``OUT
 ``OUT/tta.json``, ``OUT/tta.png``, ``OUT/thread_scaling.json``, ``OUT/roofline.json`` and
 ``OUT/exact_topk.json``. On an H200 machine with 16 cores (2026-11-27) ``cores`` took 152 s,
 then ``limits,tests,batches`` 77 s in the same command, and ``tta`` at ``--minutes 0.5`` 189 s
-in the next (numba's cache by then warm); where one command may run 10 minutes at most, run ``--parts cores`` and
-``--parts limits,tests,batches`` in one command and ``--parts tta`` in the next (parts run
-apart add to one summary). ``--parts`` runs a subset, ``--minutes`` sets each engine's
-training budget.
+in the next (numba's cache by then warm). Where one command may run 10 minutes at most, run
+``--parts cores`` and ``--parts limits,tests,batches`` in one command and ``--parts tta`` in
+the next (parts run apart add to one summary). ``--parts`` runs a subset, ``--minutes`` sets
+each engine's training budget.
 """
 from __future__ import annotations
 
