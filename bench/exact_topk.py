@@ -43,6 +43,7 @@ def _median_seconds(fn, reps):
 
 def main(argv=None):
     from lsh import set_num_threads
+    from slide.config import ACTIVATIONS
     from slide.metrics import topk, topk_product
     from slide.screen import has_int8_dot, quantize_rows, screened_topk
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,7 +55,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--model", default=None, help="a saved SlideClassifier (its W, b, hidden layer)")
     p.add_argument("--data", default=None, help="with --model: rows whose hidden layer is scored")
-    p.add_argument("--activation", choices=["relu", "identity"], default="relu",
+    p.add_argument("--activation", choices=ACTIVATIONS, default="relu",
                    help="without --model: random hidden rows of a ReLU layer (>= 0) or of an "
                         "identity layer (signed)")
     p.add_argument("--out", default=None)

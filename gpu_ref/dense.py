@@ -152,8 +152,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
 
     def __init__(self, hidden=None, activation=None, norm="l2", tfidf=None, lr=None, beta1=0.9,
                  beta2=0.999, eps=1e-8, weight_decay=None, batch_size=None, epochs=None,
-                 early_stopping=True, validation_fraction=0.1, n_iter_no_change=5, refit=None, seed=0, warm_start=False,
-                 device="auto", negatives=None, precision="tf32"):
+                 early_stopping=True, validation_fraction=0.1, n_iter_no_change=5, refit=None,
+                 seed=0, warm_start=False, device="auto", negatives=None, precision="tf32"):
         self.hidden = hidden
         self.activation = activation
         self.norm = norm

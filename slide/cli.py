@@ -282,7 +282,8 @@ def _cmd_train(a):
         log(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
         common = dict(hidden=a.hidden, activation=a.activation, batch_size=a.batch_size,
-                      seed=a.seed, lr=a.lr, weight_decay=a.weight_decay, tfidf=a.tfidf, norm=None if a.no_norm else "l2",
+                      seed=a.seed, lr=a.lr, weight_decay=a.weight_decay, tfidf=a.tfidf,
+                      norm=None if a.no_norm else "l2",
                       early_stopping=not a.no_early_stopping,
                       validation_fraction=a.validation_fraction, refit=a.refit, epochs=a.epochs)
         if a.engine == "slide":
