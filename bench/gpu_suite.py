@@ -12,17 +12,19 @@
    sampled softmax), hetero (Hogbatch and Adaptive Hogbatch), P@1 against seconds, JSON + PNG;
 5. ``cores``, the engine on the machine's CPU cores alone (no GPU needed): training and exact
    top-5 throughput at 1, 2, 4, ... threads up to every core (``bench.thread_scaling``), the
-   roofline on every core in rounds after the warm-up (``bench.roofline``), and exact top-k on
-   1, 4 and every core (``bench.exact_topk``).
+   roofline on every core in rounds after the warm-up (``bench.roofline``), the step's calls
+   timed one by one on every core (``bench.step_kernels``: what one thread runs alone, what a
+   call costs whatever its work) and exact top-k on 1, 4 and every core (``bench.exact_topk``).
 
 Writes ``OUT/summary.json`` (and prints its table), ``OUT/gpu_tests.txt``, ``OUT/batches.json``,
-``OUT/tta.json``, ``OUT/tta.png``, ``OUT/thread_scaling.json``, ``OUT/roofline.json`` and
-``OUT/exact_topk.json``. On an H200 machine with 16 cores (2026-11-27) ``cores`` took 152 s,
-then ``limits,tests,batches`` 77 s in the same command, and ``tta`` at ``--minutes 0.5`` 189 s
-in the next (numba's cache by then warm). Where one command may run 10 minutes at most, run
-``--parts cores`` and ``--parts limits,tests,batches`` in one command and ``--parts tta`` in
-the next (parts run apart add to one summary). ``--parts`` runs a subset, ``--minutes`` sets
-each engine's training budget.
+``OUT/tta.json``, ``OUT/tta.png``, ``OUT/thread_scaling.json``, ``OUT/roofline.json``,
+``OUT/step_kernels.json`` and ``OUT/exact_topk.json``. On an H200 machine with 16 cores
+(2026-11-27) ``cores`` took 152 s (before ``bench.step_kernels`` joined it; on 2 cores, where
+the roofline's window takes longest, 144 s with it), then ``limits,tests,batches`` 77 s in the
+same command, and ``tta`` at ``--minutes 0.5`` 189 s in the next (numba's cache by then warm).
+Where one command may run 10 minutes at most, run ``--parts cores`` and ``--parts
+limits,tests,batches`` in one command and ``--parts tta`` in the next (parts run apart add to
+one summary). ``--parts`` runs a subset, ``--minutes`` sets each engine's training budget.
 """
 from __future__ import annotations
 
@@ -128,16 +130,19 @@ def thread_counts(cores: int) -> list:
 
 def measure_cores(out: str, cores: int) -> dict:
     """The ``cores`` part: thread scaling, the roofline on every core (100,000 training rows of
-    the Amazon-670K preset, its window after 480 batches) and exact top-k, each written to its
-    own JSON under ``out``; returns their headline figures."""
-    from bench import exact_topk, roofline, thread_scaling
+    the Amazon-670K preset, its window after 480 batches), the same window's calls timed one by
+    one and exact top-k, each written to its own JSON under ``out``; returns their headline
+    figures."""
+    from bench import exact_topk, roofline, step_kernels, thread_scaling
     path = {name: os.path.join(out, f"{name}.json")
-            for name in ("thread_scaling", "roofline", "exact_topk")}
+            for name in ("thread_scaling", "roofline", "step_kernels", "exact_topk")}
     counts = ",".join(str(t) for t in thread_counts(cores))
     thread_scaling.main(["--threads", counts, "--layers", "omp", "--n-train", "6000",
                          "--out", path["thread_scaling"]])
     roofline.main(["--threads", str(cores), "--n-train", "100000", "--warm-steps", "480",
                    "--steps", "160", "--rounds", "8", "--out", path["roofline"]])
+    step_kernels.main(["--threads", str(cores), "--n-train", "100000", "--warm-steps", "480",
+                       "--steps", "160", "--out", path["step_kernels"]])
     exact_topk.main(["--threads", ",".join(str(t) for t in sorted({1, min(4, cores), cores})),
                      "--rows", "1,128,1024", "--out", path["exact_topk"]])
     docs = {}
@@ -153,6 +158,8 @@ def measure_cores(out: str, cores: int) -> dict:
                                           "roofline_samples_per_second", "fraction",
                                           "fraction_median_of_rounds", "bandwidth",
                                           "matmul_flops")},
+        "step_kernels": {k: docs["step_kernels"][k] for k in (
+            "samples_per_second", "calls", "between_calls_us_per_sample")},
         "exact_topk": docs["exact_topk"]["results"]}
 
 
@@ -262,6 +269,12 @@ def _print_summary(s):
         print(f"[cores] roofline: {r['measured_samples_per_second']:.0f} of "
               f"{r['roofline_samples_per_second']:.0f} samples/s ({r['fraction']:.0%} over the "
               f"window, {r['fraction_median_of_rounds']:.0%} in the median round)")
+        k = c.get("step_kernels")
+        if k:
+            top = sorted(k["calls"].items(), key=lambda kv: -kv[1]["us_per_sample"])[:6]
+            print("[cores] the step's calls, us a sample: " + ", ".join(
+                f"{name} {v['us_per_sample']:.1f}" for name, v in top)
+                + f", between calls {k['between_calls_us_per_sample']:.1f}")
     print(f"suite: {s.get('seconds', 0):.0f}s")
 
 
