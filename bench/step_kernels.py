@@ -5,17 +5,18 @@
 The engine's profile (``timings_``) splits a step into phases, and a phase may hold several
 calls: ``select+output`` is the LSH query of every sample (``select_active``), the marking of the
 rows the batch touches (``mark_rows``, on one thread) and the output layer's step
-(``output_step``). Here, for the timed batches only, every function of :mod:`slide.kernels` and
-the two sampling helpers the step calls through their module's names, and the output tables'
-``hash_dense``, ``rehash`` and ``rebuild``, are wrapped in a timer: per call, its share of the
+(``output_step``). Here, for the timed batches only, every public kernel of :mod:`slide.kernels`,
+the sampling helpers the step calls through ``slide.network``'s names and the output tables'
+``hash_dense``, ``rehash`` and ``rebuild`` are wrapped in a timer: per call, its share of the
 step in µs a sample, its calls a batch and its median call, and what is left between the calls
 (Python, and numpy between the kernels). A call made inside another timed call (the hashing of
 a rehash) counts in the outer one. On several cores this shows what one thread runs alone and
 what each call costs whatever its work, which the phases cannot.
 
-The timer adds about a microsecond a call, some 20 calls a batch: 0.2 µs a sample at a batch of
-128. Compile and the first rehashes are in the ``--warm-steps`` batches before the window.
-Writes the figures as JSON to the path given with ``--out``.
+The timer adds 0.3 µs a call with warm caches (a wrapped no-op against a plain one), more
+between the step's kernels, which leave the caches cold; about 21 calls a batch: well under a
+µs a sample at a batch of 128. Compile and the first rehashes are in the ``--warm-steps``
+batches before the window. Writes the figures as JSON to the path given with ``--out``.
 """
 from __future__ import annotations
 
@@ -58,15 +59,20 @@ class CallTimer:
     @contextlib.contextmanager
     def wrap(self, targets):
         """Inside the block, each ``(owner, attribute, name)`` of ``targets`` is timed as
-        ``name``; the attributes are put back on leaving."""
-        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in targets]
+        ``name``; on leaving, the attributes are as they were (a method wrapped on an instance
+        is its class's again)."""
+        saved = [(owner, attr, getattr(owner, attr), attr in vars(owner))
+                 for owner, attr, _ in targets]
         try:
-            for (owner, attr, name), (_, _, fn) in zip(targets, saved):
+            for (owner, attr, name), (_, _, fn, _) in zip(targets, saved):
                 setattr(owner, attr, self.timed(name, fn))
             yield self
         finally:
-            for owner, attr, fn in saved:
-                setattr(owner, attr, fn)
+            for owner, attr, fn, own in saved:
+                if own:
+                    setattr(owner, attr, fn)
+                else:
+                    delattr(owner, attr)
 
 
 def step_targets(model) -> list:

@@ -21,6 +21,19 @@ def test_timer_counts_outermost_calls_and_puts_the_attributes_back():
     assert ns.inner is plain_inner and ns.outer is plain_outer
 
 
+def test_a_method_timed_on_an_instance_is_its_class_method_again():
+    class Tables:
+        def rehash(self):
+            return "rehashed"
+
+    t = Tables()
+    timer = CallTimer()
+    with timer.wrap([(t, "rehash", "rehash")]):
+        assert "rehash" in vars(t) and t.rehash() == "rehashed"
+    assert "rehash" not in vars(t) and t.rehash() == "rehashed"
+    assert len(timer.seconds["rehash"]) == 1
+
+
 def test_timer_puts_the_attributes_back_after_an_error():
     ns = types.SimpleNamespace(f=lambda: 1 / 0)
     plain = ns.f
