@@ -297,8 +297,27 @@ def batch_order(n_rows: int, batch: int, n_batches: int) -> np.ndarray:
     return np.concatenate(orders)[:n_batches * batch]
 
 
-def main(argv=None):
+def warmed_model(preset: str, n_train: int, threads: int, config: dict, warm_steps: int,
+                 steps: int):
+    """A model of the engine (``config``: overrides of its settings; seed 0, no early stopping)
+    on ``n_train`` rows of ``preset``, trained ``warm_steps`` batches (compile, the first
+    rehashes) in :func:`batch_order`. Returns ``(X, Y, Xp, model, timed)``: the data, its
+    preprocessed rows and the row ids int64 of the ``steps`` batches that follow, for the
+    caller to time. Raises ValueError where the rows hold no whole batch."""
     from slide.network import SlideClassifier
+    X, Y, _, _ = dataset(preset, n_train, 10)
+    model = SlideClassifier(threads=threads, early_stopping=False, seed=0, **config)
+    model.initialize(X, Y)
+    B = model.batch_size_
+    if X.shape[0] < B:
+        raise ValueError(f"--n-train must hold a batch of {B} rows, got {X.shape[0]}")
+    Xp = model.preprocess(X)
+    order = batch_order(X.shape[0], B, warm_steps + steps)
+    model.train_rows(Xp, Y, order[:warm_steps * B])
+    return X, Y, Xp, model, order[warm_steps * B:]
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="amazon-670k")
     p.add_argument("--n-train", type=int, default=20000)
@@ -312,24 +331,19 @@ def main(argv=None):
     p.add_argument("--config", default="{}", help="JSON overrides of the engine's settings")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if not 1 <= args.rounds <= args.steps:
+        p.error(f"--rounds must be between 1 and --steps ({args.steps}), got {args.rounds}")
 
     before = machine_roofs(args.stream_mb, args.threads)
 
-    X, Y, _, _ = dataset(args.preset, args.n_train, 10)
-    model = SlideClassifier(threads=args.threads, early_stopping=False, seed=0,
-                            **json.loads(args.config))
-    model.initialize(X, Y)
-    B = model.batch_size_
-    Xp = model.preprocess(X)
     w = args.warm_steps
-    if X.shape[0] < B:
-        p.error(f"--n-train must hold a batch of {B} rows, got {X.shape[0]}")
-    order = batch_order(X.shape[0], B, w + args.steps)
-    if not 1 <= args.rounds <= args.steps:
-        p.error(f"--rounds must be between 1 and --steps ({args.steps}), got {args.rounds}")
-    model.train_rows(Xp, Y, order[:w * B])  # compile, first rehashes
+    try:
+        X, Y, Xp, model, timed = warmed_model(args.preset, args.n_train, args.threads,
+                                              json.loads(args.config), w, args.steps)
+    except ValueError as e:
+        p.error(str(e))
+    B = model.batch_size_
     model.timings_ = {}
-    timed = order[w * B:(w + args.steps) * B]
     cuts = np.arange(args.rounds + 1) * args.steps // args.rounds * B
     # the N-thread roofs just before each round, and after the last (the window's own
     # measurements where there is one round)

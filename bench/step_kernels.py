@@ -28,11 +28,12 @@ from collections import defaultdict
 
 import numpy as np
 
-from bench.common import dataset, machine, write_json
-from bench.roofline import batch_order
+from bench.common import machine, write_json
+from bench.roofline import warmed_model
 
-#: the functions the training step calls through ``slide.network``'s module names
-_SAMPLING = ("shared_negatives", "draw_key", "thread_chunks")
+#: the functions outside :mod:`slide.kernels` that the training step calls through
+#: ``slide.network``'s module names: the shared negatives' draw and the threads' chunks
+_NETWORK_CALLS = ("shared_negatives", "draw_key", "thread_chunks")
 
 
 class CallTimer:
@@ -86,7 +87,7 @@ def step_targets(model) -> list:
     targets = [(kernels, name, name) for name, fn in sorted(vars(kernels).items())
                if not name.startswith("_") and getattr(fn, "signatures", None)
                and fn.py_func.__module__ == kernels.__name__]
-    targets += [(network, name, name) for name in _SAMPLING]
+    targets += [(network, name, name) for name in _NETWORK_CALLS]
     if model.tables_ is not None:
         tables = model.tables_
         targets += [(tables.family, "hash_dense", "hash_dense"), (tables, "rehash", "rehash"),
@@ -95,7 +96,6 @@ def step_targets(model) -> list:
 
 
 def main(argv=None):
-    from slide.network import SlideClassifier
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="amazon-670k")
     p.add_argument("--n-train", type=int, default=100000)
@@ -107,17 +107,13 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    X, Y, _, _ = dataset(args.preset, args.n_train, 10)
-    model = SlideClassifier(threads=args.threads, early_stopping=False, seed=0,
-                            **json.loads(args.config))
-    model.initialize(X, Y)
+    try:
+        _, Y, Xp, model, timed = warmed_model(args.preset, args.n_train, args.threads,
+                                              json.loads(args.config), args.warm_steps,
+                                              args.steps)
+    except ValueError as e:
+        p.error(str(e))
     B = model.batch_size_
-    if X.shape[0] < B:
-        p.error(f"--n-train must hold a batch of {B} rows, got {X.shape[0]}")
-    Xp = model.preprocess(X)
-    order = batch_order(X.shape[0], B, args.warm_steps + args.steps)
-    model.train_rows(Xp, Y, order[:args.warm_steps * B])
-    timed = order[args.warm_steps * B:]
     model.timings_ = {}
     timer = CallTimer()
     with timer.wrap(step_targets(model)):
