@@ -46,6 +46,9 @@
    BLAS, 1 thread and ``--threads``, best of 3; and the floating-point operations a sample
    needs per phase (its rows' dot and outer products, the pool's three matrix products,
    Adam's ~10 per updated weight; hashing not counted, its arithmetic depends on the family).
+   The pool's products span the random pool and the batch's distinct labels (every sample
+   meets the other samples' labels as negatives), counted on the timed batches: at
+   Amazon-670K shape about 690 labels beside the 3,095 drawn rows.
    A phase's least time is the larger of its memory time and its arithmetic time: the
    classic roofline, where a phase is bound by whichever roof it meets first.
 4. **The engine's measured time per phase** (its own ``timings_``, after ``--warm-steps``
@@ -56,8 +59,9 @@
    floats each, which no memory system serves at the triad's rate. ``scattered_bandwidth``
    times Adam's pattern with no arithmetic (a batch's distinct output rows, in increasing
    order, each read and written: its row of a row block the output layer's size, weights and
-   both moments in one run, and its gradient row); the same bytes at that rate, the rehash at
-   the triad's, give an attainable limit, reported beside the roofline.
+   both moments in one run, and its row of a compact gradient; each asked for a few rows
+   ahead, as the engine's kernels ask); the same bytes at that rate, the rehash at the
+   triad's, give an attainable limit, reported beside the roofline.
 
 6. **Rounds** (``--rounds R``): the timed batches in R rounds, with the ``--threads`` roofs
    (triad and matrix product) measured again just before each round and after the last. Each
@@ -81,6 +85,8 @@ import numpy as np
 from numba import njit, prange
 
 from bench.common import dataset, machine, write_json
+from lsh.prefetch import prefetch_w
+from slide.kernels import AHEAD
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -112,12 +118,16 @@ def stream_bandwidth(mb: int, threads: int, reps: int = 5, arrays=None) -> float
 
 @njit(cache=True, nogil=True, parallel=True)
 def _scattered_update(rows, R, D):
-    """Rows ``rows`` of row block ``R`` [n, 3w] and gradient ``D`` [n, w] read and written as
-    Adam writes them (weights += first moment += second moment += gradient; gradient = 0)."""
+    """Rows ``rows`` of row block ``R`` [n, 3w] and the first ``rows.size`` rows of gradient
+    ``D`` [m, w] (row t for ``rows[t]``: the step's compact gradient) read and written as Adam
+    writes them (weights += first moment += second moment += gradient; gradient = 0), each
+    row of ``R`` and of ``D`` asked for ``AHEAD`` rows early, as the engine's kernels ask."""
     w = D.shape[1]
     for t in prange(rows.size):
-        i = rows[t]
-        r, d = R[i], D[i]
+        if t + AHEAD < rows.size:
+            prefetch_w(R[rows[t + AHEAD]])
+            prefetch_w(D[t + AHEAD])
+        r, d = R[rows[t]], D[t]
         for j in range(w):
             r[j] += r[w + j]
             r[w + j] += r[2 * w + j]
@@ -129,15 +139,16 @@ def scattered_bandwidth(n_rows: int, width: int, touched: int, threads: int,
                         reps: int = 5) -> float:
     """Bytes per second (read + written) of one pass over ``touched`` distinct random rows,
     in increasing order, of a float32 row block [n_rows, 3·width] (a row's weights and both
-    moments, :mod:`slide.kernels`) and a gradient [n_rows, width], each row read and written:
-    Adam's access pattern with no arithmetic, on ``threads`` numba threads (median of
-    ``reps`` passes, each over fresh rows)."""
+    moments, :mod:`slide.kernels`) and over as many rows of a compact gradient [touched,
+    width], each row read and written: Adam's access pattern with no arithmetic, rows asked
+    for ahead as in the engine, on ``threads`` numba threads (median of ``reps`` passes, each
+    over fresh rows)."""
     from lsh import set_num_threads
     set_num_threads(threads)
     rng = np.random.default_rng(0)
-    arrays = [np.ones((n_rows, 3 * width), np.float32),  # paged in
-              np.ones((n_rows, width), np.float32)]
     sets = [np.unique(rng.integers(0, n_rows, touched)).astype(np.int32) for _ in range(reps + 1)]
+    arrays = [np.ones((n_rows, 3 * width), np.float32),  # paged in
+              np.ones((max(s.size for s in sets), width), np.float32)]
     _scattered_update(sets[0], *arrays)  # compile
     times = []
     for rows in sets[1:]:
@@ -236,10 +247,24 @@ def bytes_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
     return per
 
 
+def _pool_columns(resolved: dict, n_labels: int, labels: float, batch_labels=None) -> float:
+    """Rows of a batch's pool products: the random pool joined with the batch's distinct labels
+    (``batch_labels`` as counted, or estimated as ``B · labels`` draws), so that every sample
+    meets the other samples' labels as negatives (:func:`slide.sampling.shared_negatives`);
+    every row where the output is whole."""
+    pool = resolved["pool"]
+    if pool >= n_labels:
+        return float(pool)
+    if batch_labels is None:
+        batch_labels = _distinct(n_labels, resolved["batch_size"] * labels)
+    return pool + batch_labels * (1.0 - pool / n_labels)
+
+
 def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
-                     labels: float, input_rows=None) -> dict:
+                     labels: float, input_rows=None, batch_labels=None) -> dict:
     """The floating-point operations per training sample, by phase (multiply and add count
-    two): the phases of :func:`bytes_per_sample`, hashing not counted."""
+    two): the phases of :func:`bytes_per_sample`, hashing not counted. ``batch_labels``: a
+    batch's distinct labels as counted; default estimated (:func:`_pool_columns`)."""
     B = resolved["batch_size"]
     sizes = [int(h) for h in resolved["hidden"]]
     H0, H = sizes[0], sizes[-1]
@@ -254,9 +279,10 @@ def flops_per_sample(resolved: dict, n_features: int, n_labels: int, nnz: float,
         # per own row: its logit (a dot product), its gradient row and its share of dH; Adam's
         # step for the rows alone
         "select+output": 3 * 2 * own * H + 10 * alone * (H + 1) / B,
-        # logits, dH and the gradient rows of the shared pool: three products over the batch;
-        # Adam's step for the pool-only rows
-        "pool_matmul": 3 * 2 * resolved["pool"] * H + 10 * pool_only * (H + 1) / B,
+        # logits, dH and the gradient rows of the shared pool and the batch's labels: three
+        # products over the batch; Adam's step for the pool-only rows
+        "pool_matmul": 3 * 2 * _pool_columns(resolved, n_labels, labels, batch_labels) * H
+                       + 10 * pool_only * (H + 1) / B,
         # the input rows' gradients (outer products), Adam's step for the input rows alone,
         # and the stack's two products per layer
         "backward_hidden": 2 * nnz * H0 + 10 * in_alone * H0 / B + 2 * stack,
@@ -378,9 +404,11 @@ def main(argv=None):
     counts = [np.bincount(Xp[timed[lo:lo + B]].indices, minlength=X.shape[1])
               for lo in range(0, timed.size, B)]
     inputs = (np.mean([(c > 0).sum() for c in counts]), np.mean([(c == 1).sum() for c in counts]))
+    batch_labels = float(np.mean([np.unique(Y[timed[lo:lo + B]].indices).size
+                                  for lo in range(0, timed.size, B)]))
     need = bytes_per_sample(model.resolved_, *shape, rehashes_per_sample=rehashes / timed.size,
                             input_rows=inputs)
-    work = flops_per_sample(model.resolved_, *shape, input_rows=inputs)
+    work = flops_per_sample(model.resolved_, *shape, input_rows=inputs, batch_labels=batch_labels)
     least, limit = roofline_limit(need, work, bw, fl)
     memory_limit = bw / need["total"]
     for r, round_ in enumerate(rounds):  # each round against the higher of its two probes
@@ -403,7 +431,8 @@ def main(argv=None):
           f"active {model.resolved_['active_target']} ({model.resolved_['lsh_cap']} LSH + "
           f"{model.resolved_['pool']} shared), {args.threads} threads; batches {w} to "
           f"{w + args.steps} timed, {rehashes} rehashes among them; input rows a batch: "
-          f"{inputs[0]:.0f} distinct, {inputs[1]:.0f} alone")
+          f"{inputs[0]:.0f} distinct, {inputs[1]:.0f} alone; {batch_labels:.0f} distinct labels "
+          f"a batch join the shared pool")
     print(f"{'phase':16s} {'KB/sample':>10s} {'MFLOP/sample':>13s} {'bound':>8s} {'least us':>9s} "
           f"{'us/sample':>10s} {'GB/s':>7s} {'GFLOP/s':>8s} {'of roofline':>12s}")
     phases = []
@@ -450,6 +479,7 @@ def main(argv=None):
                               "probes": [list(x) for x in probes],
                               "resolved": model.resolved_, "rehashes_in_window": rehashes,
                               "input_rows_per_batch": {"distinct": inputs[0], "alone": inputs[1]},
+                              "distinct_labels_per_batch": batch_labels,
                               "bytes_per_sample": need,
                               "flops_per_sample": work, "phases": phases,
                               "measured_samples_per_second": rate,

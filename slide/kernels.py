@@ -63,7 +63,7 @@ _CONTRACT = {"contract"}
 
 #: rows asked for ahead of use by the kernels that walk scattered rows (lsh.prefetch): at 4 the
 #: output step and Adam ran 15-25% faster at Amazon-670K shape; 2 and 8 did no better
-_AHEAD = 4
+AHEAD = 4
 
 
 @njit(cache=True, nogil=True, fastmath=_REASSOC)
@@ -90,8 +90,8 @@ def forward_input(x_indptr, x_indices, x_data, W0, b0, relu, acts):
         h[:] = b0
         end = x_indptr[r + 1]
         for p in range(x_indptr[r], end):
-            if p + _AHEAD < end:
-                prefetch(W0[x_indices[p + _AHEAD], :H0])
+            if p + AHEAD < end:
+                prefetch(W0[x_indices[p + AHEAD], :H0])
             row = W0[x_indices[p], :H0]
             v = x_data[p]
             for j in range(H0):
@@ -341,13 +341,13 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
             zp = zpool[r]
             zmax = np.float32(-np.inf)
             for a in range(k):
-                if a + _AHEAD < k:
+                if a + AHEAD < k:
                     # the bias and its two moments are scattered lines outside the row's run,
                     # each a wait of its own where not asked for early: with them asked for
                     # (the bias here, the moments in the update below), the output phase was
                     # 6-14% faster in six side-by-side pairs at Amazon-670K shape, the step
                     # 1.05x in their median (bench/README.md)
-                    ahead = own[a + _AHEAD]
+                    ahead = own[a + AHEAD]
                     prefetch(W[ahead, :H])
                     prefetch_w(b[ahead:ahead + 1])
                 s = b[own[a]] + _dot(W[own[a], :H], h)
@@ -371,8 +371,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
             for a in range(k):
                 # the rows this loop writes (a row's weights are in cache from the forward
                 # half: only its moments are asked for), and the next sample's first weights
-                if a + _AHEAD < k:
-                    ahead = own[a + _AHEAD]
+                if a + AHEAD < k:
+                    ahead = own[a + AHEAD]
                     if owners[ahead] == ALONE:
                         prefetch_w(W[ahead, H:])
                         prefetch_w(bM[ahead:ahead + 1])
@@ -385,8 +385,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                     # while others ran out of samples at the batch's end
                     if nxt < 0:
                         nxt = fetch_add(next_row, 1)
-                    if nxt < n and a + _AHEAD - k < n_active[nxt]:
-                        prefetch(W[active[nxt, a + _AHEAD - k], :H])
+                    if nxt < n and a + AHEAD - k < n_active[nxt]:
+                        prefetch(W[active[nxt, a + AHEAD - k], :H])
                 gs = (logits[a] * inv - (y if a < n_lab else np.float32(0.0))) * scale
                 i = own[a]
                 wa = W[i, :H]
@@ -482,8 +482,8 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, si
         lo = lo_in
     copy_into(d_first, cur[:sizes[0]])
     for p in range(x_ids.size):
-        if p + _AHEAD < x_ids.size and owners[x_ids[p + _AHEAD]] == ALONE:
-            prefetch_w(W0[x_ids[p + _AHEAD]])
+        if p + AHEAD < x_ids.size and owners[x_ids[p + AHEAD]] == ALONE:
+            prefetch_w(W0[x_ids[p + AHEAD]])
         f = x_ids[p]
         if owners[f] == ALONE:
             w, m, v = row_parts(W0, f)
@@ -604,8 +604,8 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds):
             Wc, bc = W_pool[lo:hi], b_pool[lo:hi]
             H = Wc.shape[1]
             for t in range(hi - lo):
-                if t + _AHEAD < hi - lo:
-                    prefetch(W[pool[lo + t + _AHEAD], :H])
+                if t + AHEAD < hi - lo:
+                    prefetch(W[pool[lo + t + AHEAD], :H])
                 copy_into(Wc[t], W[pool[lo + t], :H])
                 bc[t] = b[pool[lo + t]]
             # the biases first, the product added to them: BLAS zeroes C in a pass of its own
@@ -647,8 +647,8 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, slots, 
                 for t in range(hi - lo):
                     sums[t] += zr[t]
             for t in range(hi - lo):
-                if t + _AHEAD < hi - lo:
-                    ahead = pool[lo + t + _AHEAD]
+                if t + AHEAD < hi - lo:
+                    ahead = pool[lo + t + AHEAD]
                     _prefetch_update(ahead, _grad_row(owners, slots, ahead, POOL), W, gW)
                 i = pool[lo + t]
                 at = _grad_row(owners, slots, i, POOL)
@@ -756,9 +756,9 @@ def adam_rows(rows, grad_rows, B, G, lr, beta1, beta2, eps, step, weight_decay):
     prefetched a few ahead."""
     k = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for t in prange(rows.size):
-        if t + _AHEAD < rows.size:
-            prefetch_w(B[rows[t + _AHEAD]])
-            prefetch_w(G[grad_rows[t + _AHEAD]])
+        if t + AHEAD < rows.size:
+            prefetch_w(B[rows[t + AHEAD]])
+            prefetch_w(G[grad_rows[t + AHEAD]])
         w, m, v = row_parts(B, rows[t])
         g = G[grad_rows[t]]
         for j in range(w.size):
@@ -801,8 +801,8 @@ def score_candidates(acts_last, W, b, cand, lengths, out):
                 continue
             # the candidates' rows and biases are scattered through the layer: asked for a
             # few ahead, 2.4x faster for 128 rows of 3,000 candidates at 670K labels
-            if a + _AHEAD < m:
-                ahead = cand[r, a + _AHEAD]
+            if a + AHEAD < m:
+                ahead = cand[r, a + AHEAD]
                 prefetch(W[ahead, :H])
                 prefetch(b[ahead:ahead + 1])
             i = cand[r, a]

@@ -21,8 +21,10 @@ def test_flops_by_phase_hand_computed():
     alone = 4 * 16 * math.exp(-(4 * 18 + 32 - 1) / 1000)  # Adam's step in the output step
     pool_only = 32 * math.exp(-4 * 18 / 1000)  # Adam's step with the pool's products
     assert f["select+output"] == pytest.approx(3 * 2 * 18 * 8 + 10 * alone * 9 / 4)  # 16 + 2 rows
-    # three products over the pool
-    assert f["pool_matmul"] == pytest.approx(3 * 2 * 32 * 8 + 10 * pool_only * 9 / 4)
+    # three products over the pool and the batch's labels (8 draws of 1000, less those the
+    # pool holds already)
+    columns = 32 + distinct(1000, 4 * 2) * (1 - 32 / 1000)
+    assert f["pool_matmul"] == pytest.approx(3 * 2 * columns * 8 + 10 * pool_only * 9 / 4)
     in_alone = 4 * 6 * math.exp(-(4 * 6 - 1) / 100)  # features of one sample's row alone
     assert f["backward_hidden"] == pytest.approx(2 * 6 * 8 + 10 * in_alone * 8 / 4)
     u_out, u_in = distinct(1000, 4 * 18 + 32), distinct(100, 4 * 6)
@@ -38,7 +40,19 @@ def test_flops_count_the_hidden_stack_forward_once_and_backward_twice():
     assert f1["forward_hidden"] - f0["forward_hidden"] == 2 * 8 * 4
     assert f1["backward_hidden"] - f0["backward_hidden"] == pytest.approx(4 * 8 * 4)
     # the output layer sees the last width
-    assert f1["pool_matmul"] == pytest.approx(3 * 2 * 32 * 4 + 10 * 32 * math.exp(-4 * 18 / 1000) * 5 / 4)
+    columns = 32 + distinct(1000, 4 * 2) * (1 - 32 / 1000)
+    assert f1["pool_matmul"] == pytest.approx(3 * 2 * columns * 4
+                                              + 10 * 32 * math.exp(-4 * 18 / 1000) * 5 / 4)
+
+
+def test_pool_products_span_the_batch_labels_counted_or_every_row():
+    counted = flops_per_sample(RESOLVED, 100, 1000, 6, 2, batch_labels=5.0)
+    none = flops_per_sample(RESOLVED, 100, 1000, 6, 2, batch_labels=0.0)
+    assert counted["pool_matmul"] - none["pool_matmul"] == pytest.approx(3 * 2 * 5 * (1 - 0.032) * 8)
+    # a whole output: the pool is every row, the labels among them
+    whole = dict(RESOLVED, lsh_cap=0, pool=40)
+    f = flops_per_sample(whole, 100, 40, 6, 2, batch_labels=5.0)
+    assert f == flops_per_sample(whole, 100, 40, 6, 2, batch_labels=0.0)
 
 
 def test_bytes_by_phase_hand_computed():
@@ -93,12 +107,12 @@ def test_scattered_pass_touches_exactly_the_listed_rows():
     import numpy as np
 
     from bench.roofline import _scattered_update, scattered_bandwidth
-    R, D = np.ones((50, 24), np.float32), np.ones((50, 8), np.float32)
+    R, D = np.ones((50, 24), np.float32), np.ones((10, 8), np.float32)
     rows = np.array([3, 17, 40], np.int32)
-    _scattered_update(rows, R, D)
+    _scattered_update(rows, R, D)  # D compact: row t for rows[t]
     other = np.setdiff1d(np.arange(50), rows)
-    assert (R[rows] == 2).all() and (D[rows] == 0).all()
-    assert (R[other] == 1).all() and (D[other] == 1).all()
+    assert (R[rows] == 2).all() and (D[:3] == 0).all()
+    assert (R[other] == 1).all() and (D[3:] == 1).all()
     assert 0 < scattered_bandwidth(2000, 8, 300, threads=1, reps=2) < math.inf
 
 
