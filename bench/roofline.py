@@ -401,11 +401,10 @@ def main(argv=None):
               f"on 1 thread, {roofs[3] / 1e9:.0f} GFLOP/s on {args.threads}")
     rehashes = sum(r["rehashes"] for r in rounds)
     shape = (X.shape[1], Y.shape[1], X.nnz / X.shape[0], Y.nnz / Y.shape[0])
-    counts = [np.bincount(Xp[timed[lo:lo + B]].indices, minlength=X.shape[1])
-              for lo in range(0, timed.size, B)]
+    batches = [timed[lo:lo + B] for lo in range(0, timed.size, B)]
+    counts = [np.bincount(Xp[rows].indices, minlength=X.shape[1]) for rows in batches]
     inputs = (np.mean([(c > 0).sum() for c in counts]), np.mean([(c == 1).sum() for c in counts]))
-    batch_labels = float(np.mean([np.unique(Y[timed[lo:lo + B]].indices).size
-                                  for lo in range(0, timed.size, B)]))
+    batch_labels = float(np.mean([np.unique(Y[rows].indices).size for rows in batches]))
     need = bytes_per_sample(model.resolved_, *shape, rehashes_per_sample=rehashes / timed.size,
                             input_rows=inputs)
     work = flops_per_sample(model.resolved_, *shape, input_rows=inputs, batch_labels=batch_labels)
