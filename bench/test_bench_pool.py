@@ -44,7 +44,8 @@ def test_pool_logits(benchmark, layer, threads):
         W_pool, z, vec, _, _ = _buffers(n)
 
         def one_batch(pool):
-            kernels.pool_logits(layer["h"], layer["block"], layer["b"], pool, W_pool, z, vec, bounds)
+            kernels.pool_logits(layer["h"], layer["block"], layer["b"], pool, W_pool, z, vec,
+                                bounds, kernels.POOL_CHUNK)
 
         benchmark.pedantic(one_batch, setup=lambda: ((_pool(layer),), {}), rounds=60,
                            warmup_rounds=1)
@@ -64,14 +65,16 @@ def test_pool_gradients(benchmark, layer, threads):
             pool = _pool(layer)
             owners[:] = kernels.UNTOUCHED
             owners[pool] = kernels.POOL  # in no sample's own set: Adam in place
-            kernels.pool_logits(layer["h"], layer["block"], layer["b"], pool, W_pool, z, vec, bounds)
+            kernels.pool_logits(layer["h"], layer["block"], layer["b"], pool, W_pool, z, vec,
+                                bounds, kernels.POOL_CHUNK)
             np.multiply(z, np.float32(1e-3), out=z)  # stands for the logit gradients
             return (pool,), {}
 
         def one_batch(pool):
             kernels.pool_gradients(layer["h"], W_pool, z, pool, dH, layer["block"], layer["b"],
                                    *grads, layer["bM"], layer["bV"], owners, layer["slots"],
-                                   g_pool, vec, dH_parts, bounds, 1e-3, 0.9, 0.999, 1e-8, 10, 0.1)
+                                   g_pool, vec, dH_parts, bounds, kernels.POOL_CHUNK,
+                                   1e-3, 0.9, 0.999, 1e-8, 10, 0.1)
 
         benchmark.pedantic(one_batch, setup=setup, rounds=60, warmup_rounds=1)
     benchmark.extra_info.update(threads=n, pool=POOL, n_labels=N_LABELS)

@@ -517,7 +517,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         W_pool, z_pool, g_pool, pool_vec, dH_parts = self._pool_blocks(n, pool.size, h.shape[1],
                                                                        pool_bounds.size - 1)
         h_pool = np.ascontiguousarray(h)  # a view into acts' columns when there are 2+ layers
-        kernels.pool_logits(h_pool, blocks["W"], p["b"], pool, W_pool, z_pool, pool_vec, pool_bounds)
+        kernels.pool_logits(h_pool, blocks["W"], p["b"], pool, W_pool, z_pool, pool_vec,
+                            pool_bounds, kernels.POOL_CHUNK)
         t0 = self._tick("pool_matmul", t0)
         qs = self._qs
         kernels.select_active(y_indptr, Yb.indices, codes, buckets, seen, qs.slots, qs.where,
@@ -540,7 +541,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, blocks["W"], p["b"], g["W"], g["b"],
                                m["b.m"], m["b.v"], self._owners, self._slots, g_pool, pool_vec,
-                               dH_parts, pool_bounds, *hyper)
+                               dH_parts, pool_bounds, kernels.POOL_CHUNK, *hyper)
         t0 = self._tick("pool_matmul", t0)
         # the batch's input rows: a feature in one sample's row only (most of them) gets its
         # Adam step in that sample's backward pass

@@ -685,12 +685,13 @@ def test_input_rows_of_one_sample_get_adams_step_in_the_backward_pass(hidden):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("chunk", [256, 6])  # a block at once; blocks in chunks, the last short
 @pytest.mark.parametrize("bounds", [[0, 37], [0, 5, 5, 20, 37]])
-def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
+def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds, chunk):
     """The shared pool's logits and gradients, split over blocks of the pool (one per thread;
-    uneven, one empty), equal the three numpy products: dH gets every block's share; a pool row
-    that is no sample's own gets Adam's step with its gradient in place, the others accumulate
-    it."""
+    uneven, one empty) and the blocks into chunks, equal the three numpy products: dH gets
+    every block's share; a pool row that is no sample's own gets Adam's step with its gradient
+    in place, the others accumulate it."""
     import slide.kernels as K
 
     rng = np.random.default_rng(1)
@@ -702,9 +703,9 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     bounds = np.array(bounds, np.int64)
     P, T = pool.size, bounds.size - 1
     W_pool, z, vec = np.empty((P, H), np.float32), np.empty((n, P), np.float32), np.empty(P, np.float32)
-    K.pool_logits(h, W, b, pool, W_pool, z, vec, bounds)
+    K.pool_logits(h, W, b, pool, W_pool, z, vec, bounds, chunk)
     z_block = np.empty_like(z)  # the row block's rows are led by the same weights
-    K.pool_logits(h, _row_block(W, W + 1, W + 2), b, pool, W_pool, z_block, vec, bounds)
+    K.pool_logits(h, _row_block(W, W + 1, W + 2), b, pool, W_pool, z_block, vec, bounds, chunk)
     np.testing.assert_array_equal(z_block, z)
     np.testing.assert_allclose(z, h @ W[pool].T + b[pool], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(W_pool, W[pool])
@@ -725,7 +726,7 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds):
     g_pool = np.empty((P, H), np.float32)
     K.pool_gradients(h, W_pool, dz.copy(), pool, dH, state["B"], state["b"], gW, gb, state["bM"],
                      state["bV"], owners, slots, g_pool, vec, np.full((T, n, H), np.nan, np.float32),
-                     bounds, *hyper)
+                     bounds, chunk, *hyper)
     np.testing.assert_allclose(dH, dH0 + dz @ W[pool], rtol=1e-5, atol=1e-5)  # weights before
     np.testing.assert_allclose(g_pool, dz.T @ h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(vec, dz.sum(axis=0), rtol=1e-5, atol=1e-5)
