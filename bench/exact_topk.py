@@ -74,9 +74,9 @@ def main(argv=None):
         b = rng.standard_normal(args.labels, np.float32)
     screen = None
     if has_int8_dot():
-        quantize_rows(W[:64])  # compile
+        quantize_rows(W[:64], b[:64])  # compile
         t0 = time.perf_counter()
-        screen = quantize_rows(W)
+        screen = quantize_rows(W, b)
         print(f"int8 copy of W: {time.perf_counter() - t0:.3f} s, {screen.nbytes / 2 ** 20:.0f} MiB")
     else:
         print("this CPU has no AVX-512 VNNI: the screened kernel is not timed")

@@ -324,7 +324,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._numbers = np.arange(0, dtype=np.int32)
         self.distributed_ = None  # a DataParallel while fit/partial_fit trains across ranks
         self._tables_stale = False
-        self._int8_rows = None  # exact top-k's int8 copy of W, built when first needed
+        self._int8_rows = None  # exact top-k's int8 copy of W and b, built when first needed
 
     def row_blocks(self) -> dict:
         """The row blocks that ``W`` and ``W0`` train in (:mod:`slide.kernels`): float32
@@ -692,7 +692,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             return None
         if self._int8_rows is None:
             set_num_threads(self.config_.threads)
-            self._int8_rows = quantize_rows(self.params_["W"])
+            self._int8_rows = quantize_rows(self.params_["W"], self.params_["b"])
         return self._int8_rows
 
     # -- inference -------------------------------------------------------------------------------

@@ -18,8 +18,13 @@ def _threads(n):
 def test_quantized_rows_and_their_bounds(rng):
     W = rng.standard_normal((70, 9)).astype(np.float32)
     W[3] = 0  # a zero row: scale 0, no error
-    q = quantize_rows(W)
+    b = rng.standard_normal(70).astype(np.float32)
+    q = quantize_rows(W, b)
     assert q.packed.shape == (2, 3, 256) and q.scale.shape == (128,) and (q.n_rows, q.dim) == (70, 9)
+    # the biases, and for the padding labels the lowest float32: never a candidate
+    assert np.array_equal(q.bias[:70], b) and (q.bias[70:] == -np.finfo(np.float32).max).all()
+    with pytest.raises(ValueError, match="one bias per row"):
+        quantize_rows(W, b[:69])
     # unpack: label j's byte at depth i is packed[j // 64, i // 4, 4 (j % 64) + i % 4]
     Q = q.packed.reshape(2, 3, 64, 4).transpose(0, 2, 1, 3).reshape(128, 12)
     assert (Q[70:] == 0).all() and (Q[:, 9:] == 0).all()  # padding labels and depths
@@ -47,7 +52,7 @@ def test_screened_topk_equals_topk_of_the_score_matrix(rng, threads, shape, sign
         H[::2] -= 2
     W = rng.integers(-3, 4, (L, d)).astype(np.float32)
     b = rng.integers(-2, 3, L).astype(np.float32)
-    q = quantize_rows(W)
+    q = quantize_rows(W, b)
     # the screen serves every row: none goes to the float32 kernel
     monkeypatch.setattr(screen, "topk_product", lambda *a, **kw: pytest.fail("float32 kernel"))
     previous = _threads(threads)
@@ -74,7 +79,7 @@ def test_screened_topk_separates_scores_closer_than_the_int8_step(rng, signed):
     H[:, :] += np.maximum(base, 0) * 3  # rows that prefer the near-identical labels
     if signed:  # an identity layer's rows: quantised with a zero point
         H += (base * 3 - 0.5).astype(np.float32)
-    ids, vals = screened_topk(H, W, b, 10, quantize_rows(W))
+    ids, vals = screened_topk(H, W, b, 10, quantize_rows(W, b))
     S = H.astype(np.float64) @ W.T.astype(np.float64)
     got = np.take_along_axis(S, ids, 1)
     # the 10 best scores, in order, up to float32 rounding (~4e-6 at these scores of ~60;
@@ -89,7 +94,7 @@ def test_screened_topk_falls_back_where_the_screen_cannot_serve(rng):
     H = np.abs(rng.standard_normal((9, 12))).astype(np.float32)
     W = rng.standard_normal((500, 12)).astype(np.float32)
     b = rng.standard_normal(500).astype(np.float32)
-    q = quantize_rows(W)
+    q = quantize_rows(W, b)
     ref = topk(H @ W.T + b, 5)
     # a candidate list of 2 per row and chunk overflows: those rows take the float32 kernel
     np.testing.assert_array_equal(screened_topk(H, W, b, 5, q, capacity=2)[0], ref[0])
