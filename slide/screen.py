@@ -129,8 +129,8 @@ class Int8Rows:
     norm, error : float32 [L']: |w_j| and |w_j - scale_j q_j|, rounded up.
     sums : int32 [L']: sum_i q_ji (times a query's zero point, see the module docstring).
     bias : float32 [L']: the layer's biases b_j, and for the padding labels one that no bound
-        lifts to a candidate (built here once, not for every query: 0.15 ms, a twentieth of a
-        single row's query at 670K labels).
+        lifts to a candidate; built here once: built for every query (a fresh 2.7 MB at 670K
+        labels), it made a single row's query 1.07-1.17x as long (bench/README.md).
     n_rows, dim : L and d.
     """
     packed: np.ndarray
