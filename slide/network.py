@@ -774,12 +774,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         tables = self.tables_ if self.serving_tables_ is None else self.serving_tables_
         for lo, hi, h in self._last_hidden_blocks(X, block):
             cand, n_c = tables.query(h, rank=True)
-            cs = np.empty(cand.shape, np.float32)
-            kernels.score_candidates(np.ascontiguousarray(h), self._weight_rows("W"), b, cand,
-                                     n_c, cs)
-            pos, scores[lo:hi] = topk(cs, k)
-            ids[lo:hi] = np.where(pos >= 0, np.take_along_axis(cand, np.maximum(pos, 0), 1), -1)
-            ids[lo:hi][~np.isfinite(scores[lo:hi])] = -1
+            kernels.topk_candidates(np.ascontiguousarray(h), self._weight_rows("W"), b, cand, n_c,
+                                    ids[lo:hi], scores[lo:hi])
         return ids, scores
 
     def decision_function(self, X) -> np.ndarray:

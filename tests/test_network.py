@@ -748,6 +748,39 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds, chunk):
     assert (gW[rest] == 1).all() and (gb[rest] == 1).all()
 
 
+def test_topk_of_candidates_matches_the_score_matrix():
+    """Each row's top-k of its candidates: label ids best first, ties to the earlier candidate,
+    -1 / -inf where a row has fewer than k candidates or a score is not finite; the row block's
+    rows (led by the weights) give the same."""
+    import slide.kernels as K
+
+    rng = np.random.default_rng(3)
+    n_out, H, k = 50, 8, 4
+    W = rng.standard_normal((n_out, H)).astype(np.float32)
+    W[7] = W[3]  # labels 3 and 7 score alike for every row
+    b = rng.standard_normal(n_out).astype(np.float32)
+    b[7] = b[3]
+    b[11] = np.inf  # a score that is not finite
+    h = rng.standard_normal((3, H)).astype(np.float32)
+    cand = np.array([[9, 7, 3, 20, 11, 30, 0], [7, 3, 1, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0]],
+                    np.int32)
+    lengths = np.array([7, 3, 2], np.int64)
+    for rows in (W, _row_block(W, W + 1, W + 2)):
+        ids, scores = np.empty((3, k), np.int64), np.empty((3, k), np.float32)
+        K.topk_candidates(h, rows, b, cand, lengths, ids, scores)
+        for r in range(3):
+            s = h[r] @ W[cand[r, :lengths[r]]].T + b[cand[r, :lengths[r]]]
+            order = np.argsort(-s, kind="stable")[:k]  # stable: ties to the earlier candidate
+            want_ids = np.where(np.isfinite(s[order]), cand[r, order], -1)
+            want = np.full(k, -1), np.full(k, -np.inf, np.float32)
+            want[0][:order.size], want[1][:order.size] = want_ids, s[order]
+            np.testing.assert_array_equal(ids[r], want[0])
+            np.testing.assert_allclose(scores[r], want[1], rtol=1e-6)
+    assert ids[0, 0] == -1 and scores[0, 0] == np.inf  # label 11's infinite score
+    assert list(ids[1]).index(7) < list(ids[1]).index(3)  # a tie: 7 is the earlier candidate
+    assert list(ids[2, 2:]) == [-1, -1]
+
+
 class _RecordingGuard:
     """Stands in for a :class:`slide.distributed.DataParallel` where only its guard is
     reached: records the exceptions that pass through it."""
