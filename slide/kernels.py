@@ -808,8 +808,8 @@ def topk_candidates(acts_last, W, b, cand, lengths, ids, scores):
     the earlier candidate) and ``scores`` float32 [n, k]; -1 / -inf where a row has fewer than k
     candidates or a score is not finite. ``W``: the output layer's rows led by the weights (see
     the module's note). The scores go straight into a k-sized heap a row: a score matrix, its
-    top-k and the ids looked up after took a third of a single row's LSH query (about 50 µs of
-    147 at 670K labels, numpy's calls on five entries most of it)."""
+    top-k and the ids looked up after with numpy made a single row's LSH query at 670K labels
+    1.19-1.22x as long (137-144 against 112-120 µs, bench/README.md)."""
     H = acts_last.shape[1]
     k = ids.shape[1]
     for r in prange(cand.shape[0]):
