@@ -404,3 +404,64 @@ def test_query_set_at_its_fullest_counts_hits_and_empties_again():
     small = QueryScratch(2, L, cap, extra=2, n_ids=40)
     assert small.cand.shape == (2, 40) and small.slots.shape[1] == 128
     assert small.fits(2, L, cap, extra=2, n_ids=40) and not small.fits(2, L, cap, extra=2)
+
+
+def _compact(rng, n=3000, dim=32, L=12, center=False, shift=0.0):
+    W = (rng.standard_normal((n, dim)) + shift * rng.standard_normal(dim)).astype(np.float32)
+    t = lsh.CompactTables(dim, n, TableConfig(family="dwta", K=2, L=L, range_pow=6), seed=3,
+                          center=center)
+    t.build(W)
+    return W, t
+
+
+def test_compact_tables_store_every_id_once_in_its_bucket_in_id_order(rng):
+    W, t = _compact(rng)
+    codes = t.family.hash_dense(W)
+    for l in range(t.config.L):
+        assert np.array_equal(np.sort(t.ids[l]), np.arange(W.shape[0]))
+        assert t.starts[l, 0] == 0 and t.starts[l, -1] == W.shape[0]
+        for b in range(1 << t.config.range_pow):
+            assert np.array_equal(t.bucket(l, b), np.flatnonzero(codes[:, l] == b))
+    assert t.largest_union == min(3000, np.diff(t.starts, axis=1).max(axis=1).sum())
+
+
+def test_compact_query_keeps_the_ids_found_in_the_most_tables(rng):
+    W, t = _compact(rng)
+    V = rng.standard_normal((6, 32)).astype(np.float32)
+    codes = t.family.hash_dense(V)
+    full, nf = t.query(V, max_out=3000)
+    top, nt = t.query(V, max_out=25)
+    for r in range(6):
+        hits = np.zeros(3000, int)
+        for l in range(t.config.L):
+            hits[t.bucket(l, codes[r, l])] += 1
+        got = full[r, :nf[r]]
+        assert set(got.tolist()) == set(np.flatnonzero(hits).tolist()) and np.unique(got).size == got.size
+        assert np.all(full[r, nf[r]:] == -1)
+        kept = top[r, :nt[r]]
+        assert nt[r] == 25 and np.unique(kept).size == 25
+        assert hits[kept].min() >= np.sort(hits)[::-1][24]  # no id left out was found more often
+    again, _ = t.query(V, max_out=25)  # the per-thread marks were cleared
+    assert np.array_equal(again, top)
+
+
+def test_centred_compact_tables_hash_the_rows_less_their_mean(rng):
+    W, t = _compact(rng, center=True, shift=3.0)
+    np.testing.assert_allclose(t.offset, W.mean(0), rtol=1e-5, atol=1e-5)
+    plain = lsh.CompactTables(32, 3000, t.config, seed=3)
+    plain.build(W - W.mean(0))
+    assert np.array_equal(t.ids, plain.ids) and np.array_equal(t.starts, plain.starts)
+    # a mean that every row shares puts them in few buckets unless it is taken off
+    crowded = lsh.CompactTables(32, 3000, t.config, seed=3)
+    crowded.build(W)
+    assert np.diff(crowded.starts, axis=1).max() > 2 * np.diff(t.starts, axis=1).max()
+
+
+def test_compact_tables_reject_bad_shapes(rng):
+    W, t = _compact(rng)
+    with pytest.raises(ValueError, match=r"W must be \[3000, 32\]"):
+        t.build(W[:, :31])
+    with pytest.raises(ValueError, match="codes must be"):
+        t.query_codes(np.zeros((2, 5), np.int32), 10)
+    with pytest.raises(ValueError, match="max_out must be positive"):
+        t.query(W[:2], 0)

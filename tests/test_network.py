@@ -297,12 +297,25 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
     base = recall()
     L = m.tables_.config.L
     assert m.set_serving(4 * L).serving_tables_.config.L == 4 * L
+    assert m.serving_candidates_ == 4 * L * m.tables_.config.bucket_size and m.serving_tables_.center
     more = recall()
     assert more >= base and more > 0.5, (base, more)
+    # the 8 candidates found in the most tables find less than all of them
+    m.set_serving(4 * L, candidates=8)
+    few = recall()
+    assert few < more and m.serving_candidates_ == 8, (few, more)
     m.set_serving(None)
     assert m.serving_tables_ is None and recall() == base
-    with pytest.raises(ValueError, match="positive integer"):
-        m.set_serving(0)
+    # serving tables follow the weights: rebuilt (centred on the new mean row) after training
+    m.set_serving(L)
+    before = m.serving_tables_.offset.copy()
+    m.partial_fit(Xtr[:64], Ytr[:64])
+    m.predict_topk(Xte[:2], 5, mode="lsh")
+    assert np.abs(before - m.params_["W"].mean(0)).max() > 1e-5
+    np.testing.assert_allclose(m.serving_tables_.offset, m.params_["W"].mean(0), atol=1e-6)
+    for bad in ({"tables": 0}, {"tables": 4, "candidates": 0}, {"tables": True}):
+        with pytest.raises(ValueError, match="positive integer"):
+            m.set_serving(**bad)
     dense = SlideClassifier(hidden=(8,), sparsity=1.0, epochs=1).fit(Xtr[:200], Ytr[:200])
     with pytest.raises(ValueError, match="no tables"):
         dense.set_serving(8)

@@ -1,0 +1,18 @@
+"""The serving bench: one row per setting, each with the settings it ran."""
+import json
+
+from bench.serving import main
+
+
+def test_serving_bench_reports_each_setting(tmp_path):
+    main(["--preset", "demo", "--n-train", "600", "--n-test", "200", "--epochs", "1",
+          "--tables", "0,6", "--candidates", "0,16", "--single-reps", "3", "--batch-reps", "2",
+          "--threads", "1", "--out", str(tmp_path / "serving")])
+    report = json.loads((tmp_path / "serving.json").read_text())
+    rows = report["rows"]
+    # exact, training's tables (no candidate cap), then 6 serving tables at each cap
+    assert [(r["mode"], r["tables"], r["candidates"]) for r in rows] == [
+        ("exact", None, None), ("lsh", report["training_tables"], None),
+        ("lsh", 6, 6 * report["bucket_size"]), ("lsh", 6, 16)]
+    assert rows[0]["recall@5"] == 1.0
+    assert all(0 <= r["recall@5"] <= 1 and r["single_p50_ms"] > 0 for r in rows)
