@@ -802,30 +802,47 @@ def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
 # Inference
 # --------------------------------------------------------------------------------------------
 @njit(cache=True, nogil=True, parallel=True)
-def topk_candidates(acts_last, W, b, cand, lengths, ids, scores):
+def topk_candidates(acts_last, W, b, cand, lengths, parts, ids, scores):
     """Each row's top-k of its first ``lengths[r]`` candidates ``cand[r]`` (label ids, int32
     [n, w]) by score ``W[i] · h_r + b[i]``: ``ids`` int64 [n, k] (label ids, best first, ties to
     the earlier candidate) and ``scores`` float32 [n, k]; -1 / -inf where a row has fewer than k
     candidates or a score is not finite. ``W``: the output layer's rows led by the weights (see
     the module's note). The scores go straight into a k-sized heap a row: a score matrix, its
     top-k and the ids looked up after with numpy made a single row's LSH query at 670K labels
-    1.19-1.22x as long (137-144 against 112-120 µs, bench/README.md)."""
+    1.19-1.22x as long (137-144 against 112-120 µs, bench/README.md).
+
+    Each row's candidates are cut into ``parts`` runs, each a task for a thread with a heap of
+    its own, merged after: more parts than 1 a row where there are fewer rows than threads
+    (one row's thousands of candidates on every thread)."""
     H = acts_last.shape[1]
     k = ids.shape[1]
-    for r in prange(cand.shape[0]):
+    n_rows = cand.shape[0]
+    part_pos = np.empty((n_rows * parts, k), np.int64)  # candidate positions, as ids below
+    part_top = np.empty((n_rows * parts, k), np.float32)
+    for task in prange(n_rows * parts):
+        r, p = task // parts, task % parts
         h = acts_last[r]
-        m = lengths[r]
-        pos, top = ids[r], scores[r]  # candidate positions first, label ids after
+        lo, hi = lengths[r] * p // parts, lengths[r] * (p + 1) // parts
+        pos, top = part_pos[task], part_top[task]
         n = 0
-        for a in range(m):
+        for a in range(lo, hi):
             # the candidates' rows and biases are scattered through the layer: asked for a
             # few ahead, 2.4x faster for 128 rows of 3,000 candidates at 670K labels
-            if a + AHEAD < m:
+            if a + AHEAD < hi:
                 ahead = cand[r, a + AHEAD]
                 prefetch(W[ahead, :H])
                 prefetch(b[ahead:ahead + 1])
             i = cand[r, a]
             n = _heap_push(b[i] + _dot(W[i, :H], h), a, k, n, pos, top)
+        _heap_sorted(n, k, pos, top)
+    for r in prange(n_rows):
+        pos, top = ids[r], scores[r]  # candidate positions first, label ids after
+        n = 0
+        # the parts in candidate order, each sorted: among equal scores the earlier comes first
+        for task in range(r * parts, (r + 1) * parts):
+            for j in range(k):
+                if part_pos[task, j] >= 0:
+                    n = _heap_push(part_top[task, j], part_pos[task, j], k, n, pos, top)
         _heap_sorted(n, k, pos, top)
         for j in range(k):
             pos[j] = cand[r, pos[j]] if pos[j] >= 0 and np.isfinite(top[j]) else -1

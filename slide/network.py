@@ -784,8 +784,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         for lo, hi, h in self._last_hidden_blocks(X, block):
             cand, n_c = self.tables_.query(h, rank=True) if self.serving_tables_ is None \
                 else self.serving_tables_.query(h, self.serving_candidates_)
+            # fewer rows than threads: each row's candidates split among them
+            parts = max(1, numba.get_num_threads() // h.shape[0])
             kernels.topk_candidates(np.ascontiguousarray(h), self._weight_rows("W"), b, cand, n_c,
-                                    ids[lo:hi], scores[lo:hi])
+                                    parts, ids[lo:hi], scores[lo:hi])
         return ids, scores
 
     def decision_function(self, X) -> np.ndarray:

@@ -778,9 +778,11 @@ def test_topk_of_candidates_matches_the_score_matrix():
     cand = np.array([[9, 7, 3, 20, 11, 30, 0], [7, 3, 1, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0]],
                     np.int32)
     lengths = np.array([7, 3, 2], np.int64)
-    for rows in (W, _row_block(W, W + 1, W + 2)):
+    # parts: each row's candidates in 1 run, in 3 (7 in runs of 2, 2, 3) and in more runs than
+    # candidates (empty ones)
+    for rows, parts in ((W, 1), (_row_block(W, W + 1, W + 2), 1), (W, 3), (W, 9)):
         ids, scores = np.empty((3, k), np.int64), np.empty((3, k), np.float32)
-        K.topk_candidates(h, rows, b, cand, lengths, ids, scores)
+        K.topk_candidates(h, rows, b, cand, lengths, parts, ids, scores)
         for r in range(3):
             s = h[r] @ W[cand[r, :lengths[r]]].T + b[cand[r, :lengths[r]]]
             order = np.argsort(-s, kind="stable")[:k]  # stable: ties to the earlier candidate
