@@ -61,7 +61,8 @@ def _counting_sort(codes, starts, ids):
 @njit(cache=True, nogil=True)
 def _query_one(starts, ids, codes, count, cand, hits, hist, max_out, out):
     """The ids of buckets ``codes`` [L], at most ``max_out`` of them, into ``out``: those found in
-    the most tables. ``count`` int32 [n_ids] is all zeros on entry and on return; ``cand``,
+    the most tables. ``count`` uint8 [n_ids] is all zeros on entry and on return (a count
+    stops at 255); ``cand``,
     ``hits`` int32 [room for the largest union] and ``hist`` int32 [L + 2] are scratch. Returns
     how many were written."""
     L = codes.size
@@ -77,7 +78,8 @@ def _query_one(starts, ids, codes, count, cand, hits, hist, max_out, out):
             if c == 0:
                 cand[n] = i
                 n += 1
-            count[i] = c + 1
+            if c < 255:
+                count[i] = c + 1
     for j in range(n):  # the hit counts, and the marks cleared for the next query
         hits[j] = count[cand[j]]
         count[cand[j]] = 0
@@ -109,7 +111,7 @@ class CompactTables:
         Hash each row less the mean row of the matrix built from (queries as they are).
 
     Memory: ``4 · L · n_ids`` bytes of ids and ``8 · L · 2**range_pow`` of bucket starts, plus
-    query scratch of ``12 · n_ids`` bytes a thread.
+    query scratch of at most ``9 · n_ids`` bytes a thread (the counts, one byte an id).
     """
 
     def __init__(self, dim: int, n_ids: int, config: TableConfig = TableConfig(), seed: int = 0,
@@ -150,7 +152,7 @@ class CompactTables:
         t = numba.get_num_threads()
         size = max(1, self.largest_union)
         if self._scratch is None or self._scratch[1].shape != (t, size):
-            self._scratch = (np.zeros((t, self.n_ids), np.int32), np.zeros((t, size), np.int32),
+            self._scratch = (np.zeros((t, self.n_ids), np.uint8), np.zeros((t, size), np.int32),
                              np.zeros((t, size), np.int32),
                              np.zeros((t, self.config.L + 2), np.int32))
         return self._scratch

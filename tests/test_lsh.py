@@ -465,3 +465,14 @@ def test_compact_tables_reject_bad_shapes(rng):
         t.query_codes(np.zeros((2, 5), np.int32), 10)
     with pytest.raises(ValueError, match="max_out must be positive"):
         t.query(W[:2], 0)
+
+
+def test_compact_query_counts_past_255_tables_without_wrapping(rng):
+    """Counts are one byte an id: an id found in all 300 tables stops at 255, found once."""
+    W = rng.standard_normal((50, 16)).astype(np.float32)
+    t = lsh.CompactTables(16, 50, TableConfig(family="dwta", K=1, L=300, range_pow=3), seed=1)
+    t.build(W)
+    ids, n = t.query(W[:3], max_out=50)
+    for r in range(3):
+        got = ids[r, :n[r]]
+        assert np.unique(got).size == got.size and r in got
