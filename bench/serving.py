@@ -4,8 +4,8 @@ point on the curve.
     python -m bench.serving --preset demo --tables 0,24,48,96 --threads 2
 
 Trains the engine with its defaults on the preset (or loads ``--model``), then for exact scoring
-and for LSH serving with each number of tables (0: the training tables; N: ``set_serving(N)``,
-with each number of ``--candidates`` scored a row, 0 for its default): recall@k against the exact top-k (|LSH top-k ∩ exact top-k| / k), P@1 and P@k, and per-query
+and for LSH serving with each number of tables (``set_serving(N)``; 0: its default, as many as
+training's) and each number of ``--candidates`` scored a row (0: its default): recall@k against the exact top-k (|LSH top-k ∩ exact top-k| / k), P@1 and P@k, and per-query
 latency p50 and p99 for single rows and for batches of 128 (medians of repeated timed calls
 after a warm-up). Writes ``OUT.json`` and prints a table.
 """
@@ -36,7 +36,7 @@ def main(argv=None):
     p.add_argument("--n-test", type=int, default=2000)
     p.add_argument("--model", default=None, help="a saved model instead of training one")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the model's rule)")
-    p.add_argument("--tables", default="0,24,48,96", help="serving tables to try (0: training's)")
+    p.add_argument("--tables", default="0,24,48,96", help="serving tables to try (0: the default)")
     p.add_argument("--candidates", default="0",
                    help="most candidates scored a row, for each number of serving tables (0: default)")
     p.add_argument("--k", type=int, default=5)
@@ -58,8 +58,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     tables_tried = [int(t) for t in args.tables.split(",")]
     candidates_tried = [int(c) for c in args.candidates.split(",")]
-    settings = [("exact", None, None)] + [("lsh", t, c if t else 0) for t in tables_tried
-                                          for c in (candidates_tried if t else [0])]
+    settings = [("exact", None, None)] + [("lsh", t, c) for t in tables_tried for c in candidates_tried]
     for mode, tables, candidates in settings:
         if mode == "lsh":
             model.set_serving(tables or None, candidates or None)
@@ -69,9 +68,9 @@ def main(argv=None):
         res = evaluate(Yte, ids, k)
         single = _latency(predict, Xte, 1, args.single_reps, rng)
         batch = _latency(predict, Xte, 128, args.batch_reps, rng)
-        used = model.tables_ if model.serving_tables_ is None else model.serving_tables_
-        row = {"mode": mode, "tables": used.config.L if mode == "lsh" else None,
-               "candidates": model.serving_candidates_ if mode == "lsh" and tables else None,
+        lsh = mode == "lsh"
+        row = {"mode": mode, "tables": model.serving_tables_.config.L if lsh else None,
+               "candidates": model.serving_candidates_ if lsh else None,
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
                "single_p50_ms": single[0], "single_p99_ms": single[1],
                "batch128_p50_ms": batch[0], "batch128_p99_ms": batch[1]}
@@ -80,7 +79,6 @@ def main(argv=None):
               f"recall@{k} {row[f'recall@{k}']:.3f}  "
               f"P@1 {row['P@1']:.3f}  single p50 {single[0]:.2f} ms p99 {single[1]:.2f} ms  "
               f"batch of 128 p50 {batch[0]:.1f} ms p99 {batch[1]:.1f} ms", flush=True)
-    model.set_serving(None)
     write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
                                     "training_tables": model.tables_.config.L,
                                     "bucket_size": model.tables_.config.bucket_size, "rows": rows})

@@ -657,27 +657,38 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
 
     def set_serving(self, tables: int | None = None, candidates: int | None = None,
                     center: bool = True):
-        """Hash tables for ``predict_topk(mode="lsh")``, apart from training's.
+        """The hash tables of ``predict_topk(mode="lsh")``, apart from training's.
 
-        ``tables``: how many tables to query, with training's hash family, K and buckets. They
-        store every label (:class:`lsh.compact.CompactTables`), where training's bounded buckets
-        keep a sample of a crowded bucket's labels. More tables find more of the exact top-k
-        (recall) at a higher cost per query, and take ``tables × n_labels × 4`` bytes.
-        ``candidates``: the most labels scored a row, those found in the most tables (default
-        ``tables ×`` training's bucket size, the most that bounded tables could return). ``center``: hash the output rows less their mean row, which ranks
-        the labels as the rows do (``h·(w − μ) = h·w − h·μ``) while the large mean that
-        trained rows share no longer gives most of them the same codes: at Amazon-670K shape,
-        with the identity hidden layer, recall@5 went from about 0.03 to 0.5 (bench/README.md).
-        ``None`` serves from the training tables again. Not saved with the model; kept up to
-        date with the weights. ``bench/serving.py`` measures recall@k and latency along these
-        settings.
+        ``tables``: how many tables to query (default: as many as training's), with training's
+        hash family, K and buckets. They store every label (:class:`lsh.compact.CompactTables`),
+        where training's bounded buckets keep a sample of a crowded bucket's labels. More
+        tables find more of the exact top-k (recall) at a higher cost per query, and take
+        ``tables × n_labels × 4`` bytes. ``candidates``: the most labels scored a row, those
+        found in the most tables (default ``tables ×`` training's bucket size, the most that
+        bounded tables could return). ``center``: hash the output rows less their mean row,
+        which ranks the labels as the rows do (``h·(w − μ) = h·w − h·μ``) while the large mean
+        that trained rows share no longer gives most of them the same codes. At Amazon-670K
+        shape, on a model with the identity hidden layer, recall@5 rose from 0.009 with
+        training's 24 tables to 0.135 with 24 of these, 0.336 with 64 (bench/README.md).
+
+        The first LSH query builds the default tables where none were set. Not saved with the
+        model; kept up to date with the weights. ``bench/serving.py`` measures recall@k and
+        latency along these settings.
         """
         self._require_fitted()
         if self.tables_ is None:
             raise ValueError("every output is computed for this model: there are no tables to serve from")
-        if tables is None:
-            self.serving_tables_ = None
-            return self
+        for name, value in (("tables", tables), ("candidates", candidates)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        tables = int(tables or self.tables_.config.L)
+        cfg = dataclasses.replace(self.tables_.config, L=tables)
+        self.serving_tables_ = CompactTables(self.tables_.dim, self.n_labels_, cfg,
+                                             seed=self.hash_seed_ + 0x5EED, center=center)
+        self.serving_tables_.build(self.params_["W"])
+        self.serving_candidates_ = int(candidates or tables * self.tables_.config.bucket_size)
+        return self
         for name, value in (("tables", tables), ("candidates", candidates)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
                                       or value < 1):
@@ -763,8 +774,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         rows per call (default 1024): at 32,768 labels or more on CPUs with AVX-512 VNNI through
         an int8 screen whose candidates are rescored in float32
         (:func:`slide.screen.screened_topk`), otherwise :func:`slide.metrics.topk_product`;
-        ``mode="lsh"`` scores only the hash-table candidates of each row (sub-linear serving;
-        rows with fewer than k candidates are padded with id -1).
+        ``mode="lsh"`` scores only each row's candidates from the serving tables (sub-linear
+        serving; :meth:`set_serving`, built with its defaults at the first such query where it
+        was not called; rows with fewer than k candidates are padded with id -1).
         """
         self._require_fitted()
         X = self.check_data(X, where="predict")
@@ -781,9 +793,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k) if screen is None \
                     else screened_topk(h, W, b, k, screen)
             return ids, scores
+        if self.serving_tables_ is None:
+            self.set_serving()
         for lo, hi, h in self._last_hidden_blocks(X, block):
-            cand, n_c = self.tables_.query(h, rank=True) if self.serving_tables_ is None \
-                else self.serving_tables_.query(h, self.serving_candidates_)
+            cand, n_c = self.serving_tables_.query(h, self.serving_candidates_)
             # fewer rows than threads: each row's candidates split among them
             parts = max(1, numba.get_num_threads() // h.shape[0])
             kernels.topk_candidates(np.ascontiguousarray(h), self._weight_rows("W"), b, cand, n_c,

@@ -10,9 +10,10 @@ def test_serving_bench_reports_each_setting(tmp_path):
           "--threads", "1", "--out", str(tmp_path / "serving")])
     report = json.loads((tmp_path / "serving.json").read_text())
     rows = report["rows"]
-    # exact, training's tables (no candidate cap), then 6 serving tables at each cap
+    # exact, then the default tables (as many as training's) and 6, at each number of candidates
+    L, bucket = report["training_tables"], report["bucket_size"]
     assert [(r["mode"], r["tables"], r["candidates"]) for r in rows] == [
-        ("exact", None, None), ("lsh", report["training_tables"], None),
-        ("lsh", 6, 6 * report["bucket_size"]), ("lsh", 6, 16)]
+        ("exact", None, None), ("lsh", L, L * bucket), ("lsh", L, 16),
+        ("lsh", 6, 6 * bucket), ("lsh", 6, 16)]
     assert rows[0]["recall@5"] == 1.0
     assert all(0 <= r["recall@5"] <= 1 and r["single_p50_ms"] > 0 for r in rows)

@@ -294,8 +294,9 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
         ids = m.predict_topk(Xte, 5, mode="lsh")[0]
         return np.mean([np.intersect1d(a[a >= 0], b).size / 5 for a, b in zip(ids, exact)])
 
-    base = recall()
+    base = recall()  # the first LSH query built the default serving tables
     L = m.tables_.config.L
+    assert m.serving_tables_.config.L == L and m.serving_candidates_ == L * m.tables_.config.bucket_size
     assert m.set_serving(4 * L).serving_tables_.config.L == 4 * L
     assert m.serving_candidates_ == 4 * L * m.tables_.config.bucket_size and m.serving_tables_.center
     more = recall()
@@ -304,8 +305,8 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
     m.set_serving(4 * L, candidates=8)
     few = recall()
     assert few < more and m.serving_candidates_ == 8, (few, more)
-    m.set_serving(None)
-    assert m.serving_tables_ is None and recall() == base
+    m.set_serving(None)  # the defaults: as many tables as training's
+    assert m.serving_tables_.config.L == L and recall() == base
     # serving tables follow the weights: rebuilt (centred on the new mean row) after training
     m.set_serving(L)
     before = m.serving_tables_.offset.copy()
