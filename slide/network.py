@@ -689,16 +689,6 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.serving_tables_.build(self.params_["W"])
         self.serving_candidates_ = int(candidates or tables * self.tables_.config.bucket_size)
         return self
-        for name, value in (("tables", tables), ("candidates", candidates)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        cfg = dataclasses.replace(self.tables_.config, L=int(tables))
-        self.serving_tables_ = CompactTables(self.tables_.dim, self.n_labels_, cfg,
-                                             seed=self.hash_seed_ + 0x5EED, center=center)
-        self.serving_tables_.build(self.params_["W"])
-        self.serving_candidates_ = int(candidates or tables * self.tables_.config.bucket_size)
-        return self
 
     def _params_changed(self):
         self._tables_stale = True
