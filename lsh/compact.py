@@ -159,11 +159,13 @@ class CompactTables:
 
     def query_codes(self, codes, max_out: int):
         """Candidates for rows of bucket ids ``codes`` int32 [n, L]: ``ids`` int32 [n, max_out]
-        (padded with -1), those found in the most tables first in the order found, and
-        ``lengths`` int64 [n]."""
+        (padded with -1), the ``max_out`` found in the most tables (all of them where fewer) in
+        the order found, and ``lengths`` int64 [n]."""
         codes = np.ascontiguousarray(codes, np.int32)
         if codes.ndim != 2 or codes.shape[1] != self.config.L:
             raise ValueError(f"codes must be [n, {self.config.L}], got {codes.shape}")
+        if codes.size and (codes.min() < 0 or codes.max() >= self.starts.shape[1] - 1):
+            raise ValueError(f"bucket ids must be in [0, {self.starts.shape[1] - 1})")
         max_out = int(max_out)
         if max_out < 1:
             raise ValueError(f"max_out must be positive, got {max_out}")

@@ -463,6 +463,8 @@ def test_compact_tables_reject_bad_shapes(rng):
         t.build(W[:, :31])
     with pytest.raises(ValueError, match="codes must be"):
         t.query_codes(np.zeros((2, 5), np.int32), 10)
+    with pytest.raises(ValueError, match=r"bucket ids must be in \[0, 64\)"):
+        t.query_codes(np.full((2, t.config.L), 64, np.int32), 10)
     with pytest.raises(ValueError, match="max_out must be positive"):
         t.query(W[:2], 0)
 
