@@ -5,9 +5,10 @@ point on the curve.
 
 Trains the engine with its defaults on the preset (or loads ``--model``), then for exact scoring
 and for LSH serving with each number of tables (``set_serving(N)``; 0: its default, as many as
-training's) and each number of ``--candidates`` scored a row (0: its default): recall@k against the exact top-k (|LSH top-k ∩ exact top-k| / k), P@1 and P@k, and per-query
-latency p50 and p99 for single rows and for batches of 128 (medians of repeated timed calls
-after a warm-up). Writes ``OUT.json`` and prints a table.
+training's) and each number of ``--candidates`` scored a row (0: its default): recall@k against
+the exact top-k (|LSH top-k ∩ exact top-k| / k), P@1 and P@k, and per-query latency p50 and p99
+for single rows and for batches of 128 (medians of repeated timed calls after a warm-up).
+Writes ``OUT.json`` and prints a table.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ from lsh.atomics import fetch_add
 from lsh.prefetch import prefetch, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
-from slide.metrics import _heap_push, _heap_sorted
+from slide.metrics import _heap_push, _heaps_merge
 from slide.vecmath import MAX_LANES, exp_nonpositive, fmax, fsum
 
 #: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
@@ -817,13 +817,16 @@ def topk_candidates(acts_last, W, b, cand, lengths, parts, ids, scores):
     H = acts_last.shape[1]
     k = ids.shape[1]
     n_rows = cand.shape[0]
-    part_pos = np.empty((n_rows * parts, k), np.int64)  # candidate positions, as ids below
-    part_top = np.empty((n_rows * parts, k), np.float32)
+    # each run's heap of candidate positions, merged by slide.metrics' merge of label tiles:
+    # the runs in candidate order, so that ties still go to the earlier candidate
+    part_pos = np.empty((parts, n_rows, k), np.int64)
+    part_top = np.empty((parts, n_rows, k), np.float32)
+    sizes = np.empty((parts, n_rows), np.int64)
     for task in prange(n_rows * parts):
         r, p = task // parts, task % parts
         h = acts_last[r]
         lo, hi = lengths[r] * p // parts, lengths[r] * (p + 1) // parts
-        pos, top = part_pos[task], part_top[task]
+        pos, top = part_pos[p, r], part_top[p, r]
         n = 0
         for a in range(lo, hi):
             # the candidates' rows and biases are scattered through the layer: asked for a
@@ -834,15 +837,9 @@ def topk_candidates(acts_last, W, b, cand, lengths, parts, ids, scores):
                 prefetch(b[ahead:ahead + 1])
             i = cand[r, a]
             n = _heap_push(b[i] + _dot(W[i, :H], h), a, k, n, pos, top)
-        _heap_sorted(n, k, pos, top)
+        sizes[p, r] = n
+    _heaps_merge(part_pos, part_top, sizes, ids, scores)
     for r in prange(n_rows):
-        pos, top = ids[r], scores[r]  # candidate positions first, label ids after
-        n = 0
-        # the parts in candidate order, each sorted: among equal scores the earlier comes first
-        for task in range(r * parts, (r + 1) * parts):
-            for j in range(k):
-                if part_pos[task, j] >= 0:
-                    n = _heap_push(part_top[task, j], part_pos[task, j], k, n, pos, top)
-        _heap_sorted(n, k, pos, top)
+        pos, top = ids[r], scores[r]  # candidate positions, as label ids from here
         for j in range(k):
             pos[j] = cand[r, pos[j]] if pos[j] >= 0 and np.isfinite(top[j]) else -1
