@@ -48,7 +48,6 @@ from lsh.atomics import fetch_add
 from lsh.prefetch import prefetch, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
-from slide.metrics import _heap_push, _heaps_merge
 from slide.vecmath import MAX_LANES, exp_nonpositive, fmax, fsum
 
 #: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
@@ -796,50 +795,3 @@ def adam_dense(W, M, V, G, lr, beta1, beta2, eps, step, weight_decay):
     k = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     for j in prange(W.size):
         _adam(W, M, V, G, j, k)
-
-
-# --------------------------------------------------------------------------------------------
-# Inference
-# --------------------------------------------------------------------------------------------
-@njit(cache=True, nogil=True, parallel=True)
-def topk_candidates(acts_last, W, b, cand, lengths, parts, ids, scores):
-    """Each row's top-k of its first ``lengths[r]`` candidates ``cand[r]`` (label ids, int32
-    [n, w]) by score ``W[i] · h_r + b[i]``: ``ids`` int64 [n, k] (label ids, best first, ties to
-    the earlier candidate) and ``scores`` float32 [n, k]; -1 / -inf where a row has fewer than k
-    candidates or a score is not finite. ``W``: the output layer's rows led by the weights (see
-    the module's note). The scores go straight into a k-sized heap a row: a score matrix, its
-    top-k and the ids looked up after with numpy made a single row's LSH query at 670K labels
-    1.19-1.22x as long (137-144 against 112-120 µs, bench/README.md).
-
-    Each row's candidates are cut into ``parts`` runs, each a task for a thread with a heap of
-    its own, merged after: more parts than 1 a row where there are fewer rows than threads
-    (one row's thousands of candidates on every thread)."""
-    H = acts_last.shape[1]
-    k = ids.shape[1]
-    n_rows = cand.shape[0]
-    # each run's heap of candidate positions, merged by slide.metrics' merge of label tiles:
-    # the runs in candidate order, so that ties still go to the earlier candidate
-    part_pos = np.empty((parts, n_rows, k), np.int64)
-    part_top = np.empty((parts, n_rows, k), np.float32)
-    sizes = np.empty((parts, n_rows), np.int64)
-    for task in prange(n_rows * parts):
-        r, p = task // parts, task % parts
-        h = acts_last[r]
-        lo, hi = lengths[r] * p // parts, lengths[r] * (p + 1) // parts
-        pos, top = part_pos[p, r], part_top[p, r]
-        n = 0
-        for a in range(lo, hi):
-            # the candidates' rows and biases are scattered through the layer: asked for a
-            # few ahead, 2.4x faster for 128 rows of 3,000 candidates at 670K labels
-            if a + AHEAD < hi:
-                ahead = cand[r, a + AHEAD]
-                prefetch(W[ahead, :H])
-                prefetch(b[ahead:ahead + 1])
-            i = cand[r, a]
-            n = _heap_push(b[i] + _dot(W[i, :H], h), a, k, n, pos, top)
-        sizes[p, r] = n
-    _heaps_merge(part_pos, part_top, sizes, ids, scores)
-    for r in prange(n_rows):
-        pos, top = ids[r], scores[r]  # candidate positions, as label ids from here
-        for j in range(k):
-            pos[j] = cand[r, pos[j]] if pos[j] >= 0 and np.isfinite(top[j]) else -1

@@ -310,10 +310,22 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
     # serving tables follow the weights: rebuilt (centred on the new mean row) after training
     m.set_serving(L)
     before = m.serving_tables_.offset.copy()
+    screen = m._candidate_screen()
     m.partial_fit(Xtr[:64], Ytr[:64])
-    m.predict_topk(Xte[:2], 5, mode="lsh")
+    ids, scores = m.predict_topk(Xte[:20], 5, mode="lsh")
     assert np.abs(before - m.params_["W"].mean(0)).max() > 1e-5
     np.testing.assert_allclose(m.serving_tables_.offset, m.params_["W"].mean(0), atol=1e-6)
+    # ... and so is the int8 copy their candidates are screened with: each row's top-5 of its
+    # candidates by the new weights' float32 scores
+    assert m._candidate_screen() is not screen
+    h = m.embed(Xte[:20])
+    cand, n_c = m.serving_tables_.query(h, m.serving_candidates_)
+    for r in range(20):
+        c = cand[r, :n_c[r]]
+        s = h[r] @ m.params_["W"][c].T + m.params_["b"][c]
+        top = np.argsort(-s, kind="stable")[:5]
+        np.testing.assert_array_equal(ids[r, :top.size], c[top])
+        np.testing.assert_allclose(scores[r, :top.size], s[top], rtol=1e-5, atol=1e-6)
     for bad in ({"tables": 0}, {"tables": 4, "candidates": 0}, {"tables": True}):
         with pytest.raises(ValueError, match="positive integer"):
             m.set_serving(**bad)
@@ -760,41 +772,6 @@ def test_pool_products_match_numpy_for_any_split_of_the_pool(bounds, chunk):
     assert all(np.array_equal(state[k][rest], before[k][rest]) for k in state)
     rest = slots[np.setdiff1d(np.arange(n_out), pool)]
     assert (gW[rest] == 1).all() and (gb[rest] == 1).all()
-
-
-def test_topk_of_candidates_matches_the_score_matrix():
-    """Each row's top-k of its candidates: label ids best first, ties to the earlier candidate,
-    -1 / -inf where a row has fewer than k candidates or a score is not finite; the row block's
-    rows (led by the weights) give the same."""
-    import slide.kernels as K
-
-    rng = np.random.default_rng(3)
-    n_out, H, k = 50, 8, 4
-    W = rng.standard_normal((n_out, H)).astype(np.float32)
-    W[7] = W[3]  # labels 3 and 7 score alike for every row
-    b = rng.standard_normal(n_out).astype(np.float32)
-    b[7] = b[3]
-    b[11] = np.inf  # a score that is not finite
-    h = rng.standard_normal((3, H)).astype(np.float32)
-    cand = np.array([[9, 7, 3, 20, 11, 30, 0], [7, 3, 1, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0]],
-                    np.int32)
-    lengths = np.array([7, 3, 2], np.int64)
-    # parts: each row's candidates in 1 run, in 3 (7 in runs of 2, 2, 3) and in more runs than
-    # candidates (empty ones)
-    for rows, parts in ((W, 1), (_row_block(W, W + 1, W + 2), 1), (W, 3), (W, 9)):
-        ids, scores = np.empty((3, k), np.int64), np.empty((3, k), np.float32)
-        K.topk_candidates(h, rows, b, cand, lengths, parts, ids, scores)
-        for r in range(3):
-            s = h[r] @ W[cand[r, :lengths[r]]].T + b[cand[r, :lengths[r]]]
-            order = np.argsort(-s, kind="stable")[:k]  # stable: ties to the earlier candidate
-            want_ids = np.where(np.isfinite(s[order]), cand[r, order], -1)
-            want = np.full(k, -1), np.full(k, -np.inf, np.float32)
-            want[0][:order.size], want[1][:order.size] = want_ids, s[order]
-            np.testing.assert_array_equal(ids[r], want[0])
-            np.testing.assert_allclose(scores[r], want[1], rtol=1e-6)
-    assert ids[0, 0] == -1 and scores[0, 0] == np.inf  # label 11's infinite score
-    assert list(ids[1]).index(7) < list(ids[1]).index(3)  # a tie: 7 is the earlier candidate
-    assert list(ids[2, 2:]) == [-1, -1]
 
 
 class _RecordingGuard:

@@ -4,7 +4,7 @@ import pytest
 
 from slide import screen
 from slide.metrics import topk
-from slide.screen import has_int8_dot, quantize_rows, screened_topk
+from slide.screen import has_int8_dot, quantize_labels, quantize_rows, screened_topk
 
 needs_vnni = pytest.mark.skipif(not has_int8_dot(), reason="the CPU has no AVX-512 VNNI")
 
@@ -124,3 +124,111 @@ def test_exact_predictions_go_through_the_screen_and_follow_training(monkeypatch
         np.testing.assert_allclose(vals, ref_vals, rtol=1e-5, atol=1e-6)
         m.partial_fit(X[:64], Y[:64])
     assert len(calls) == 2
+
+
+def test_labels_quantized_by_label_and_their_bounds(rng):
+    W = rng.standard_normal((70, 9)).astype(np.float32)
+    W[3] = 0  # a zero row: scale 0, no error
+    b = rng.standard_normal(70).astype(np.float32)
+    # the weights inside a wider row block quantise as the plain matrix does
+    block = np.concatenate([W, np.ones_like(W)], axis=1)
+    for lab in (quantize_labels(W, b), quantize_labels(block[:, :9], b)):
+        assert lab.q.shape == (70, 9) and lab.q.dtype == np.int8 and lab.meta.shape == (70, 4)
+        Q = lab.q.astype(np.float64)
+        scale = lab.meta[:, screen.SCALE]
+        assert np.abs(Q).max() == 127 and (Q[3] == 0).all() and scale[3] == 0
+        assert np.array_equal(lab.meta[:, screen.BIAS], b)
+        deq = Q * scale[:, None].astype(np.float64)
+        assert np.all(np.abs(deq - W) <= scale[:, None] / 2 + 1e-7)
+        assert np.all(lab.meta[:, screen.NORM] >= np.linalg.norm(W.astype(np.float64), axis=1))
+        assert np.all(lab.meta[:, screen.ERROR] >= np.linalg.norm(deq - W, axis=1))
+        # the same int8 rows and bounds as the exact screen's tiles hold
+        tiles = quantize_rows(W, b)
+        T = tiles.packed.reshape(2, 3, 64, 4).transpose(0, 2, 1, 3).reshape(128, 12)[:70, :9]
+        assert np.array_equal(T, lab.q)
+        for col, name in ((screen.SCALE, "scale"), (screen.NORM, "norm"), (screen.ERROR, "error")):
+            assert np.array_equal(lab.meta[:, col], getattr(tiles, name)[:70])
+    with pytest.raises(ValueError, match="one bias per row"):
+        quantize_labels(W, b[:69])
+
+
+def _candidates_topk(h, W, b, cand, lengths, k):
+    """Each row's top-k of its candidates from the float64 score matrix: ids (-1 where the
+    score is not finite) and scores, ties to the earlier candidate."""
+    ids = np.full((len(cand), k), -1)
+    scores = np.full((len(cand), k), -np.inf, np.float32)
+    for r in range(len(cand)):
+        c = cand[r, :lengths[r]]
+        s = h[r].astype(np.float64) @ W[c].T.astype(np.float64) + b[c]
+        order = np.argsort(-s, kind="stable")[:k]  # stable: ties to the earlier candidate
+        ids[r, :order.size] = np.where(np.isfinite(s[order]), c[order], -1)
+        scores[r, :order.size] = s[order]
+    return ids, scores
+
+
+def test_screened_candidates_match_the_score_matrix(rng):
+    """Each row's top-k of its candidates: label ids best first, ties to the earlier candidate,
+    -1 / -inf where a row has fewer than k candidates, -1 where a score is not finite; the row
+    block's rows (led by the weights) give the same; a row's candidates in 1 run, in 3 (7 in
+    runs of 2, 2, 3) and in more runs than candidates (empty ones)."""
+    n_out, H, k = 50, 8, 4
+    W = rng.standard_normal((n_out, H)).astype(np.float32)
+    W[7] = W[3]  # labels 3 and 7 score alike for every row
+    b = rng.standard_normal(n_out).astype(np.float32)
+    b[7] = b[3]
+    b[11] = np.inf  # a score that is not finite
+    h = rng.standard_normal((3, H)).astype(np.float32)
+    cand = np.array([[9, 7, 3, 20, 11, 30, 0], [7, 3, 1, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0]],
+                    np.int32)
+    lengths = np.array([7, 3, 2], np.int64)
+    labels = quantize_labels(W, b)
+    want_ids, want_scores = _candidates_topk(h, W, b, cand, lengths, k)
+    block = np.concatenate([W, W + 1, W + 2], axis=1)
+    for rows, parts in ((W, 1), (block, 1), (W, 3), (W, 9)):
+        ids, scores = np.empty((3, k), np.int64), np.empty((3, k), np.float32)
+        screen.screened_candidates(h, rows, b, labels, cand, lengths, parts, ids, scores)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(scores, want_scores, rtol=1e-6)
+    assert ids[0, 0] == -1 and scores[0, 0] == np.inf  # label 11's infinite score
+    assert list(ids[1]).index(7) < list(ids[1]).index(3)  # a tie: 7 is the earlier candidate
+    assert list(ids[2, 2:]) == [-1, -1]
+    with pytest.raises(ValueError, match="quantize W again"):
+        screen.screened_candidates(h[:, :5], W, b, labels, cand, lengths, 1, ids, scores)
+    with pytest.raises(ValueError, match="each of the 3 rows"):
+        screen.screened_candidates(h, W, b, labels, cand[:2], lengths, 1, ids, scores)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_screened_candidates_separate_scores_closer_than_the_int8_step(rng, threads):
+    """Candidates whose scores lie closer together than the int8 copy can tell apart come out
+    in their float32 order, on many candidates a row and in parts, against the score matrix.
+    Each row's candidates are built around it: a score t (a thousandth apart from the next)
+    along the row plus a large part orthogonal to it, whose quantisation error moves the int8
+    score by far more than a thousandth."""
+    n, per_row, d, k = 4, 1500, 24, 5
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    blocks = []
+    for r in range(n):
+        u = h[r].astype(np.float64) / np.linalg.norm(h[r])
+        R = rng.standard_normal((per_row, d))
+        R -= np.outer(R @ u, u)  # orthogonal to the row: no part of its score
+        t = 1e-3 * rng.permutation(per_row)
+        blocks.append(np.outer(t, u) / np.linalg.norm(h[r]) + R)
+    W = np.concatenate(blocks).astype(np.float32)
+    b = np.zeros(n * per_row, np.float32)
+    cand = np.stack([rng.permutation(per_row) + r * per_row for r in range(n)]).astype(np.int32)
+    lengths = np.array([per_row, per_row - 1, 700, 3], np.int64)
+    labels = quantize_labels(W, b)
+    approx = (labels.q.astype(np.float64) * labels.meta[:, :1]) @ h[0]
+    true = W[:per_row].astype(np.float64) @ h[0]
+    assert np.abs(approx[:per_row] - true).max() > 0.01  # the int8 copy alone cannot rank these
+    want_ids, want_scores = _candidates_topk(h, W, b, cand, lengths, k)
+    previous = _threads(threads)
+    try:
+        for parts in (1, 2, 5):
+            ids, scores = np.empty((n, k), np.int64), np.empty((n, k), np.float32)
+            screen.screened_candidates(h, W, b, labels, cand, lengths, parts, ids, scores)
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
+    finally:
+        numba.set_num_threads(previous)
