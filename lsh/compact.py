@@ -29,6 +29,7 @@ from numba import njit, prange
 from lsh._threading import thread_chunks
 from lsh.families import make_family
 from lsh.prefetch import prefetch
+from lsh.scratch import borrowed
 from lsh.tables import TableConfig, select_candidates
 
 __all__ = ["CompactTables"]
@@ -125,7 +126,7 @@ class CompactTables:
         self.ids = np.zeros((config.L, self.n_ids), np.int32)
         self.offset = np.zeros(self.dim, np.float32)
         self.largest_union = 0
-        self._scratch = None
+        self._free_scratch = []  # query scratch not lent out (lsh.scratch)
 
     def build(self, W, chunk: int = 1 << 16) -> None:
         """Store every row of ``W`` float32 [n_ids, dim] (id = row), less their mean row where
@@ -143,24 +144,22 @@ class CompactTables:
         _counting_sort(codes, self.starts, self.ids)
         # the largest union a query can meet: every table's largest bucket
         self.largest_union = int(min(self.n_ids, np.diff(self.starts, axis=1).max(axis=1).sum()))
-        self._scratch = None
 
     rehash = build
 
-    def _query_scratch(self):
-        """Per-thread (count, cand, hits, hist), kept across queries."""
-        t = numba.get_num_threads()
+    def _new_scratch(self, threads: int):
+        """Per-thread query scratch: (count uint8 [threads, n_ids], cand and hits int32
+        [threads, largest union], hist int32 [threads, L + 2])."""
         size = max(1, self.largest_union)
-        if self._scratch is None or self._scratch[1].shape != (t, size):
-            self._scratch = (np.zeros((t, self.n_ids), np.uint8), np.zeros((t, size), np.int32),
-                             np.zeros((t, size), np.int32),
-                             np.zeros((t, self.config.L + 2), np.int32))
-        return self._scratch
+        return (np.zeros((threads, self.n_ids), np.uint8), np.zeros((threads, size), np.int32),
+                np.zeros((threads, size), np.int32),
+                np.zeros((threads, self.config.L + 2), np.int32))
 
     def query_codes(self, codes, max_out: int):
         """Candidates for rows of bucket ids ``codes`` int32 [n, L]: ``ids`` int32 [n, max_out]
         (padded with -1), the ``max_out`` found in the most tables (all of them where fewer) in
-        the order found, and ``lengths`` int64 [n]."""
+        the order found, and ``lengths`` int64 [n]. Queries from several Python threads at
+        once each borrow their own scratch (:mod:`lsh.scratch`)."""
         codes = np.ascontiguousarray(codes, np.int32)
         if codes.ndim != 2 or codes.shape[1] != self.config.L:
             raise ValueError(f"codes must be [n, {self.config.L}], got {codes.shape}")
@@ -171,9 +170,12 @@ class CompactTables:
             raise ValueError(f"max_out must be positive, got {max_out}")
         out = np.full((codes.shape[0], max_out), -1, np.int32)
         lengths = np.zeros(codes.shape[0], np.int64)
-        count, cand, hits, hist = self._query_scratch()
-        _query_batch(self.starts, self.ids, codes, count, cand, hits, hist, max_out,
-                     thread_chunks(codes.shape[0]), out, lengths)
+        t = numba.get_num_threads()
+        size = max(1, self.largest_union)
+        with borrowed(self._free_scratch, lambda s: s[1].shape == (t, size),
+                      lambda: self._new_scratch(t)) as (count, cand, hits, hist):
+            _query_batch(self.starts, self.ids, codes, count, cand, hits, hist, max_out,
+                         thread_chunks(codes.shape[0]), out, lengths)
         return out, lengths
 
     def query(self, V, max_out: int):

@@ -31,6 +31,7 @@ from lsh._threading import thread_chunks
 from lsh.arrays import copy_into
 from lsh.families import make_family
 from lsh.prefetch import prefetch
+from lsh.scratch import borrowed
 
 __all__ = ["TableConfig", "HashTables", "autotune", "query_one", "query_union",
            "select_candidates", "claim", "QueryScratch"]
@@ -302,7 +303,7 @@ class HashTables:
         self.seen = np.zeros((config.L, R), np.int32)
         self._policy = _POLICIES[config.policy]
         self._reset_rng()
-        self._scratch = None
+        self._free_scratch = []  # query scratch not lent out (lsh.scratch)
         self.builds = 0  # times the tables were (re)built from weights: rehash cost counters
 
     def _reset_rng(self):
@@ -353,29 +354,24 @@ class HashTables:
         self.build(W)
 
     # -- querying ---------------------------------------------------------------------------
-    def scratch(self) -> QueryScratch:
-        """This thread count's query scratch."""
-        t = numba.get_num_threads()
-        cfg = self.config
-        if self._scratch is None or not self._scratch.fits(t, cfg.L, cfg.bucket_size,
-                                                            n_ids=self.n_ids):
-            self._scratch = QueryScratch(t, cfg.L, cfg.bucket_size, n_ids=self.n_ids)
-        return self._scratch
-
     def query_codes(self, codes, max_out: int | None = None, rank: bool = False):
         """Candidates for rows of bucket ids ``codes`` int32 [n, L].
 
         Returns ``ids`` int32 [n, max_out] (padded with -1) and ``lengths`` int64 [n].
-        ``max_out`` defaults to L × bucket_size (the whole union).
+        ``max_out`` defaults to L × bucket_size (the whole union). Queries from several Python
+        threads at once each borrow their own scratch (:mod:`lsh.scratch`).
         """
         codes = np.ascontiguousarray(codes, np.int32)
-        cap = self.config.L * self.config.bucket_size
-        max_out = cap if max_out is None else int(max_out)
+        cfg = self.config
+        max_out = cfg.L * cfg.bucket_size if max_out is None else int(max_out)
         out = np.full((codes.shape[0], max_out), -1, np.int32)
         lengths = np.zeros(codes.shape[0], np.int64)
-        s = self.scratch()
-        _query_batch(self.buckets, self.seen, codes, s.slots, s.where, s.cand, s.hits, s.hist,
-                     max_out, rank, thread_chunks(codes.shape[0]), out, lengths)
+        t = numba.get_num_threads()
+        with borrowed(self._free_scratch,
+                      lambda s: s.fits(t, cfg.L, cfg.bucket_size, n_ids=self.n_ids),
+                      lambda: QueryScratch(t, cfg.L, cfg.bucket_size, n_ids=self.n_ids)) as s:
+            _query_batch(self.buckets, self.seen, codes, s.slots, s.where, s.cand, s.hits,
+                         s.hist, max_out, rank, thread_chunks(codes.shape[0]), out, lengths)
         return out, lengths
 
     def query(self, V, max_out: int | None = None, rank: bool = False):

@@ -43,6 +43,10 @@ __all__ = ["SlideClassifier"]
 
 #: guards the check-and-set of a model's training thread (:meth:`SlideClassifier._training`)
 _TRAINER_LOCK = threading.Lock()
+#: guards what serving builds on first use (the tables rehashed after training, the serving
+#: tables, the int8 copies), so that queries from several threads build it once: two rehashes of
+#: the same tables at once would corrupt them
+_SERVING_LOCK = threading.RLock()
 
 
 class SlideClassifier(TrainableMixin, BaseEstimator):
@@ -675,7 +679,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         training's 24 tables to 0.135 with 24 of these, 0.336 with 64 (bench/README.md).
 
         The first LSH query builds the default tables where none were set. Not saved with the
-        model; kept up to date with the weights. ``bench/serving.py`` measures recall@k and
+        model; kept up to date with the weights. Queries may come from several threads at once;
+        calling this while they run is safe, though a query then running may finish on the
+        tables it started with. ``bench/serving.py`` measures recall@k and
         latency along these settings.
         """
         self._require_fitted()
@@ -687,10 +693,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         tables = int(tables or self.tables_.config.L)
         cfg = dataclasses.replace(self.tables_.config, L=tables)
-        self.serving_tables_ = CompactTables(self.tables_.dim, self.n_labels_, cfg,
-                                             seed=self.hash_seed_ + 0x5EED, center=center)
-        self.serving_tables_.build(self.params_["W"])
+        serving = CompactTables(self.tables_.dim, self.n_labels_, cfg,
+                                seed=self.hash_seed_ + 0x5EED, center=center)
+        serving.build(self.params_["W"])
+        # the tables last, once built: a query on another thread takes them as they are set
         self.serving_candidates_ = int(candidates or tables * self.tables_.config.bucket_size)
+        self.serving_tables_ = serving
         return self
 
     def _params_changed(self):
@@ -706,8 +714,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if self.n_labels_ < SCREEN_MIN_LABELS or not has_int8_dot():
             return None
         if self._int8_rows is None:
-            set_num_threads(self.config_.threads)
-            self._int8_rows = quantize_rows(self.params_["W"], self.params_["b"])
+            with _SERVING_LOCK:
+                if self._int8_rows is None:
+                    set_num_threads(self.config_.threads)
+                    self._int8_rows = quantize_rows(self.params_["W"], self.params_["b"])
         return self._int8_rows
 
     def _candidate_screen(self):
@@ -716,8 +726,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         weights last moved (0.1 s and 0.25 bytes per weight plus 16 bytes per label at 670K x
         128), dropped at the next update."""
         if self._int8_labels is None:
-            set_num_threads(self.config_.threads)
-            self._int8_labels = quantize_labels(self.params_["W"], self.params_["b"])
+            with _SERVING_LOCK:
+                if self._int8_labels is None:
+                    set_num_threads(self.config_.threads)
+                    self._int8_labels = quantize_labels(self.params_["W"], self.params_["b"])
         return self._int8_labels
 
     # -- inference -------------------------------------------------------------------------------
@@ -726,7 +738,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if not self._is_fitted():
             raise NotFittedError("this SlideClassifier is not fitted yet; call fit first")
         if self._tables_stale:
-            self._refresh_tables()
+            with _SERVING_LOCK:
+                if self._tables_stale:
+                    self._refresh_tables()
 
     def embed(self, X) -> np.ndarray:
         """Last hidden layer activations, float32 [n, hidden[-1]]."""
@@ -798,10 +812,13 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                     else screened_topk(h, W, b, k, screen)
             return ids, scores
         if self.serving_tables_ is None:
-            self.set_serving()
+            with _SERVING_LOCK:
+                if self.serving_tables_ is None:
+                    self.set_serving()
+        tables, n_cand = self.serving_tables_, self.serving_candidates_
         screen = self._candidate_screen()
         for lo, hi, h in self._last_hidden_blocks(X, block):
-            cand, n_c = self.serving_tables_.query(h, self.serving_candidates_)
+            cand, n_c = tables.query(h, n_cand)
             # fewer rows than threads: each row's candidates split among them
             parts = max(1, numba.get_num_threads() // h.shape[0])
             screened_candidates(h, self._weight_rows("W"), b, screen, cand, n_c, parts,

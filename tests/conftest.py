@@ -1,3 +1,5 @@
+import threading
+
 import numpy as np
 import pytest
 
@@ -18,3 +20,26 @@ def tiny_data():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def run_threads():
+    """``run_threads(work, args)``: ``work(a)`` for each of ``args`` on a Python thread of its
+    own, all started together; returns the exceptions they raised, for the test to report."""
+    def run_all(work, args):
+        errors, start = [], threading.Barrier(len(args))
+
+        def run(a):
+            start.wait()
+            try:
+                work(a)
+            except Exception as e:  # reported by the test
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(a,)) for a in args]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+    return run_all

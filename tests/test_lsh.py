@@ -478,3 +478,37 @@ def test_compact_query_counts_past_255_tables_without_wrapping(rng):
     for r in range(3):
         got = ids[r, :n[r]]
         assert np.unique(got).size == got.size and r in got
+
+
+@pytest.mark.parametrize("kind", ["compact", "bounded"])
+def test_queries_from_several_threads_match_one_at_a_time(rng, kind, run_threads):
+    """Python threads querying one table set at once (a recommender's pool of threads: the
+    kernels release the GIL) get the answers that one query at a time gets, and leave the tables
+    answering as before: each query borrows scratch of its own. Sharing it, they read each
+    other's marks and leave some set (wrong candidates then and in every later query)."""
+    from lsh.compact import CompactTables
+
+    n, dim = 60_000, 16
+    cfg = TableConfig(family="dwta", K=2, L=48, range_pow=6, bucket_size=512)
+    tables = CompactTables(dim, n, cfg, seed=1) if kind == "compact" \
+        else HashTables(dim, n, cfg, seed=1)
+    tables.build(rng.standard_normal((n, dim)).astype(np.float32))
+    Q = rng.standard_normal((96, dim)).astype(np.float32)
+    codes = tables.family.hash_dense(Q)
+
+    def ask(rows):
+        ids, lengths = tables.query_codes(codes[rows], 2000) if kind == "compact" \
+            else tables.query_codes(codes[rows], 2000, rank=True)
+        return [ids[r, :lengths[r]].copy() for r in range(len(ids))]
+
+    want = ask(slice(None))
+    assert np.mean([w.size for w in want]) > 1000  # long queries, which overlap
+    wrong = []
+
+    def work(first):
+        for rep in range(3):
+            wrong.extend(r for r in range(first, 96, 4) if not np.array_equal(ask([r])[0], want[r]))
+
+    errors = run_threads(work, range(4))
+    assert not errors and not wrong, f"{errors[:3]}; {len(wrong)} answers differ from one at a time"
+    assert all(np.array_equal(a, b) for a, b in zip(ask(slice(None)), want))

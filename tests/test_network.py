@@ -261,25 +261,13 @@ def test_sklearn_pipeline_after_tfidf():
     assert clone(pipe).get_params()["slideclassifier__lr"] == 0.01
 
 
-def test_concurrent_parallel_kernels_from_two_threads(tiny_data):
+def test_concurrent_parallel_kernels_from_two_threads(tiny_data, run_threads):
     """Two Python threads launching parallel kernels at once (heterogeneous training does):
     the threading layer must be thread-safe (numba's workqueue would abort the process)."""
     import numba
     X, Y = tiny_data[0][:500], tiny_data[1][:500]
     models = [SlideClassifier(hidden=(16,), sparsity=0.2, seed=s, epochs=2) for s in (0, 1)]
-    errors = []
-
-    def work(m):
-        try:
-            m.fit(X, Y)
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(m,)) for m in models]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(lambda m: m.fit(X, Y), models)
     assert not errors, errors
     assert numba.threading_layer() in ("omp", "tbb")
     assert all(np.isfinite(m.params_["W"]).all() for m in models)
@@ -332,6 +320,31 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
     dense = SlideClassifier(hidden=(8,), sparsity=1.0, epochs=1).fit(Xtr[:200], Ytr[:200])
     with pytest.raises(ValueError, match="no tables"):
         dense.set_serving(8)
+
+
+def test_serving_from_several_threads_at_once(tiny_data, run_threads):
+    """A model serves queries from a pool of threads: the first queries, which all find the
+    tables to rehash after training and the serving tables and the int8 copies to build, and
+    those after, answer as one query at a time does on a copy of the model."""
+    Xtr, Ytr, Xte, _ = tiny_data
+    m = SlideClassifier(hidden=(32,), sparsity=0.05, seed=0, epochs=1, early_stopping=False)
+    m.fit(Xtr, Ytr).partial_fit(Xtr[:64], Ytr[:64])  # the tables are stale from here
+    alone = copy.deepcopy(m)
+    n = 24
+    want = {mode: [alone.predict_topk(Xte[r:r + 1], 5, mode=mode) for r in range(n)]
+            for mode in ("exact", "lsh")}
+    wrong = []
+
+    def work(first):
+        for mode in ("lsh", "exact", "lsh"):
+            for r in range(first, n, 4):
+                ids, scores = m.predict_topk(Xte[r:r + 1], 5, mode=mode)
+                if not (np.array_equal(ids, want[mode][r][0])
+                        and np.allclose(scores, want[mode][r][1], rtol=1e-6)):
+                    wrong.append((mode, r))
+
+    errors = run_threads(work, range(4))
+    assert not errors and not wrong, (errors[:3], wrong[:5])
 
 
 def test_mark_rows_lists_each_row_once_and_finds_rows_with_one_source_of_gradient():
