@@ -7,12 +7,16 @@ Trains the engine with its defaults on the preset (or loads ``--model``), then f
 and for LSH serving with each number of tables (``set_serving(N)``; 0: its default, as many as
 training's) and each number of ``--candidates`` scored a row (0: its default): recall@k against
 the exact top-k (|LSH top-k ∩ exact top-k| / k), P@1 and P@k, and per-query latency p50 and p99
-for single rows and for batches of 128 (medians of repeated timed calls after a warm-up).
-Writes ``OUT.json`` and prints a table.
+for single rows and for batches of 128 (medians of repeated timed calls after a warm-up). With
+``--clients 1,2,4``, single rows also come from that many Python threads at once, as a
+recommender's pool of workers sends them: queries/s over the run, p50 and p99 latency, and how
+many answers differ from the same rows answered in one call (none: each query borrows its own
+scratch). Writes ``OUT.json`` and prints a table.
 """
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import numpy as np
@@ -30,6 +34,37 @@ def _latency(fn, rows, batch, reps, rng):
     return float(np.percentile(times, 50) * 1e3), float(np.percentile(times, 99) * 1e3)
 
 
+def _clients(fn, rows, clients, queries, rng, want):
+    """``queries`` single rows of ``rows`` (drawn at random) from ``clients`` Python threads at
+    once: queries/s over the run, p50 and p99 latency (ms), and how many answers differ from
+    ``want`` (the ids of every row, answered in one call)."""
+    picks = rng.integers(0, rows.shape[0], queries)
+    times = [[] for _ in range(clients)]
+    wrong = [0] * clients
+    start = threading.Barrier(clients + 1)
+
+    def work(c):
+        start.wait()
+        for i in picks[c::clients]:
+            t0 = time.perf_counter()
+            ids = fn(rows[i:i + 1])[0]
+            times[c].append(time.perf_counter() - t0)
+            wrong[c] += not np.array_equal(ids[0], want[i])
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    lat = np.concatenate(times)
+    return {"clients": clients, "queries_per_s": float(queries / seconds),
+            "p50_ms": float(np.percentile(lat, 50) * 1e3),
+            "p99_ms": float(np.percentile(lat, 99) * 1e3), "answers_differing": int(sum(wrong))}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="demo")
@@ -44,6 +79,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--single-reps", type=int, default=200)
     p.add_argument("--batch-reps", type=int, default=20)
+    p.add_argument("--clients", default="",
+                   help="numbers of Python threads sending single rows at once (e.g. 1,2,4)")
     p.add_argument("--out", default="bench/results/serving")
     args = p.parse_args(argv)
     from slide.metrics import evaluate
@@ -59,6 +96,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     tables_tried = [int(t) for t in args.tables.split(",")]
     candidates_tried = [int(c) for c in args.candidates.split(",")]
+    clients_tried = [int(c) for c in args.clients.split(",") if c]
     settings = [("exact", None, None)] + [("lsh", t, c) for t in tables_tried for c in candidates_tried]
     for mode, tables, candidates in settings:
         if mode == "lsh":
@@ -75,11 +113,17 @@ def main(argv=None):
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
                "single_p50_ms": single[0], "single_p99_ms": single[1],
                "batch128_p50_ms": batch[0], "batch128_p99_ms": batch[1]}
+        row["clients"] = [_clients(predict, Xte, c, args.single_reps, rng, ids)
+                          for c in clients_tried]
         rows.append(row)
         print(f"{mode:5s} tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}  "
               f"recall@{k} {row[f'recall@{k}']:.3f}  "
               f"P@1 {row['P@1']:.3f}  single p50 {single[0]:.2f} ms p99 {single[1]:.2f} ms  "
               f"batch of 128 p50 {batch[0]:.1f} ms p99 {batch[1]:.1f} ms", flush=True)
+        for c in row["clients"]:
+            print(f"      {c['clients']} clients: {c['queries_per_s']:.0f} queries/s, p50 "
+                  f"{c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms, {c['answers_differing']} "
+                  "answers differing", flush=True)
     write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
                                     "training_tables": model.tables_.config.L,
                                     "bucket_size": model.tables_.config.bucket_size, "rows": rows})

@@ -7,7 +7,7 @@ from bench.serving import main
 def test_serving_bench_reports_each_setting(tmp_path):
     main(["--preset", "demo", "--n-train", "600", "--n-test", "200", "--epochs", "1",
           "--tables", "0,6", "--candidates", "0,16", "--single-reps", "3", "--batch-reps", "2",
-          "--threads", "1", "--out", str(tmp_path / "serving")])
+          "--threads", "1", "--clients", "1,3", "--out", str(tmp_path / "serving")])
     report = json.loads((tmp_path / "serving.json").read_text())
     rows = report["rows"]
     # exact, then the default tables (as many as training's) and 6, at each number of candidates
@@ -17,3 +17,7 @@ def test_serving_bench_reports_each_setting(tmp_path):
         ("lsh", 6, 6 * bucket), ("lsh", 6, 16)]
     assert rows[0]["recall@5"] == 1.0
     assert all(0 <= r["recall@5"] <= 1 and r["single_p50_ms"] > 0 for r in rows)
+    # single rows from 1 and 3 threads at once, each answered as in one call of every row
+    for r in rows:
+        assert [c["clients"] for c in r["clients"]] == [1, 3]
+        assert all(c["answers_differing"] == 0 and c["queries_per_s"] > 0 for c in r["clients"])
