@@ -17,7 +17,7 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "checked_choice", "next_choice", "choice_name", "idf_weighted",
+__all__ = ["SlideConfig", "resolve", "checked_setting", "checked_choice", "next_choice", "choice_name", "idf_weighted",
            "CHOICE_CHECKS", "sampled_width", "touched_share", "rare_share",
            "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
@@ -78,6 +78,12 @@ _NUMBER_CHECKS = {
     "threads": dict(lo=1, hi=4096, integer=True),
     "seed": dict(lo=0, hi=2**32 - 1, integer=True, none=False),
 }
+
+
+def checked_setting(name: str, value):
+    """One numeric setting of :class:`SlideConfig` (``threads``, ``epochs``, ...) validated as
+    the config does, for a setting read again after fitting (a query's ``threads``)."""
+    return _number(name, value, **_NUMBER_CHECKS[name])
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from lsh import CompactTables, HashTables, TableConfig, engine_threads, set_num_
 from lsh.tables import QueryScratch
 from slide import kernels
 from slide.checkpoint import read_checkpoint, write_checkpoint
-from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, hidden_block, hidden_blocks,
-                          init_parameters, parameter_shapes, resolve)
+from slide.config import (ARCHITECTURE_FIELDS, SlideConfig, checked_setting, hidden_block,
+                          hidden_blocks, init_parameters, parameter_shapes, resolve)
 from slide.data import check_xy
 from slide.metrics import check_k, topk, topk_product
 from slide.resources import check_fits, model_memory_bytes
@@ -716,7 +716,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if self._int8_rows is None:
             with _SERVING_LOCK:
                 if self._int8_rows is None:
-                    set_num_threads(self.config_.threads)
+                    self._query_threads()
                     self._int8_rows = quantize_rows(self.params_["W"], self.params_["b"])
         return self._int8_rows
 
@@ -728,11 +728,18 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         if self._int8_labels is None:
             with _SERVING_LOCK:
                 if self._int8_labels is None:
-                    set_num_threads(self.config_.threads)
+                    self._query_threads()
                     self._int8_labels = quantize_labels(self.params_["W"], self.params_["b"])
         return self._int8_labels
 
     # -- inference -------------------------------------------------------------------------------
+    def _query_threads(self) -> int:
+        """Set numba's threads for a query from the ``threads`` parameter as it is now, and
+        return the count: ``set_params(threads=N)`` on a fitted or loaded model takes effect at
+        its next query, as ``n_jobs`` does in scikit-learn (``config_`` follows the parameters
+        only when training resumes, and a query that read it ran on every core)."""
+        return set_num_threads(checked_setting("threads", self.threads))
+
     def _require_fitted(self):
         """Serving starts here: the model must exist, and its tables reflect its weights."""
         if not self._is_fitted():
@@ -746,7 +753,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Last hidden layer activations, float32 [n, hidden[-1]]."""
         self._require_fitted()
         X = self.preprocess(self.check_data(X, where="embed"))
-        set_num_threads(self.config_.threads)
+        self._query_threads()
         return np.ascontiguousarray(self._last(self._forward(X)))
 
     def _block_rows(self, block):
@@ -763,7 +770,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # the model's threads, a single row's query too: each of its kernels splits the work
         # (exact scoring a row's labels), and one thread answered single rows later on 2 cores
         # at 10K and 670K labels, exact and LSH (bench/README.md, "Serving")
-        set_num_threads(self.config_.threads)
+        self._query_threads()
         n = Xp.shape[0]
         for lo in range(0, n, block):
             hi = min(lo + block, n)

@@ -322,6 +322,31 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
         dense.set_serving(8)
 
 
+def test_queries_run_on_the_threads_set_after_fitting(tiny_data):
+    """``set_params(threads=N)`` on a fitted (or loaded) model holds from its next query, as
+    ``n_jobs`` does in scikit-learn; a query used to run on the threads of the last fit."""
+    import numba
+
+    Xtr, Ytr, Xte, _ = tiny_data
+    m = SlideClassifier(hidden=(16,), sparsity=0.05, seed=0, epochs=1, early_stopping=False,
+                        threads=2).fit(Xtr[:500], Ytr[:500])
+    previous = numba.get_num_threads()
+    try:
+        for threads in (1, 2, 1):
+            if threads > numba.config.NUMBA_NUM_THREADS:
+                continue
+            m.set_params(threads=threads)
+            for query in (lambda: m.predict_topk(Xte[:3], 5), lambda: m.embed(Xte[:3]),
+                          lambda: m.predict_topk(Xte[:3], 5, mode="lsh")):
+                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+                query()
+                assert numba.get_num_threads() == threads  # the query's own setting
+        with pytest.raises(ValueError, match="threads"):
+            m.set_params(threads=0).predict_topk(Xte[:3], 5)
+    finally:
+        numba.set_num_threads(previous)
+
+
 def test_serving_from_several_threads_at_once(tiny_data, run_threads):
     """A model serves queries from a pool of threads: the first queries, which all find the
     tables to rehash after training and the serving tables and the int8 copies to build, and
