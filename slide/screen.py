@@ -544,18 +544,20 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
     of the same W and b; build it again whenever they change).
 
     ``H`` float32 [n, d]; ``W`` float32 [L, d], or a row block whose rows lead with the weights
-    (the output layer's); ``cand`` int32 [n, w] label ids; ``lengths`` int64 [n]. Writes ``ids``
-    int64 [n, k] (label ids, best first, ties to the earlier candidate) and ``scores`` float32
-    [n, k]; -1 / -inf where a row has fewer than k candidates, -1 where a score is not finite.
+    (the output layer's); ``b`` float32 [L]; ``cand`` int32 [n, w], whose first ``lengths[r]``
+    entries (int64 [n], at most w) are label ids in [0, L), as the serving tables give them.
+    Writes ``ids`` int64 [n, k] (label ids, best first, ties to the earlier candidate) and
+    ``scores`` float32 [n, k]; -1 / -inf where a row has fewer than k candidates, -1 where a
+    score is not finite.
 
     Every candidate is scored from its int8 row with a bound on the error; only those whose
     upper bound reaches the k-th best lower bound are scored again in float32. A candidate's
     int8 row and its 16 bytes of scale, bounds and bias are 3 of the 9 lines that its float32
-    row and bias span, and a scattered row costs its misses: 128 rows of 4,096 candidates at
-    670K labels took 15.0 against 34.6 ms (bench/README.md). Each row's candidates are cut into
-    ``parts`` runs, each a task for a thread with a heap of its own, merged after: more parts
-    than 1 a row where there are fewer rows than threads (one row's thousands of candidates on
-    every thread).
+    row and bias span, and a scattered row costs its misses: LSH queries of 128 rows at 670K
+    labels took 1.6-2.0x less time than with float32 scoring (bench/README.md). Each row's
+    candidates are cut into ``parts`` runs, each a task for a thread with a heap of its own,
+    merged after: more parts than 1 a row where there are fewer rows than threads (one row's
+    thousands of candidates on every thread).
     """
     H = np.ascontiguousarray(H, dtype=np.float32)
     n, d = H.shape
@@ -567,6 +569,10 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
         raise ValueError(f"one row of candidates, lengths, ids and scores for each of the {n} "
                          f"rows of H, got {cand.shape[0]}, {np.shape(lengths)}, {ids.shape} and "
                          f"{scores.shape}")
+    if np.shape(b) != (W.shape[0],) or (n and (lengths.min() < 0 or lengths.max() > cand.shape[1])):
+        raise ValueError(f"b must hold one bias per row of W ({W.shape[0]}) and each length must "
+                         f"be within the {cand.shape[1]} candidates a row, got {np.shape(b)} and "
+                         f"lengths {lengths.min()}..{lengths.max()}")
     approx = np.empty(cand.shape, np.float32)
     _screen_candidates(H, W, b, labels.q, labels.meta, rounding_allowance(d), cand, lengths,
                        max(1, int(parts)), approx, ids, scores)

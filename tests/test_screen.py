@@ -196,6 +196,10 @@ def test_screened_candidates_match_the_score_matrix(rng):
         screen.screened_candidates(h[:, :5], W, b, labels, cand, lengths, 1, ids, scores)
     with pytest.raises(ValueError, match="each of the 3 rows"):
         screen.screened_candidates(h, W, b, labels, cand[:2], lengths, 1, ids, scores)
+    with pytest.raises(ValueError, match="one bias per row"):
+        screen.screened_candidates(h, W, b[:7], labels, cand, lengths, 1, ids, scores)
+    with pytest.raises(ValueError, match="within the 7 candidates"):
+        screen.screened_candidates(h, W, b, labels, cand, lengths + 1, 1, ids, scores)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
