@@ -7,7 +7,8 @@ Trains the engine with its defaults on the preset (or loads ``--model``), then f
 and for LSH serving with each number of tables (``set_serving(N)``; 0: its default, as many as
 training's) and each number of ``--candidates`` scored a row (0: its default): recall@k against
 the exact top-k (|LSH top-k ∩ exact top-k| / k), P@1 and P@k, and per-query latency p50 and p99
-for single rows and for batches of 128 (medians of repeated timed calls after a warm-up). With
+for single rows and for batches of 128 (medians of repeated timed calls after a warm-up), and
+for LSH the memory it holds beside the model (its tables and the int8 copy by label). With
 ``--clients 1,2,4``, single rows also come from that many Python threads at once, as a
 recommender's pool of workers sends them: queries/s over the run, p50 and p99 latency, and how
 many answers differ from the same rows answered in one call (none: each query borrows its own
@@ -108,8 +109,13 @@ def main(argv=None):
         single = _latency(predict, Xte, 1, args.single_reps, rng)
         batch = _latency(predict, Xte, 128, args.batch_reps, rng)
         lsh = mode == "lsh"
+        # what LSH serving holds beside the model: its tables and the int8 copy by label
+        # (slide.screen.Int8Labels: a byte a weight and 16 a label)
+        W = model.params_["W"]
+        extra = model.serving_tables_.nbytes + W.shape[0] * (W.shape[1] + 16) if lsh else None
         row = {"mode": mode, "tables": model.serving_tables_.config.L if lsh else None,
                "candidates": model.serving_candidates_ if lsh else None,
+               "serving_mib": extra / 2**20 if lsh else None,
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
                "single_p50_ms": single[0], "single_p99_ms": single[1],
                "batch128_p50_ms": batch[0], "batch128_p99_ms": batch[1]}
@@ -119,7 +125,8 @@ def main(argv=None):
         print(f"{mode:5s} tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}  "
               f"recall@{k} {row[f'recall@{k}']:.3f}  "
               f"P@1 {row['P@1']:.3f}  single p50 {single[0]:.2f} ms p99 {single[1]:.2f} ms  "
-              f"batch of 128 p50 {batch[0]:.1f} ms p99 {batch[1]:.1f} ms", flush=True)
+              f"batch of 128 p50 {batch[0]:.1f} ms p99 {batch[1]:.1f} ms"
+              + (f"  {row['serving_mib']:.0f} MiB" if lsh else ""), flush=True)
         for c in row["clients"]:
             print(f"      {c['clients']} clients: {c['queries_per_s']:.0f} queries/s, p50 "
                   f"{c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms, {c['answers_differing']} "

@@ -182,6 +182,11 @@ class CompactTables:
         """Candidates for dense rows ``V`` [n, dim]: ``(ids [n, max_out], lengths [n])``."""
         return self.query_codes(self.family.hash_dense(V), max_out)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tables (ids and bucket starts; the query scratch apart)."""
+        return self.starts.nbytes + self.ids.nbytes
+
     def bucket(self, t: int, c: int) -> np.ndarray:
         """The ids in bucket ``c`` of table ``t`` (a view)."""
         return self.ids[t, self.starts[t, c]:self.starts[t, c + 1]]

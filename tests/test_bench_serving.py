@@ -17,6 +17,10 @@ def test_serving_bench_reports_each_setting(tmp_path):
         ("lsh", 6, 6 * bucket), ("lsh", 6, 16)]
     assert rows[0]["recall@5"] == 1.0
     assert all(0 <= r["recall@5"] <= 1 and r["single_p50_ms"] > 0 for r in rows)
+    # the tables' ids (4 bytes a label a table) and the int8 copy: more with more tables
+    assert rows[0]["serving_mib"] is None and L != 6
+    assert (rows[1]["serving_mib"] > rows[3]["serving_mib"] > 0) == (L > 6)
+    assert rows[1]["serving_mib"] == rows[2]["serving_mib"]  # candidates take no memory
     # single rows from 1 and 3 threads at once, each answered as in one call of every row
     for r in rows:
         assert [c["clients"] for c in r["clients"]] == [1, 3]
