@@ -801,7 +801,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         (:func:`slide.screen.screened_topk`), otherwise :func:`slide.metrics.topk_product`;
         ``mode="lsh"`` scores only each row's candidates from the serving tables (sub-linear
         serving; :meth:`set_serving`, built with its defaults at the first such query where it
-        was not called; rows with fewer than k candidates are padded with id -1).
+        was not called; rows with fewer than k candidates are padded with id -1), ``block``
+        rows per call (default: about 64 MB of candidates, 2,048 rows at 4,096 a row).
         """
         self._require_fitted()
         X = self.check_data(X, where="predict")
@@ -824,6 +825,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                     self.set_serving()
         tables, n_cand = self.serving_tables_, self.serving_candidates_
         screen = self._candidate_screen()
+        # a block's candidates take 8 bytes each (their ids, their int8 bounds): about 64 MB a
+        # block. Blocks of the score matrix's size (25 rows at 670K labels) made a batch of 128
+        # rows 1.15-1.21x as long as one block (bench/README.md)
+        block = block or max(1, min(4096, (1 << 23) // n_cand))
         for lo, hi, h in self._last_hidden_blocks(X, block):
             cand, n_c = tables.query(h, n_cand)
             # fewer rows than threads: each row's candidates split among them
