@@ -17,9 +17,9 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "checked_setting", "checked_choice", "next_choice", "choice_name", "idf_weighted",
-           "CHOICE_CHECKS", "sampled_width", "touched_share", "rare_share",
-           "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
+__all__ = ["SlideConfig", "resolve", "checked_setting", "checked_choice", "next_choice",
+           "choice_name", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
+           "rare_share", "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
 
 HASH_FAMILIES = ("dwta", "wta", "simhash")
