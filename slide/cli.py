@@ -126,6 +126,8 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mode", choices=["exact", "lsh"], default="exact",
                    help="exact: score every label; lsh: only the hash tables' candidates (faster, "
                         "lower recall)")
+    e.add_argument("--threads", type=_positive, default=None,
+                   help="CPU threads (default: the model's setting, all cores where it has none)")
 
     pr = sub.add_parser("predict", help="write each row's top-k labels and scores",
                         description="Writes the Extreme Classification Repository score-matrix format: "
@@ -135,6 +137,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--top-k", type=_positive, default=5, help="labels per row (default: 5)")
     pr.add_argument("--mode", choices=["exact", "lsh"], default="exact",
                     help="exact: score every label; lsh: only the hash tables' candidates")
+    pr.add_argument("--threads", type=_positive, default=None,
+                    help="CPU threads (default: the model's setting, all cores where it has none)")
     pr.add_argument("--proba", action="store_true",
                     help="scores as softmax probabilities over every label (exact mode) instead of logits")
     pr.add_argument("--label-names", help="file with one label name per line (line i names label i): "
@@ -162,11 +166,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_model(path):
+def _load_model(path, threads=None):
+    """The model saved in directory ``path``, its queries on ``threads`` threads where given."""
     from slide.network import SlideClassifier
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
-    return SlideClassifier.load(path)
+    model = SlideClassifier.load(path)
+    return model if threads is None else model.set_params(threads=threads)
 
 
 #: ``slide train`` flags that fix the model's architecture, sampling or preprocessing: a resumed
@@ -348,7 +354,7 @@ def _cmd_plot(a):
 
 def _cmd_eval(a):
     from slide.data import read_dataset
-    model = _load_model(a.model)
+    model = _load_model(a.model, a.threads)
     X, Y = read_dataset(a.test, n_features=model.n_features_in_, n_labels=model.n_labels_)
     res = model.evaluate(X, Y, k=a.k, mode=a.mode)
     print("  ".join(f"{k}={v:.4f}" for k, v in res.items()))
@@ -372,7 +378,7 @@ def _cmd_predict(a):
         raise ValueError("--proba needs --mode exact (LSH mode does not score every label)")
     if a.output and os.path.isdir(a.output):
         raise ValueError(f"--output {a.output}: is a directory")
-    model = _load_model(a.model)
+    model = _load_model(a.model, a.threads)
     names = _label_names(a.label_names, model.n_labels_) if a.label_names else None
     X, _ = read_dataset(a.input, n_features=model.n_features_in_)
     if a.proba:

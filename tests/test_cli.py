@@ -37,6 +37,15 @@ def test_train_eval_predict_round_trip(synth, capsys):
     assert main(["eval", str(d / "model"), str(d / "eur_test.txt"), "--k", "10"]) == 0
     out = capsys.readouterr().out
     assert all(f"{m}@{j}=" in out for m in ("P", "nDCG") for j in (1, 3, 5, 10)), out
+    # queries on the threads asked for (numba's setting is the calling thread's own)
+    import numba
+    previous = numba.get_num_threads()
+    try:
+        assert main(["eval", str(d / "model"), str(d / "eur_test.txt"), "--mode", "lsh",
+                     "--threads", "1"]) == 0
+        assert "P@1=" in capsys.readouterr().out and numba.get_num_threads() == 1
+    finally:
+        numba.set_num_threads(previous)
     (d / "names.txt").write_text("".join(f"label_{i}\n" for i in range(3993)))
     assert main(["predict", str(d / "model"), str(d / "eur_test.txt"), "--top-k", "2", "--proba",
                  "--label-names", str(d / "names.txt"), "-o", str(d / "q.txt")]) == 0
