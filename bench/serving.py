@@ -132,6 +132,7 @@ def main(argv=None):
                   f"{c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms, {c['answers_differing']} "
                   "answers differing", flush=True)
     write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
+                                    "n_labels": model.n_labels_,
                                     "training_tables": model.tables_.config.L,
                                     "bucket_size": model.tables_.config.bucket_size, "rows": rows})
 

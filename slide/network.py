@@ -37,6 +37,13 @@ from slide.train import EarlyStopping, TrainableMixin, fit_loop
 
 #: rows per block of exact top-k (its kernel holds a tile of scores, not a block's matrix)
 EXACT_BLOCK_ROWS = 1024
+#: LSH serving's default candidates a row, per slot of training's bounded tables (tables ×
+#: bucket size): screened in int8, four times as many candidates cost what that many cost in
+#: float32 (batches of 128 at 670K labels: 16.6 against 20.5 ms) and found 0.252 of the exact
+#: top-5 against 0.135. A budget that does not grow with the serving tables: more tables find
+#: better candidates within it (0.380 with 64, 0.496 with 128, batches still faster than the
+#: exact mode's), where 4 × their own slots made 64 tables' batches slower (bench/README.md)
+CANDIDATES_PER_SLOT = 4
 
 __all__ = ["SlideClassifier"]
 
@@ -671,12 +678,14 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         where training's bounded buckets keep a sample of a crowded bucket's labels. More
         tables find more of the exact top-k (recall) at a higher cost per query, and take
         ``tables × n_labels × 4`` bytes. ``candidates``: the most labels scored a row, those
-        found in the most tables (default ``tables ×`` training's bucket size, the most that
-        bounded tables could return). ``center``: hash the output rows less their mean row,
-        which ranks the labels as the rows do (``h·(w − μ) = h·w − h·μ``) while the large mean
-        that trained rows share no longer gives most of them the same codes. At Amazon-670K
-        shape, on a model with the identity hidden layer, recall@5 rose from 0.009 with
-        training's 24 tables to 0.135 with 24 of these, 0.336 with 64 (bench/README.md).
+        found in the most tables (default: four times the most that training's bounded tables
+        could return, its tables × bucket size, whatever the serving tables; at most every
+        label). ``center``: hash the output rows less their mean row, which ranks the labels as
+        the rows do (``h·(w − μ) = h·w − h·μ``) while the large mean that trained rows share no
+        longer gives most of them the same codes. At Amazon-670K shape, on a model with the
+        identity hidden layer, recall@5 rose from 0.009 with training's 24 tables to 0.252 with
+        24 of these and the default candidates, 0.380 with 64 and 0.496 with 128
+        (bench/README.md).
 
         The first LSH query builds the default tables where none were set. Not saved with the
         model; kept up to date with the weights. Queries may come from several threads at once;
@@ -697,7 +706,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                                 seed=self.hash_seed_ + 0x5EED, center=center)
         serving.build(self.params_["W"])
         # the tables last, once built: a query on another thread takes them as they are set
-        self.serving_candidates_ = int(candidates or tables * self.tables_.config.bucket_size)
+        slots = self.tables_.config.L * self.tables_.config.bucket_size
+        budget = min(self.n_labels_, CANDIDATES_PER_SLOT * slots)
+        self.serving_candidates_ = int(candidates or budget)
         self.serving_tables_ = serving
         return self
 

@@ -11,10 +11,11 @@ def test_serving_bench_reports_each_setting(tmp_path):
     report = json.loads((tmp_path / "serving.json").read_text())
     rows = report["rows"]
     # exact, then the default tables (as many as training's) and 6, at each number of candidates
-    L, bucket = report["training_tables"], report["bucket_size"]
+    # (the default: four times what training's bounded tables could return, at most every label)
+    L, bucket, n_labels = report["training_tables"], report["bucket_size"], report["n_labels"]
     assert [(r["mode"], r["tables"], r["candidates"]) for r in rows] == [
-        ("exact", None, None), ("lsh", L, L * bucket), ("lsh", L, 16),
-        ("lsh", 6, 6 * bucket), ("lsh", 6, 16)]
+        ("exact", None, None), ("lsh", L, min(4 * L * bucket, n_labels)), ("lsh", L, 16),
+        ("lsh", 6, min(4 * L * bucket, n_labels)), ("lsh", 6, 16)]
     assert rows[0]["recall@5"] == 1.0
     assert all(0 <= r["recall@5"] <= 1 and r["single_p50_ms"] > 0 for r in rows)
     # the tables' ids (4 bytes a label a table) and the int8 copy: more with more tables
