@@ -717,6 +717,16 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._int8_rows = None
         self._int8_labels = None
 
+    def _built_once(self, name: str, build):
+        """Attribute ``name``, set to ``build()`` where it is None: once, however many query
+        threads ask for it at the same moment (``_SERVING_LOCK``), on the query's threads."""
+        if getattr(self, name) is None:
+            with _SERVING_LOCK:
+                if getattr(self, name) is None:
+                    self._query_threads()
+                    setattr(self, name, build())
+        return getattr(self, name)
+
     def _exact_screen(self):
         """The int8 copy of the output layer for exact top-k (:mod:`slide.screen`), or None
         where the float32 kernel is as fast (fewer than ``SCREEN_MIN_LABELS`` labels) or the
@@ -724,24 +734,16 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         moved (0.3 s and 0.25 bytes per weight at 670K x 128), dropped at the next update."""
         if self.n_labels_ < SCREEN_MIN_LABELS or not has_int8_dot():
             return None
-        if self._int8_rows is None:
-            with _SERVING_LOCK:
-                if self._int8_rows is None:
-                    self._query_threads()
-                    self._int8_rows = quantize_rows(self.params_["W"], self.params_["b"])
-        return self._int8_rows
+        return self._built_once("_int8_rows",
+                                lambda: quantize_rows(self.params_["W"], self.params_["b"]))
 
     def _candidate_screen(self):
         """The int8 copy of the output layer by label that LSH serving scores its candidates
         from (:func:`slide.screen.screened_candidates`). Built on the first LSH query after the
         weights last moved (0.1 s and 0.25 bytes per weight plus 16 bytes per label at 670K x
         128), dropped at the next update."""
-        if self._int8_labels is None:
-            with _SERVING_LOCK:
-                if self._int8_labels is None:
-                    self._query_threads()
-                    self._int8_labels = quantize_labels(self.params_["W"], self.params_["b"])
-        return self._int8_labels
+        return self._built_once("_int8_labels",
+                                lambda: quantize_labels(self.params_["W"], self.params_["b"]))
 
     # -- inference -------------------------------------------------------------------------------
     def _query_threads(self) -> int:
