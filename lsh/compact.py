@@ -147,10 +147,9 @@ class CompactTables:
 
     rehash = build
 
-    def _new_scratch(self, threads: int):
+    def _new_scratch(self, threads: int, size: int):
         """Per-thread query scratch: (count uint8 [threads, n_ids], cand and hits int32
-        [threads, largest union], hist int32 [threads, L + 2])."""
-        size = max(1, self.largest_union)
+        [threads, size]: room for the largest union, hist int32 [threads, L + 2])."""
         return (np.zeros((threads, self.n_ids), np.uint8), np.zeros((threads, size), np.int32),
                 np.zeros((threads, size), np.int32),
                 np.zeros((threads, self.config.L + 2), np.int32))
@@ -173,7 +172,7 @@ class CompactTables:
         t = numba.get_num_threads()
         size = max(1, self.largest_union)
         with borrowed(self._free_scratch, lambda s: s[1].shape == (t, size),
-                      lambda: self._new_scratch(t)) as (count, cand, hits, hist):
+                      lambda: self._new_scratch(t, size)) as (count, cand, hits, hist):
             _query_batch(self.starts, self.ids, codes, count, cand, hits, hist, max_out,
                          thread_chunks(codes.shape[0]), out, lengths)
         return out, lengths
