@@ -139,16 +139,19 @@ def scattered_bandwidth(n_rows: int, width: int, touched: int, threads: int,
                         reps: int = 5) -> float:
     """Bytes per second (read + written) of one pass over ``touched`` distinct random rows,
     in increasing order, of a float32 row block [n_rows, 3·width] (a row's weights and both
-    moments, :mod:`slide.kernels`) and over as many rows of a compact gradient [touched,
+    moments, :mod:`slide.kernels`; on cache lines, :func:`lsh.aligned_empty`) and over as many rows of a compact gradient [touched,
     width], each row read and written: Adam's access pattern with no arithmetic, rows asked
     for ahead as in the engine, on ``threads`` numba threads (median of ``reps`` passes, each
     over fresh rows)."""
-    from lsh import set_num_threads
+    from lsh import aligned_empty, set_num_threads
     set_num_threads(threads)
     rng = np.random.default_rng(0)
     sets = [np.unique(rng.integers(0, n_rows, touched)).astype(np.int32) for _ in range(reps + 1)]
-    arrays = [np.ones((n_rows, 3 * width), np.float32),  # paged in
-              np.ones((max(s.size for s in sets), width), np.float32)]
+    # on cache lines, as the engine's row blocks and compact gradients are
+    arrays = [aligned_empty((n_rows, 3 * width), np.float32),
+              aligned_empty((max(s.size for s in sets), width), np.float32)]
+    for a in arrays:
+        a.fill(1.0)  # paged in
     _scattered_update(sets[0], *arrays)  # compile
     times = []
     for rows in sets[1:]:

@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit, prange
 
 from lsh._threading import thread_chunks
-from lsh.arrays import copy_into
+from lsh.arrays import aligned_zeros, copy_into
 from lsh.families import make_family
 from lsh.prefetch import prefetch
 from lsh.scratch import borrowed
@@ -299,7 +299,8 @@ class HashTables:
         self.dim, self.n_ids, self.config, self.seed = int(dim), int(n_ids), config, int(seed)
         self.family = make_family(config.family, self.dim, seed=self.seed, **config.family_kwargs())
         R = 1 << config.range_pow
-        self.buckets = np.zeros((config.L, R, config.bucket_size), np.int32)
+        # on a cache line: a bucket of 64 ids spans 4 lines, not 5
+        self.buckets = aligned_zeros((config.L, R, config.bucket_size), np.int32)
         self.seen = np.zeros((config.L, R), np.int32)
         self._policy = _POLICIES[config.policy]
         self._reset_rng()

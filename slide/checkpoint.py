@@ -25,6 +25,7 @@ import zipfile
 
 import numpy as np
 
+from lsh import aligned_empty, aligned_zeros
 from slide.config import checked_choice
 
 __all__ = ["CheckpointError", "Checkpoint", "write_checkpoint", "read_checkpoint", "FORMAT_VERSION"]
@@ -213,20 +214,22 @@ class Checkpoint:
     def arrays_like(self, shapes: dict, prefix: str = "", suffixes=("",), zeros: bool = False,
                     missing_ok: bool = False) -> dict:
         """float32 arrays ``prefix + name + suffix`` for every ``name`` in ``shapes``, checked
-        against those shapes. Missing ones: zeros with ``zeros`` (Adam moments of a file
-        written without them), skipped with ``missing_ok``, an error otherwise."""
+        against those shapes, each starting on a cache line (:func:`lsh.aligned_empty`: a
+        served model's rows are read at random). Missing ones: zeros with ``zeros`` (Adam
+        moments of a file written without them), skipped with ``missing_ok``, an error
+        otherwise."""
         out = {}
         for name, shape in shapes.items():
             for suffix in suffixes:
                 key = f"{prefix}{name}{suffix}"
                 if key not in self._members:
                     if zeros:
-                        out[f"{name}{suffix}"] = np.zeros(shape, np.float32)
+                        out[f"{name}{suffix}"] = aligned_zeros(shape, np.float32)
                         continue
                     if missing_ok:
                         continue
-                self._check(key, shape)
-                out[f"{name}{suffix}"] = np.ascontiguousarray(self.array(key))
+                out[f"{name}{suffix}"] = a = aligned_empty(shape, np.float32)
+                self.read_into(key, a)  # checks the shape
         return out
 
     def _check(self, key: str, shape) -> None:

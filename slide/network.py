@@ -21,7 +21,8 @@ import scipy.sparse as sp
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
-from lsh import CompactTables, HashTables, TableConfig, engine_threads, set_num_threads, thread_chunks
+from lsh import (CompactTables, HashTables, TableConfig, aligned_empty, aligned_zeros, engine_threads,
+                 set_num_threads, thread_chunks)
 from lsh.tables import QueryScratch
 from slide import kernels
 from slide.checkpoint import read_checkpoint, write_checkpoint
@@ -363,7 +364,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         ``fill(part, d, key)`` writes each of its three column blocks (the weights, the first
         moment, the second), which then replaces ``d[key]`` (``params_`` or ``moments_``)."""
         n, H = shape
-        B = np.empty((n, 3 * H), np.float32)
+        # on a cache line, so that a row of weights (512 bytes at H = 128) spans 8 lines, not 9
+        B = aligned_empty((n, 3 * H), np.float32)
         for j, (d, key) in enumerate(self._block_parts(name)):
             part = B[:, j * H:(j + 1) * H]
             fill(part, d, key)
@@ -378,8 +380,16 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """``name``'s row block if the weights and both moments are still views of it, else
         None (not made yet, or an array was replaced since)."""
         B = self._row_blocks.get(name)
-        if B is None or any(d[key].base is not B for d, key in self._block_parts(name)):
+        if B is None:
             return None
+        H = B.shape[1] // 3
+        for j, (d, key) in enumerate(self._block_parts(name)):
+            # a view of the block's columns j·H:(j + 1)·H, asked of the memory (B is alive, so
+            # no other array starts where its part does; B is itself a view of its buffer)
+            a = d[key]
+            if not (a.shape == (B.shape[0], H) and a.strides == B.strides
+                    and a.ctypes.data == B.ctypes.data + j * H * B.itemsize):
+                return None
         return B
 
     def _weight_rows(self, name: str) -> np.ndarray:
@@ -403,7 +413,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         need = min(nnz, n_features)  # the batch's distinct features, at most
         if "W0" not in self.grads_ or self.grads_["W0"].shape[0] < need:
             # a quarter more room, so that a slightly fuller batch does not allocate again
-            self.grads_["W0"] = np.zeros((min(need + need // 4, n_features), H0), np.float32)
+            self.grads_["W0"] = aligned_zeros((min(need + need // 4, n_features), H0), np.float32)
         if self._in_lists.shape[1] < nnz:
             room = nnz + nnz // 4
             self._in_lists = np.empty((3, room), np.int32)  # kernels.mark_ids' lists of input rows
@@ -428,7 +438,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             self._shared = np.zeros_like(self._touched)
             self._in_place = np.zeros_like(self._touched)
             rows = min(self._touched.size, self.n_labels_)  # the step's distinct rows, at most
-            self.grads_["W"] = np.zeros((rows, self.params_["W"].shape[1]), np.float32)
+            self.grads_["W"] = aligned_zeros((rows, self.params_["W"].shape[1]), np.float32)
             self.grads_["b"] = np.zeros(rows, np.float32)
             self._scratch_key = (t, width, n_rows)
 
@@ -442,7 +452,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # plain integers: numpy's prod and cumsum on these tuples took 40 us a step
         ends = list(itertools.accumulate((math.prod(shape) for shape in shapes), initial=0))
         if self._pool_buf is None or self._pool_buf.size < ends[-1]:
-            self._pool_buf = np.empty(ends[-1], np.float32)
+            self._pool_buf = aligned_empty(ends[-1], np.float32)  # the gathered rows on lines
         return tuple(self._pool_buf[lo:hi].reshape(shape)
                      for lo, hi, shape in zip(ends[:-1], ends[1:], shapes))
 

@@ -37,7 +37,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from lsh import as_rows
+from lsh import aligned_empty, as_rows
 from lsh.prefetch import prefetch
 from slide.kernels import AHEAD, _REASSOC, _dot
 from slide.metrics import _heap_push, _heap_sorted, _heaps_merge, check_k, topk_product
@@ -466,8 +466,8 @@ def quantize_labels(W, b) -> Int8Labels:
     L, d = W.shape
     if np.shape(b) != (L,):
         raise ValueError(f"b must hold one bias per row of W ({L}), got shape {np.shape(b)}")
-    q = np.empty((L, d), np.int8)
-    meta = np.empty((L, 4), np.float32)
+    q = aligned_empty((L, d), np.int8)  # a label's 128 bytes (d = 128) on 2 lines, not 3
+    meta = aligned_empty((L, 4), np.float32)
     _quantize_labels(W, np.ascontiguousarray(b, dtype=np.float32), q, meta)
     return Int8Labels(q, meta)
 

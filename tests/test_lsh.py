@@ -124,22 +124,44 @@ def test_codes_written_table_major_equal_row_major_and_build_the_same_tables(rng
 
 
 def test_leading_rows_widen_a_row_blocks_weights_and_nothing_else(rng):
-    """The weights of a row block (its first H columns, any run of its rows) go to the kernels
-    as the block's own C-contiguous rows, so that they compile once with a plain matrix's
-    layout; any other array goes as it is."""
-    from lsh.arrays import leading_rows
-    B = rng.standard_normal((50, 12)).astype(np.float32)
-    W = B[:, :4]
-    for view, first in ((W, 0), (W[7:19], 7), (W[48:], 48)):
-        rows = leading_rows(view)
-        assert rows.flags.c_contiguous and rows.shape == (view.shape[0], 12)
-        assert rows.ctypes.data == view.ctypes.data
-        np.testing.assert_array_equal(rows[:, :4], B[first:first + view.shape[0], :4])
-        assert numba.typeof(rows) == numba.typeof(np.empty((2, 2), np.float32))
-    # not the leading columns of whole rows: as they are
-    C = np.ascontiguousarray(W)
-    for other in (B[:, 4:8], B[:, ::2], B.T, C, B[::2, :4], B[3:9, 1:4], B[0]):
-        assert leading_rows(other) is other
+    """The weights of a row block (its first H columns, any run of its rows; a plain block or
+    one on a cache line, itself a view of a byte buffer) go to the kernels as C-contiguous rows
+    that start where they do, so that they compile once with a plain matrix's layout; a view
+    whose rows are not contiguous, or whose last row widened would run past its memory, goes
+    as it is."""
+    from lsh.arrays import aligned_empty, leading_rows
+    plain = rng.standard_normal((50, 12)).astype(np.float32)
+    lined = aligned_empty((50, 12), np.float32)
+    lined[:] = plain
+    for B in (plain, lined):
+        W = B[:, :4]
+        for view, first in ((W, 0), (W[7:19], 7), (W[48:], 48), (B[3:9, 1:4], 3)):
+            rows = leading_rows(view)
+            assert rows.flags.c_contiguous and rows.shape == (view.shape[0], 12)
+            assert rows.ctypes.data == view.ctypes.data
+            np.testing.assert_array_equal(rows[:, :view.shape[1]], view)
+            assert numba.typeof(rows) == numba.typeof(np.empty((2, 2), np.float32))
+        C = np.ascontiguousarray(W)
+        for other in (B[:, ::2], B.T, C, B[0], np.asfortranarray(B)[:, :4]):
+            assert leading_rows(other) is other
+    # widened, the last row would end 4 bytes past the matrix's memory
+    tail = plain[48:, 1:4]
+    assert leading_rows(tail) is tail
+
+
+def test_aligned_arrays_start_on_a_cache_line():
+    """Arrays whose rows kernels read at random start on a cache line (numpy's large arrays
+    start 16 bytes into one), zeroed or not, at any shape and dtype."""
+    from lsh.arrays import CACHE_LINE, aligned_empty, aligned_zeros
+    for shape, dtype in (((1000, 384), np.float32), ((3, 5, 64), np.int32), (7, np.int64)):
+        for make in (aligned_empty, aligned_zeros):
+            a = make(shape, dtype)
+            assert a.ctypes.data % CACHE_LINE == 0 and a.flags.c_contiguous
+            assert a.shape == (shape if isinstance(shape, tuple) else (shape,)) and a.dtype == dtype
+            assert not aligned_zeros(shape, dtype).any()
+    # the tables' buckets: a bucket of 16 ids on one line
+    t = HashTables(8, 100, TableConfig(family="simhash", K=2, L=3, range_pow=4, bucket_size=16))
+    assert t.buckets.ctypes.data % CACHE_LINE == 0
 
 
 @pytest.mark.parametrize("zeros_to_neg_inf", [False, True])
