@@ -357,7 +357,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             if self._live_block(name) is None:
                 self._make_block(name, self.params_[name].shape,
                                  lambda part, d, key: np.copyto(part, d[key]))
-        return self._row_blocks
+        return {name: B for name, (B, _) in self._row_blocks.items()}
 
     def _make_block(self, name: str, shape: tuple, fill) -> None:
         """Make ``name``'s row block float32 [n, 3·H] for its [n, H] ``shape``:
@@ -366,30 +366,27 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         n, H = shape
         # on a cache line, so that a row of weights (512 bytes at H = 128) spans 8 lines, not 9
         B = aligned_empty((n, 3 * H), np.float32)
+        parts = []
         for j, (d, key) in enumerate(self._block_parts(name)):
             part = B[:, j * H:(j + 1) * H]
             fill(part, d, key)
             d[key] = part
-        self._row_blocks[name] = B
+            parts.append(part)
+        self._row_blocks[name] = (B, tuple(parts))
 
     def _block_parts(self, name: str) -> tuple:
         """(dict, key) of the weights and the two moments a row block of ``name`` holds."""
         return ((self.params_, name), (self.moments_, name + ".m"), (self.moments_, name + ".v"))
 
     def _live_block(self, name: str):
-        """``name``'s row block if the weights and both moments are still views of it, else
-        None (not made yet, or an array was replaced since)."""
-        B = self._row_blocks.get(name)
-        if B is None:
+        """``name``'s row block if the weights and both moments are still the views of it that
+        :meth:`_make_block` made, else None (not made yet, or an array was replaced since). The
+        views are kept to be checked by identity: a single row's query asks twice, and asking
+        numpy where each view's memory starts took 20 µs."""
+        B, parts = self._row_blocks.get(name, (None, ()))
+        if B is None or any(d[key] is not part
+                            for (d, key), part in zip(self._block_parts(name), parts)):
             return None
-        H = B.shape[1] // 3
-        for j, (d, key) in enumerate(self._block_parts(name)):
-            # a view of the block's columns j·H:(j + 1)·H, asked of the memory (B is alive, so
-            # no other array starts where its part does; B is itself a view of its buffer)
-            a = d[key]
-            if not (a.shape == (B.shape[0], H) and a.strides == B.strides
-                    and a.ctypes.data == B.ctypes.data + j * H * B.itemsize):
-                return None
         return B
 
     def _weight_rows(self, name: str) -> np.ndarray:
