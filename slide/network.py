@@ -204,6 +204,10 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         # a copy (pickle, deepcopy) is not being trained, whichever thread trains this model
         state = super().__getstate__()
         state.pop("_trainer", None)
+        # the copy's weights and moments are arrays of their own, no longer views of a block:
+        # it makes blocks of its own when it trains (a copied block and copied views would
+        # pass _live_block's identity check, and the copy would train one, predict from another)
+        state["_row_blocks"] = {}
         return state
 
     @contextlib.contextmanager

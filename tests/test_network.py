@@ -360,6 +360,23 @@ def test_queries_run_on_the_threads_set_after_fitting(tiny_data):
         numba.set_num_threads(previous)
 
 
+def test_a_copy_trains_weights_of_its_own(tiny_data):
+    """A copy of a trained model (deepcopy, pickle) trains in row blocks of its own, made from
+    the copy's arrays: what it trains is what it predicts with, and the original stays as it
+    was."""
+    X, Y = tiny_data[0][:400], tiny_data[1][:400]
+    m = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, seed=0, epochs=1,
+                        early_stopping=False).fit(X, Y)
+    before = {k: m.params_[k].copy() for k in ("W", "W0")}
+    c = copy.deepcopy(m)
+    c.partial_fit(X[:64], Y[:64])
+    blocks = c.row_blocks()
+    for k in ("W", "W0"):
+        assert np.array_equal(m.params_[k], before[k])
+        assert not np.array_equal(c.params_[k], before[k])
+        assert _part_of_block(c.params_[k], blocks[k], 0)
+
+
 def test_serving_from_several_threads_at_once(tiny_data, run_threads):
     """A model serves queries from a pool of threads: the first queries, which all find the
     tables to rehash after training and the serving tables and the int8 copies to build, and
