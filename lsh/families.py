@@ -152,6 +152,9 @@ def _densify(codes, seed):
 #: lanes. 64 lanes of a transposed block (32 KB at 128 dimensions) stay in L1 and are enough
 #: iterations for LLVM's vectorised loop (16 lanes, unrolled 4 times) to run at all.
 _BLOCK_ROWS = 64
+#: a block narrower than :data:`_BLOCK_ROWS` (a thread with fewer rows: a single query) is as
+#: wide as its rows in whole 16-lane vectors: 64 lanes for one row hashed 63 columns of -inf
+_LANES = 16
 
 
 @njit(cache=True, nogil=True)
@@ -278,19 +281,20 @@ def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, key_dtype, bo
     [n, >= dim], see :func:`lsh.arrays.leading_rows`) into table-major ``by_table`` int32
     [L, n]; ``key_dtype``: the dtype of :func:`_combine_block`'s keys;
     thread c hashes rows ``bounds[c]:bounds[c + 1]``, in transposed
-    blocks of :data:`_BLOCK_ROWS` (a row-at-a-time loop gathers 8 scattered coordinates per bin
+    blocks of :data:`_BLOCK_ROWS` or as few lanes as its rows need (a row-at-a-time loop gathers 8 scattered coordinates per bin
     and does not vectorise: this is 2-3x faster on the 670K rows of a rehash). A row with an
     empty bin (DWTA) is densified on its own."""
     n_hashes = K * L
     for c in prange(bounds.size - 1):
-        Vt = np.empty((dim, _BLOCK_ROWS), np.float32)
-        codes = np.empty((n_hashes, _BLOCK_ROWS), np.int32)
-        best = np.empty(_BLOCK_ROWS, np.float32)
-        keys = np.empty(_BLOCK_ROWS, key_dtype)
-        empty = np.empty(_BLOCK_ROWS, np.bool_)
+        width = min(_BLOCK_ROWS, max(1, -(-(bounds[c + 1] - bounds[c]) // _LANES)) * _LANES)
+        Vt = np.empty((dim, width), np.float32)
+        codes = np.empty((n_hashes, width), np.int32)
+        best = np.empty(width, np.float32)
+        keys = np.empty(width, key_dtype)
+        empty = np.empty(width, np.bool_)
         row_codes = np.empty(n_hashes, np.int64)
-        for r0 in range(bounds[c], bounds[c + 1], _BLOCK_ROWS):
-            R = min(_BLOCK_ROWS, bounds[c + 1] - r0)
+        for r0 in range(bounds[c], bounds[c + 1], width):
+            R = min(width, bounds[c + 1] - r0)
             _transpose_block(V, r0, R, densify, Vt)
             if bins.shape[1] == 8:
                 _wta_block_codes_8(bins, Vt, codes)
@@ -300,7 +304,7 @@ def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, key_dtype, bo
                 empty[:] = False
                 for h in range(n_hashes):
                     code = codes[h]
-                    for i in range(_BLOCK_ROWS):
+                    for i in range(width):
                         empty[i] |= code[i] < 0
                 for i in range(R):
                     if empty[i]:

@@ -69,8 +69,8 @@ def test_dwta_densification_leaves_no_empty_code(rng):
 @pytest.mark.parametrize("dim", [48, 37])
 @pytest.mark.parametrize("K", [3, 9])
 def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family, bin_size, dim, K):
-    """Rows hashed in transposed blocks (several blocks, a partial one, ties and zeros among
-    them; bins compared two or four positions a pass, and bins of 8 in one; a dim of whole
+    """Rows hashed in transposed blocks (several blocks, a partial one, blocks narrowed to a
+    few rows, ties and zeros among them; bins compared two or four positions a pass, and bins of 8 in one; a dim of whole
     16 x 16 tiles and one with columns left over; a table's codes concatenated in uint32 keys,
     and at K = 9 with bins of 16 in uint64 ones) get the codes of the one-row reference
     loop."""
@@ -88,6 +88,9 @@ def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family, bin_size, d
             _wta_dense_codes(fam.bins, v, codes)
         combine_codes(codes, fam.K, fam.L, fam.bits, fam.range_pow, expect[r])
     np.testing.assert_array_equal(fam.hash_dense(V), expect)
+    # fewer rows than a block (a single query's): blocks as narrow as whole vectors allow
+    for lo, hi in ((0, 1), (3, 8), (7, 40)):
+        np.testing.assert_array_equal(fam.hash_dense(V[lo:hi]), expect[lo:hi])
     # rows inside a wider array (a row block's weights) hash in place, to the same codes
     wide = np.concatenate([V, -V, V], axis=1)
     assert np.shares_memory(as_rows(wide[:, :dim]), wide)
