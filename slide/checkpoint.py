@@ -195,11 +195,14 @@ class Checkpoint:
             out[...] = self.array(key)
             return
         rows = max(1, READ_BYTES // (4 * out.shape[1]))
-        buf = np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
+        # a C-contiguous out is read into straight; a column block through a buffer of rows
+        buf = None if out.flags.c_contiguous else \
+            np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
         with self._member(key) as fh:
             _read_header(fh)  # checked at open; the data follows it
             for lo in range(0, out.shape[0], rows):
-                part = buf[:min(rows, out.shape[0] - lo)]
+                hi = min(lo + rows, out.shape[0])
+                part = out[lo:hi] if buf is None else buf[:hi - lo]
                 view = memoryview(part).cast("B")
                 got = 0
                 while got < view.nbytes:
@@ -207,7 +210,8 @@ class Checkpoint:
                     if not n:
                         raise EOFError("the array's data ends early")
                     got += n
-                out[lo:lo + part.shape[0]] = part
+                if buf is not None:
+                    out[lo:hi] = part
             if fh.read(1):  # and the zip's checksum is checked at the member's end
                 raise ValueError("data after the array")
 

@@ -29,6 +29,9 @@ def test_read_into_fills_a_column_block_in_pieces(tmp_path, monkeypatch, compres
     ck.read_into("W", B[:, 5:10])
     np.testing.assert_array_equal(B[:, 5:10], arrays["W"])
     assert (B[:, :5] == -1).all() and (B[:, 10:] == -1).all()
+    C = np.full((7, 5), -1.0, np.float32)  # C-contiguous: read into straight, in pieces too
+    ck.read_into("W", C)
+    np.testing.assert_array_equal(C, arrays["W"])
     np.testing.assert_array_equal(ck.array("adam.W.m"), arrays["adam.W.m"])
     assert "b" in ck and "adam.W.v" not in ck
     with pytest.raises(CheckpointError, match=r"array 'W' is float32 \(7, 5\), the configuration"):
