@@ -139,10 +139,10 @@ def scattered_bandwidth(n_rows: int, width: int, touched: int, threads: int,
                         reps: int = 5) -> float:
     """Bytes per second (read + written) of one pass over ``touched`` distinct random rows,
     in increasing order, of a float32 row block [n_rows, 3·width] (a row's weights and both
-    moments, :mod:`slide.kernels`; on cache lines, :func:`lsh.aligned_empty`) and over as many rows of a compact gradient [touched,
-    width], each row read and written: Adam's access pattern with no arithmetic, rows asked
-    for ahead as in the engine, on ``threads`` numba threads (median of ``reps`` passes, each
-    over fresh rows)."""
+    moments, :mod:`slide.kernels`) and over as many rows of a compact gradient [touched,
+    width], both on cache lines (:func:`lsh.aligned_empty`), each row read and written: Adam's
+    access pattern with no arithmetic, rows asked for ahead as in the engine, on ``threads``
+    numba threads (median of ``reps`` passes, each over fresh rows)."""
     from lsh import aligned_empty, set_num_threads
     set_num_threads(threads)
     rng = np.random.default_rng(0)

@@ -10,5 +10,5 @@ from lsh.families import DWTA, WTA, SimHash, make_family  # noqa: E402
 from lsh.tables import HashTables, TableConfig, autotune  # noqa: E402
 
 __all__ = ["SimHash", "WTA", "DWTA", "make_family", "HashTables", "CompactTables", "TableConfig",
-           "autotune", "set_num_threads", "engine_threads", "blas_threads", "thread_chunks", "as_rows",
-           "aligned_empty", "aligned_zeros"]
+           "autotune", "set_num_threads", "engine_threads", "blas_threads", "thread_chunks",
+           "as_rows", "aligned_empty", "aligned_zeros"]

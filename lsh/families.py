@@ -280,10 +280,10 @@ def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, key_dtype, bo
     """WTA (or with ``densify`` DWTA) bucket ids of the rows ``V[:, :dim]`` (float32
     [n, >= dim], see :func:`lsh.arrays.leading_rows`) into table-major ``by_table`` int32
     [L, n]; ``key_dtype``: the dtype of :func:`_combine_block`'s keys;
-    thread c hashes rows ``bounds[c]:bounds[c + 1]``, in transposed
-    blocks of :data:`_BLOCK_ROWS` or as few lanes as its rows need (a row-at-a-time loop gathers 8 scattered coordinates per bin
-    and does not vectorise: this is 2-3x faster on the 670K rows of a rehash). A row with an
-    empty bin (DWTA) is densified on its own."""
+    thread c hashes rows ``bounds[c]:bounds[c + 1]``, in transposed blocks of
+    :data:`_BLOCK_ROWS`, or of as few lanes as fewer rows need (a row-at-a-time loop gathers 8
+    scattered coordinates per bin and does not vectorise: this is 2-3x faster on the 670K rows
+    of a rehash). A row with an empty bin (DWTA) is densified on its own."""
     n_hashes = K * L
     for c in prange(bounds.size - 1):
         width = min(_BLOCK_ROWS, max(1, -(-(bounds[c + 1] - bounds[c]) // _LANES)) * _LANES)

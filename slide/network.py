@@ -21,8 +21,8 @@ import scipy.sparse as sp
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
-from lsh import (CompactTables, HashTables, TableConfig, aligned_empty, aligned_zeros, engine_threads,
-                 set_num_threads, thread_chunks)
+from lsh import (CompactTables, HashTables, TableConfig, aligned_empty, aligned_zeros,
+                 engine_threads, set_num_threads, thread_chunks)
 from lsh.tables import QueryScratch
 from slide import kernels
 from slide.checkpoint import read_checkpoint, write_checkpoint

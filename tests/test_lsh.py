@@ -70,10 +70,10 @@ def test_dwta_densification_leaves_no_empty_code(rng):
 @pytest.mark.parametrize("K", [3, 9])
 def test_blocked_dense_hashing_equals_one_row_at_a_time(rng, family, bin_size, dim, K):
     """Rows hashed in transposed blocks (several blocks, a partial one, blocks narrowed to a
-    few rows, ties and zeros among them; bins compared two or four positions a pass, and bins of 8 in one; a dim of whole
-    16 x 16 tiles and one with columns left over; a table's codes concatenated in uint32 keys,
-    and at K = 9 with bins of 16 in uint64 ones) get the codes of the one-row reference
-    loop."""
+    few rows, ties and zeros among them; bins compared two or four positions a pass, and bins
+    of 8 in one; a dim of whole 16 x 16 tiles and one with columns left over; a table's codes
+    concatenated in uint32 keys, and at K = 9 with bins of 16 in uint64 ones) get the codes of
+    the one-row reference loop."""
     from lsh.families import _wta_dense_codes, combine_codes
     fam = family(dim, K=K, L=7, range_pow=6, seed=5, bin_size=bin_size)
     V = rng.integers(-2, 3, (150, dim)).astype(np.float32)  # small integers: ties and zeros
