@@ -63,9 +63,8 @@ def _counting_sort(codes, starts, ids):
 def _query_one(starts, ids, codes, count, cand, hits, hist, max_out, out):
     """The ids of buckets ``codes`` [L], at most ``max_out`` of them, into ``out``: those found in
     the most tables. ``count`` uint8 [n_ids] is all zeros on entry and on return (a count
-    stops at 255); ``cand``,
-    ``hits`` int32 [room for the largest union] and ``hist`` int32 [L + 2] are scratch. Returns
-    how many were written."""
+    stops at 255); ``cand``, ``hits`` int32 [room for the largest union] and ``hist`` int32
+    [L + 2] are scratch. Returns how many were written."""
     L = codes.size
     for t in range(L):  # every bucket asked for at once: their misses overlap
         lo = starts[t, codes[t]]

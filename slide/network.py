@@ -843,11 +843,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k) if screen is None \
                     else screened_topk(h, W, b, k, screen)
             return ids, scores
-        if self.serving_tables_ is None:
-            with _SERVING_LOCK:
-                if self.serving_tables_ is None:
-                    self.set_serving()
-        tables, n_cand = self.serving_tables_, self.serving_candidates_
+        tables = self._built_once("serving_tables_", lambda: self.set_serving().serving_tables_)
+        n_cand = self.serving_candidates_
         screen = self._candidate_screen()
         # a block's candidates take 8 bytes each (their ids, their int8 bounds): about 64 MB a
         # block. Blocks of the score matrix's size (25 rows at 670K labels) made a batch of 128

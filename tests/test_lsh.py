@@ -161,7 +161,7 @@ def test_aligned_arrays_start_on_a_cache_line():
             a = make(shape, dtype)
             assert a.ctypes.data % CACHE_LINE == 0 and a.flags.c_contiguous
             assert a.shape == (shape if isinstance(shape, tuple) else (shape,)) and a.dtype == dtype
-            assert not aligned_zeros(shape, dtype).any()
+        assert not aligned_zeros(shape, dtype).any()
     # the tables' buckets: a bucket of 16 ids on one line
     t = HashTables(8, 100, TableConfig(family="simhash", K=2, L=3, range_pow=4, bucket_size=16))
     assert t.buckets.ctypes.data % CACHE_LINE == 0
