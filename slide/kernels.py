@@ -45,7 +45,7 @@ from numba import njit, prange
 
 from lsh.arrays import copy_into
 from lsh.atomics import fetch_add
-from lsh.prefetch import prefetch, prefetch_w
+from lsh.prefetch import prefetch, prefetch_l2, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
 from slide.vecmath import MAX_LANES, exp_nonpositive, fmax, fsum
@@ -64,6 +64,12 @@ _CONTRACT = {"contract"}
 #: rows asked for ahead of use by the kernels that walk scattered rows (lsh.prefetch): at 4 the
 #: output step and Adam ran 15-25% faster at Amazon-670K shape; 2 and 8 did no better
 AHEAD = 4
+
+#: rows the output step asks L2 for (lsh.prefetch_l2) ahead of use: all the lines its update
+#: will touch, asked for in the forward half, which otherwise waits on the weights alone. On a
+#: captured batch at Amazon-670K shape the kernel took 34.8 against 41.6 us a sample at 32
+#: ahead, 36.1 at 20 and 35.2 at 48 (bench/README.md)
+FAR = 32
 
 
 @njit(cache=True, nogil=True, fastmath=_REASSOC)
@@ -350,6 +356,15 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                     ahead = own[a + AHEAD]
                     prefetch(W[ahead, :H])
                     prefetch_w(b[ahead:ahead + 1])
+                if a + FAR < k:
+                    # what the update of a row FAR ahead will touch, into L2: the update half
+                    # then finds its lines one level up, not in memory
+                    far = own[a + FAR]
+                    if owners[far] == ALONE:
+                        prefetch_l2(W[far])  # weights and both moments
+                    else:
+                        prefetch_l2(W[far, :H])
+                        prefetch_l2(gW[slots[far]])
                 s = b[own[a]] + _dot(W[own[a], :H], h)
                 logits[a] = s
                 zmax = max(zmax, s)

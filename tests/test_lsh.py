@@ -1,3 +1,5 @@
+import re
+
 import numba
 import numpy as np
 import pytest
@@ -322,7 +324,7 @@ def test_prefetch_hints_leave_results_unchanged():
     its end) changes nothing a kernel computes; anything but a 1-D array is refused."""
     from numba import njit
     from numba.core.errors import TypingError
-    from lsh.prefetch import prefetch, prefetch_w
+    from lsh.prefetch import prefetch, prefetch_l2, prefetch_w
 
     @njit
     def sum_rows(W, b, rows):
@@ -330,6 +332,7 @@ def test_prefetch_hints_leave_results_unchanged():
         for t in range(rows.size):
             i = rows[t]
             prefetch(W[rows[min(t + 2, rows.size - 1)]])
+            prefetch_l2(W[rows[min(t + 8, rows.size - 1)]])
             prefetch_w(b[i:i + 1])
             s += W[i].sum() + b[i]
         return s
@@ -339,6 +342,10 @@ def test_prefetch_hints_leave_results_unchanged():
     b = rng.standard_normal(50)
     rows = np.append(rng.integers(0, 50, 30), 49).astype(np.int32)
     assert np.isclose(sum_rows(W, b, rows), W[rows].sum(dtype=np.float64) + b[rows].sum(), rtol=1e-6)
+    # each asks for its own kind of prefetch: (read 0 / write 1, locality 3 every level / 2 L2)
+    ir = next(iter(sum_rows.inspect_llvm().values()))
+    kinds = set(re.findall(r"@llvm\.prefetch\.p0\(ptr [^,]+, i32 (\d), i32 (\d), i32 1\)", ir))
+    assert kinds == {("0", "3"), ("0", "2"), ("1", "3")}
 
     @njit
     def whole(W):
