@@ -65,11 +65,16 @@ _CONTRACT = {"contract"}
 #: output step and Adam ran 15-25% faster at Amazon-670K shape; 2 and 8 did no better
 AHEAD = 4
 
-#: rows the output step asks L2 for (lsh.prefetch_l2) ahead of use: all the lines its update
-#: will touch, asked for in the forward half, which otherwise waits on the weights alone. On a
-#: captured batch at Amazon-670K shape the kernel took 34.8 against 41.6 us a sample at 32
-#: ahead, 36.1 at 20 and 35.2 at 48 (bench/README.md)
-FAR = 32
+#: rows asked of L2 ahead of use (lsh.prefetch_l2) by the kernels that update scattered rows,
+#: beside AHEAD's ask of L1: L1 holds few misses in flight, L2 many more, so that more of a
+#: row's 24 lines are on their way at once. In the output step the rows its update will touch
+#: are asked for in the forward half, which otherwise waits on the weights alone. On batches
+#: captured from the step at Amazon-670K shape (2 threads, caches emptied before each call,
+#: us a sample): the output step 41.6 -> 34.8 at 32 ahead (36.1 at 20, 35.2 at 48; 16 and 24
+#: as 32 in another run), Adam after the batch 7.0 -> 5.2 (the same from 8 to 32), the input
+#: rows' Adam in backward_hidden 9.3 -> 8.1 at 8 and 7.6 at 12, the pool's 19.7 -> 18.3 at 8
+#: or 16 (bench/README.md)
+FAR = 16
 
 
 @njit(cache=True, nogil=True, fastmath=_REASSOC)
@@ -357,14 +362,10 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                     prefetch(W[ahead, :H])
                     prefetch_w(b[ahead:ahead + 1])
                 if a + FAR < k:
-                    # what the update of a row FAR ahead will touch, into L2: the update half
-                    # then finds its lines one level up, not in memory
+                    # what the update half will touch, into L2: it then finds its lines one
+                    # level up, not in memory
                     far = own[a + FAR]
-                    if owners[far] == ALONE:
-                        prefetch_l2(W[far])  # weights and both moments
-                    else:
-                        prefetch_l2(W[far, :H])
-                        prefetch_l2(gW[slots[far]])
+                    _prefetch_far(far, _grad_row(owners, slots, far, ALONE), W, gW)
                 s = b[own[a]] + _dot(W[own[a], :H], h)
                 logits[a] = s
                 zmax = max(zmax, s)
@@ -449,6 +450,18 @@ def _prefetch_update(i, at, B, G):
         prefetch_w(G[at])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_far(i, at, B, G):
+    """Ask L2 (:data:`FAR` rows ahead) for what row i's step will touch: its row of row block
+    ``B`` where it gets its Adam step in place (``at`` -1), its weights and its gradient row
+    ``G[at]`` otherwise."""
+    if at < 0:
+        prefetch_l2(B[i])
+    else:
+        prefetch_l2(B[i, :G.shape[1]])
+        prefetch_l2(G[at])
+
+
 #: numpy's error model: no zero check on Adam's division, which kept the loop scalar (a prange
 #: body gets it from parallel=True; a kernel it calls does not)
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_CONTRACT)
@@ -499,6 +512,8 @@ def _backward_hidden(x_ids, x_vals, act, dh_last, W0, owners, k_w, Wh, h_off, si
     for p in range(x_ids.size):
         if p + AHEAD < x_ids.size and owners[x_ids[p + AHEAD]] == ALONE:
             prefetch_w(W0[x_ids[p + AHEAD]])
+        if p + FAR < x_ids.size and owners[x_ids[p + FAR]] == ALONE:
+            prefetch_l2(W0[x_ids[p + FAR]])
         f = x_ids[p]
         if owners[f] == ALONE:
             w, m, v = row_parts(W0, f)
@@ -680,6 +695,9 @@ def pool_gradients(h, W_pool, z, pool, dH, W, b, gW, gb, bM, bV, owners, slots, 
                 if t + AHEAD < hi - lo:
                     ahead = pool[lo + t + AHEAD]
                     _prefetch_update(ahead, _grad_row(owners, slots, ahead, POOL), W, gW)
+                if t + FAR < hi - lo:
+                    far = pool[lo + t + FAR]
+                    _prefetch_far(far, _grad_row(owners, slots, far, POOL), W, gW)
                 i = pool[lo + t]
                 at = _grad_row(owners, slots, i, POOL)
                 _update_row(i, at, W, gW, g[t], np.float32(1.0), k_w)
@@ -787,6 +805,9 @@ def adam_rows(rows, grad_rows, B, G, lr, beta1, beta2, eps, step, weight_decay):
         if t + AHEAD < rows.size:
             prefetch_w(B[rows[t + AHEAD]])
             prefetch_w(G[grad_rows[t + AHEAD]])
+        if t + FAR < rows.size:
+            prefetch_l2(B[rows[t + FAR]])
+            prefetch_l2(G[grad_rows[t + FAR]])
         w, m, v = row_parts(B, rows[t])
         g = G[grad_rows[t]]
         for j in range(w.size):
