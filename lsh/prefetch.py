@@ -58,8 +58,8 @@ def _prefetcher(write: int, locality: int = 3):
 prefetch = _prefetcher(0)
 prefetch.__doc__ = "Prefetch the cache lines of the 1-D contiguous array ``a``, to be read."
 prefetch_l2 = _prefetcher(0, locality=2)
-prefetch_l2.__doc__ = """Prefetch the cache lines of the 1-D contiguous array ``a`` into L2, not L1 (see the
-module docstring)."""
+prefetch_l2.__doc__ = """Prefetch the cache lines of the 1-D contiguous array ``a`` into L2, not
+L1 (see the module docstring)."""
 prefetch_w = _prefetcher(1)
 prefetch_w.__doc__ = """Prefetch the cache lines of the 1-D contiguous array ``a``, to be written
 (taken exclusive, so that the write does not ask for them again)."""

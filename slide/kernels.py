@@ -16,6 +16,11 @@ of three 512-byte runs in three arrays: memory serves the one run faster (the tr
 by the weights": the plain matrix [n, H] or its row block, of which it reads the first H
 entries of a row (H from another argument).
 
+Kernels that walk scattered rows ask for them before use (:mod:`lsh.prefetch`): into every
+cache level :data:`AHEAD` rows ahead, and, where they update the rows, into L2 :data:`FAR` rows
+ahead, the lines of the whole update (the output step asks in its forward half for what its
+update half will touch).
+
 Per-sample activations of all hidden layers are stored back to back in ``acts`` [batch, Σ H].
 A sample's output active set is its own neurons (its labels and LSH candidates, chosen by
 :func:`select_active`), plus a random pool shared by the batch, whose logits and gradients are
@@ -66,14 +71,14 @@ _CONTRACT = {"contract"}
 AHEAD = 4
 
 #: rows asked of L2 ahead of use (lsh.prefetch_l2) by the kernels that update scattered rows,
-#: beside AHEAD's ask of L1: L1 holds few misses in flight, L2 many more, so that more of a
-#: row's 24 lines are on their way at once. In the output step the rows its update will touch
-#: are asked for in the forward half, which otherwise waits on the weights alone. On batches
-#: captured from the step at Amazon-670K shape (2 threads, caches emptied before each call,
-#: us a sample): the output step 41.6 -> 34.8 at 32 ahead (36.1 at 20, 35.2 at 48; 16 and 24
-#: as 32 in another run), Adam after the batch 7.0 -> 5.2 (the same from 8 to 32), the input
-#: rows' Adam in backward_hidden 9.3 -> 8.1 at 8 and 7.6 at 12, the pool's 19.7 -> 18.3 at 8
-#: or 16 (bench/README.md)
+#: beside AHEAD's ask of every level (our reading of the gain: L1 keeps few misses in flight,
+#: L2 many more, so more of a row's 24 lines are on their way at once). In the output step the
+#: rows its update will touch are asked for in the forward half, which otherwise waits on the
+#: weights alone. On batches captured from the step at Amazon-670K shape (2 threads, caches
+#: emptied before each call, us a sample): the output step 41.6 -> 34.8 at 32 ahead (36.1 at
+#: 20, 35.2 at 48; 16 and 24 as 32 in another run), Adam after the batch 7.0 -> 5.2 (the same
+#: from 8 to 32), the input rows' Adam in backward_hidden 9.3 -> 8.1 at 8 and 7.6 at 12, the
+#: pool's 19.7 -> 18.3 at 8 or 16; the step 1.08x side by side (bench/README.md)
 FAR = 16
 
 
