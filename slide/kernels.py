@@ -78,7 +78,7 @@ AHEAD = 4
 #: emptied before each call, us a sample): the output step 41.6 -> 34.8 at 32 ahead (36.1 at
 #: 20, 35.2 at 48; 16 and 24 as 32 in another run), Adam after the batch 7.0 -> 5.2 (the same
 #: from 8 to 32), the input rows' Adam in backward_hidden 9.3 -> 8.1 at 8 and 7.6 at 12, the
-#: pool's 19.7 -> 18.3 at 8 or 16; the step 1.08x side by side (bench/README.md)
+#: pool's 19.7 -> 18.3 at 8 or 16; the step 1.09x side by side (bench/README.md)
 FAR = 16
 
 
