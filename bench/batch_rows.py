@@ -19,9 +19,9 @@ from bench.common import dataset, machine, write_json
 
 
 def main(argv=None):
-    from lsh import engine_threads
+    from slide.runtime import engine_threads
     from slide.data import take_rows
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="amazon-670k")
     p.add_argument("--n-train", type=int, default=100000)
@@ -39,7 +39,7 @@ def main(argv=None):
         p.error(f"--warm-steps + --steps batches need {(args.warm_steps + args.steps) * B} rows")
     order = np.random.default_rng(0).permutation(X.shape[0])
     Xp = model.preprocess(X)
-    model.train_rows(Xp, Y, order[:args.warm_steps * B])
+    model.state_.train_rows(Xp, Y, order[:args.warm_steps * B])
     times = {"new": [], "reused": []}
     Xb = Yb = None
     with engine_threads(args.threads):
@@ -52,7 +52,7 @@ def main(argv=None):
                 else:
                     Xb, Yb = take_rows(Xp, idx, out=Xb), take_rows(Y, idx, out=Yb)
                 times[way].append(time.perf_counter() - t0)
-            model.train_step(Xb, Yb)
+            model.state_.train_step(Xb, Yb)
     med = {way: float(np.median(t)) * 1e6 for way, t in times.items()}
     print(f"X and Y rows of a batch of {B}, between training steps (median of {args.steps}): "
           f"{med['new']:.0f} us into new matrices, {med['reused']:.0f} us into the last batch's "

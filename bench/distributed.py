@@ -55,7 +55,7 @@ ALPHA = 20e-6  # seconds per message hop on an Ethernet cluster with MPI (an ass
 # One measured run (every rank executes this under mpiexec, or alone)
 # --------------------------------------------------------------------------------------------
 def _worker(args):
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     from slide.synthetic import make_dataset
     comm = None
     if args.mode != "none":
@@ -82,7 +82,7 @@ def _worker(args):
     warmup = time.perf_counter() - t0
     B = model.batch_size_
     chunk = args.chunk_batches * B
-    model.timings_ = {}
+    model.state_.timings = {}
     if dp is not None:
         dp.reset_counters()
     trained, samples, points, pos = 0.0, 0, [], 256

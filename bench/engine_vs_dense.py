@@ -24,7 +24,7 @@ def _run(kind, overrides, args, queue):
     Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_test, args.seed)
     base_rss = peak_rss_mb()
     if kind == "slide":
-        from slide.network import SlideClassifier
+        from slide.estimator import SlideClassifier
         model = SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, batch_size=args.batch_size,
                                 threads=args.threads, seed=args.seed, **overrides)
         model.partial_fit(Xtr[:2 * args.batch_size], Ytr[:2 * args.batch_size])  # compile

@@ -42,7 +42,7 @@ def _median_seconds(fn, reps):
 
 
 def main(argv=None):
-    from lsh import set_num_threads
+    from slide.runtime import set_num_threads
     from slide.config import ACTIVATIONS
     from slide.metrics import topk, topk_product
     from slide.screen import has_int8_dot, quantize_rows, screened_topk

@@ -28,7 +28,7 @@ from bench.common import dataset, machine, write_json
 
 
 def main(argv=None):
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     from slide.resources import model_memory_bytes
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="amazon-670k")

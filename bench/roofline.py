@@ -85,7 +85,7 @@ import numpy as np
 from numba import njit, prange
 
 from bench.common import dataset, machine, write_json
-from lsh.prefetch import prefetch_w
+from slide.runtime import prefetch_w
 from slide.kernels import AHEAD
 
 
@@ -104,7 +104,7 @@ def triad_arrays(mb: int) -> tuple:
 def stream_bandwidth(mb: int, threads: int, reps: int = 5, arrays=None) -> float:
     """Bytes per second of the triad on ``threads`` numba threads (best of ``reps``), over
     ``arrays`` (:func:`triad_arrays`) or three fresh arrays of ``mb`` MiB."""
-    from lsh import set_num_threads
+    from slide.runtime import set_num_threads
     set_num_threads(threads)
     a, b, c = triad_arrays(mb) if arrays is None else arrays
     _triad(a, b, c, np.float32(3.0))  # compile, page in
@@ -143,7 +143,7 @@ def scattered_bandwidth(n_rows: int, width: int, touched: int, threads: int,
     width], both on cache lines (:func:`lsh.aligned_empty`), each row read and written: Adam's
     access pattern with no arithmetic, rows asked for ahead as in the engine, on ``threads``
     numba threads (median of ``reps`` passes, each over fresh rows)."""
-    from lsh import aligned_empty, set_num_threads
+    from slide.runtime import aligned_empty, set_num_threads
     set_num_threads(threads)
     rng = np.random.default_rng(0)
     sets = [np.unique(rng.integers(0, n_rows, touched)).astype(np.int32) for _ in range(reps + 1)]
@@ -170,7 +170,7 @@ def machine_roofs(stream_mb: int, threads: int) -> tuple:
 def matmul_flops(threads: int, n: int = 2048, reps: int = 3) -> float:
     """float32 floating-point operations per second of an ``n``-square matrix product through
     numpy's BLAS on ``threads`` threads (best of ``reps``)."""
-    from lsh import blas_threads
+    from slide.runtime import blas_threads
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
     with blas_threads(threads):
@@ -333,7 +333,7 @@ def warmed_model(preset: str, n_train: int, threads: int, config: dict, warm_ste
     rehashes) in :func:`batch_order`. Returns ``(X, Y, Xp, model, timed)``: the data, its
     preprocessed rows and the row ids int64 of the ``steps`` batches that follow, for the
     caller to time. Raises ValueError where the rows hold no whole batch."""
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     X, Y, _, _ = dataset(preset, n_train, 10)
     model = SlideClassifier(threads=threads, early_stopping=False, seed=0, **config)
     model.initialize(X, Y)
@@ -342,7 +342,7 @@ def warmed_model(preset: str, n_train: int, threads: int, config: dict, warm_ste
         raise ValueError(f"--n-train must hold a batch of {B} rows, got {X.shape[0]}")
     Xp = model.preprocess(X)
     order = batch_order(X.shape[0], B, warm_steps + steps)
-    model.train_rows(Xp, Y, order[:warm_steps * B])
+    model.state_.train_rows(Xp, Y, order[:warm_steps * B])
     return X, Y, Xp, model, order[warm_steps * B:]
 
 
@@ -372,7 +372,7 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     B = model.batch_size_
-    model.timings_ = {}
+    model.state_.timings = {}
     cuts = np.arange(args.rounds + 1) * args.steps // args.rounds * B
     # the N-thread roofs just before each round, and after the last (the window's own
     # measurements where there is one round)
@@ -387,7 +387,7 @@ def main(argv=None):
         part = timed[cuts[r]:cuts[r + 1]]
         builds = _builds(model)
         t0 = time.perf_counter()
-        model.train_rows(Xp, Y, part)
+        model.state_.train_rows(Xp, Y, part)
         rounds.append({"samples": int(part.size), "seconds": time.perf_counter() - t0,
                        "rehashes": _builds(model) - builds})
     del arrays

@@ -85,7 +85,7 @@ def main(argv=None):
     p.add_argument("--out", default="bench/results/serving")
     args = p.parse_args(argv)
     from slide.metrics import evaluate
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_test, 0)
     if args.model:
         model = SlideClassifier.load(args.model).set_params(threads=args.threads)

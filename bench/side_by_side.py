@@ -75,8 +75,8 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    from lsh import engine_threads
-    from slide.network import SlideClassifier
+    from slide.runtime import engine_threads
+    from slide.estimator import SlideClassifier
     repo = Path(__file__).resolve().parents[1]
     sha = subprocess.run(["git", "-C", str(repo), "rev-parse", args.rev], capture_output=True,
                          text=True, check=True).stdout.strip()
@@ -88,7 +88,7 @@ def main(argv=None):
                                capture_output=True, text=True, check=True).stdout.strip()
     sys.path.insert(0, str(where))
     try:
-        previous = importlib.import_module("slide_rev.network").SlideClassifier
+        previous = importlib.import_module("slide_rev").SlideClassifier
     finally:
         sys.path.remove(str(where))
     X, Y, _, _ = dataset(args.preset, args.n_train, 10)
@@ -102,7 +102,11 @@ def main(argv=None):
     if need > X.shape[0]:
         p.error(f"--warm-steps + --steps batches need {need} rows, --n-train has {X.shape[0]}")
     order = np.random.default_rng(0).permutation(X.shape[0])
-    for name, m in models.items():
+    # the training step of either shape of the code: the model's own (before the training
+    # state was split from the estimator), or its training state's
+    steppers = {name: getattr(m, "state_", m) for name, m in models.items()}
+    timings = {name: "timings" if hasattr(m, "state_") else "timings_" for name, m in models.items()}
+    for name, m in steppers.items():
         m.train_rows(rows_of[name], Y, order[:args.warm_steps * B])
     steps = {n: [] for n in models}
     rehash = {n: [] for n in models}
@@ -112,21 +116,22 @@ def main(argv=None):
             batch = order[k * B:(k + 1) * B]
             Yb = Y[batch]
             for name in (list(models) if k % 2 else list(models)[::-1]):
-                m = models[name]
+                m = steppers[name]
                 Xb = rows_of[name][batch]
-                m.timings_ = {}
+                setattr(m, timings[name], {})
                 t0 = time.perf_counter()
                 m.train_step(Xb, Yb)
                 dt = time.perf_counter() - t0
                 steps[name].append(dt)
-                rehash[name].append(m.timings_.get("rehash", 0.0) > 0.01)
-                for ph, sec in m.timings_.items():
+                spent = getattr(m, timings[name])
+                rehash[name].append(spent.get("rehash", 0.0) > 0.01)
+                for ph, sec in spent.items():
                     phases[name].setdefault(ph, []).append(sec)
         rehashes = {n: [] for n in models}
         for k in range(args.rehashes):
             for name in (list(models) if k % 2 else list(models)[::-1]):
                 t0 = time.perf_counter()
-                models[name].begin_epoch()
+                steppers[name].begin_epoch()
                 rehashes[name].append(time.perf_counter() - t0)
     per = {}
     for name in models:

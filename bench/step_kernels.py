@@ -6,7 +6,7 @@ The engine's profile (``timings_``) splits a step into phases, and a phase may h
 calls: ``select+output`` is the LSH query of every sample (``select_active``), the marking of the
 rows the batch touches (``mark_rows``, on one thread) and the output layer's step
 (``output_step``). Here, for the timed batches only, every public kernel of :mod:`slide.kernels`,
-the sampling helpers the step calls through ``slide.network``'s names and the output tables'
+the sampling helpers the step calls through ``slide.step``'s names and the output tables'
 ``hash_dense``, ``rehash`` and ``rebuild`` are wrapped in a timer: per call, its share of the
 step in µs a sample, its calls a batch and its median call, and what is left between the calls
 (Python, and numpy between the kernels). A call made inside another timed call (the hashing of
@@ -32,8 +32,8 @@ from bench.common import machine, write_json
 from bench.roofline import warmed_model
 
 #: the functions outside :mod:`slide.kernels` that the training step calls through
-#: ``slide.network``'s module names: the shared negatives' draw and the threads' chunks
-_NETWORK_CALLS = ("shared_negatives", "draw_key", "thread_chunks")
+#: ``slide.step``'s module names: the shared negatives' draw and the threads' chunks
+_STEP_CALLS = ("shared_negatives", "draw_key", "thread_chunks")
 
 
 class CallTimer:
@@ -80,14 +80,14 @@ def step_targets(model) -> list:
     """``(owner, attribute, name)`` of every call of a training step to time: the kernels,
     the sampling helpers and the output layer's tables (their hashing and rehashes)."""
     import slide.kernels as kernels
-    import slide.network as network
+    import slide.step as step_module
     # the module's own public kernels that have run (numba's dispatchers with a compiled
     # signature): a kernel compiled inside the window would find a wrapper where it looks up
     # the kernels it calls
     targets = [(kernels, name, name) for name, fn in sorted(vars(kernels).items())
                if not name.startswith("_") and getattr(fn, "signatures", None)
                and fn.py_func.__module__ == kernels.__name__]
-    targets += [(network, name, name) for name in _NETWORK_CALLS]
+    targets += [(step_module, name, name) for name in _STEP_CALLS]
     if model.tables_ is not None:
         tables = model.tables_
         targets += [(tables.family, "hash_dense", "hash_dense"), (tables, "rehash", "rehash"),
@@ -114,11 +114,11 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     B = model.batch_size_
-    model.timings_ = {}
+    model.state_.timings = {}
     timer = CallTimer()
     with timer.wrap(step_targets(model)):
         t0 = time.perf_counter()
-        model.train_rows(Xp, Y, timed)
+        model.state_.train_rows(Xp, Y, timed)
         seconds = time.perf_counter() - t0
     n = timed.size
     calls = {name: {"calls_per_batch": len(s) / args.steps,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from bench.common import output_layer
-from lsh import engine_threads
+from slide.runtime import engine_threads
 from slide import kernels
 
 N_LABELS, H, POOL, BATCH, LABELS, CANDIDATES = 670_091, 128, 3_095, 128, 2, 256

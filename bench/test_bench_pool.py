@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench.common import output_layer
-from lsh import engine_threads, thread_chunks
+from slide.runtime import engine_threads, thread_chunks
 from slide import kernels
 from slide.sampling import shared_negatives
 

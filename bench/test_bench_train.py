@@ -12,7 +12,7 @@ import numba
 import pytest
 
 from gpu_ref import DenseClassifier, gpu_available
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 BATCH = 128
 NEGATIVES = 4096

@@ -51,7 +51,7 @@ def _measure(layer, args, queue):
         os.environ["NUMBA_THREADING_LAYER"] = layer
     import numba
 
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, 512, 0)
     out = {"layer": layer, "rows": []}
     for threads in args.threads:

@@ -32,12 +32,12 @@ import numpy as np
 from bench import peers
 from bench.common import dataset, machine, run_isolated, write_json
 from slide.config import SlideConfig, resolve
-from slide.train import epoch_learning_rate
+from slide.loop import epoch_learning_rate
 
 
 def _make(engine, args):
     if engine == "slide":
-        from slide.network import SlideClassifier
+        from slide.estimator import SlideClassifier
         return SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
                                batch_size=args.batch_size, seed=args.seed)
     if engine in ("dense-cpu", "dense-gpu", "dense-gpu-sampled"):
@@ -47,7 +47,7 @@ def _make(engine, args):
                                negatives=args.negatives if engine.endswith("sampled") else None)
     if engine.startswith("hetero"):
         from gpu_ref.hetero import HeteroConfig, HeteroTrainer
-        from slide.network import SlideClassifier
+        from slide.estimator import SlideClassifier
         model = SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
                                 batch_size=args.batch_size, seed=args.seed)
         policy = "hogbatch" if engine == "hetero-hogbatch" else "adaptive"
@@ -81,8 +81,8 @@ def _run(engine, args, queue):
             order = np.random.default_rng([args.seed, epoch]).permutation(Xtr.shape[0])
             pos = 0
             if args.schedule == "fit":
-                base_lr = base_lr or model.learning_rate_
-                model.learning_rate_ = epoch_learning_rate(base_lr, epoch, planned)
+                base_lr = base_lr or evaluated.learning_rate_
+                evaluated.learning_rate_ = epoch_learning_rate(base_lr, epoch, planned)
         idx = np.sort(order[pos:pos + chunk])
         pos += idx.size
         t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def _run(engine, args, queue):
         if train_seconds >= next_eval or train_seconds >= budget:
             res = evaluated.evaluate(Xte, Yte, k=5)
             points.append({"seconds": train_seconds, "samples": samples, "epoch": samples / Xtr.shape[0],
-                           "learning_rate": float(model.learning_rate_), **res})
+                           "learning_rate": float(evaluated.learning_rate_), **res})
             print(f"[{engine}] {train_seconds:7.1f}s  {samples:8d} samples  P@1={res['P@1']:.4f}", flush=True)
             next_eval = train_seconds + args.eval_every
             if train_seconds >= budget:

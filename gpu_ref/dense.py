@@ -10,19 +10,24 @@ model trained here loads into :class:`slide.SlideClassifier` and vice versa.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import scipy.sparse as sp
 from sklearn.base import BaseEstimator
 from sklearn.exceptions import NotFittedError
 
+from slide.base import TrainableMixin
 from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
                           parameter_shapes, resolve)
-from slide.data import check_xy, take_rows
+from slide.data import take_rows
+from slide.estimator import record_from_checkpoint
+from slide.fitting import fit_model
 from slide.metrics import check_k, topk
 from slide.resources import check_fits, model_memory_bytes
 from slide.sampling import draw_key, shared_negatives
-from slide.train import EarlyStopping, TrainableMixin, fit_loop
+from slide.step import copy_params
 
 from gpu_ref import ops
 
@@ -179,12 +184,6 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     _OWN = ("device", "negatives", "precision")
 
     # -- settings --------------------------------------------------------------------------------
-    def _is_fitted(self) -> bool:
-        return hasattr(self, "params_")
-
-    def __sklearn_is_fitted__(self) -> bool:
-        return self._is_fitted()
-
     def _config(self) -> SlideConfig:
         if self.negatives is not None and (isinstance(self.negatives, bool) or
                                            not isinstance(self.negatives, (int, np.integer))
@@ -194,15 +193,9 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             raise ValueError(f"precision must be one of {ops.PRECISIONS}, got {self.precision!r}")
         return SlideConfig(**{k: v for k, v in self.get_params().items() if k not in self._OWN})
 
-    def fit_settings(self) -> dict:
-        c = self._config()
-        return {"early_stopping": c.early_stopping,
-                "validation_fraction": c.validation_fraction,
-                "n_iter_no_change": c.n_iter_no_change, "refit": c.refit, "seed": c.seed}
-
     def validation_metric(self) -> str:
         """The early-stopping score: the loss for the full softmax, nDCG@5 with sampled
-        ``negatives`` (:class:`slide.train.EarlyStopping`)."""
+        ``negatives`` (:class:`slide.loop.EarlyStopping`)."""
         return "loss" if self.negatives is None else "nDCG@5"
 
     def _use_device(self):
@@ -214,37 +207,37 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             to = (lambda a: xp.asarray(a)) if xp is not np else self._host
             self.params_ = {k: to(v) for k, v in self.params_.items()}
             self.moments_ = {k: to(v) for k, v in self.moments_.items()}
-            if getattr(self, "best_params_", None):
-                self.best_params_ = {k: to(v) for k, v in self.best_params_.items()}
+            record = vars(self).get("record_")
+            if record is not None and record.best_params:
+                record.best_params = {k: to(v) for k, v in record.best_params.items()}
         self._xp, self._sparse = xp, sparse
 
     def __getstate__(self):
         # the array modules are found again from ``device`` (modules do not pickle); device
         # arrays travel as host arrays
         state = {k: v for k, v in self.__dict__.items() if k not in ("_xp", "_sparse")}
-        for key in ("params_", "moments_", "best_params_"):
+        for key in ("params_", "moments_"):
             if state.get(key):
                 state[key] = {k: self._host(v) for k, v in state[key].items()}
+        record = state.get("record_")
+        if record is not None and record.best_params:
+            state["record_"] = dataclasses.replace(
+                record, best_params={k: self._host(v) for k, v in record.best_params.items()})
         return state
 
     def _host(self, a):
         return a if isinstance(a, np.ndarray) else a.get()
 
     # -- the step API --------------------------------------------------------------------------
-    def check_data(self, X, Y=None, where="input", fitted=True):
-        if not (fitted and self._is_fitted()):
-            return check_xy(X, Y, where=where, require_labels=Y is not None)
-        return check_xy(X, Y, n_features=self.n_features_in_,
-                        n_labels=self.n_labels_ if Y is not None else None, where=where,
-                        owner=type(self).__name__)
-
     def _resolve(self, config):
         """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
         return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_,
                        self.choice_, self.labels_per_row_)
 
-    def initialize(self, X, Y, choice: dict | None = None) -> None:
-        """As :meth:`slide.SlideClassifier.initialize`."""
+    def initialize(self, X, Y, choice: dict | None = None, distributed=None) -> None:
+        """As :meth:`slide.SlideClassifier.initialize` (one process only)."""
+        if distributed is not None:
+            raise ValueError("the dense reference trains in one process")
         self.config_ = self._config()
         self.choice_ = choice
         self.fit_data(X, Y)
@@ -259,15 +252,12 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                                  self.resolved_["input_init"])
         self._set_arrays(params, None)
         self.learning_rate_ = self.resolved_["lr"]
-        self.step_, self.epoch_, self.epoch_position_ = 0, 0, 0
-        self.history_ = []
-        self.early_stopping_, self.best_params_, self.stopping_ = None, None, None
+        self.step_ = 0
 
     def _set_arrays(self, params, moments):
         self.params_ = dict(params)
         self.moments_ = dict(moments) if moments else \
             {f"{k}.{s}": np.zeros_like(v) for k, v in params.items() for s in "mv"}
-        self.batch_size_ = self.resolved_["batch_size"]
         self._blocks = hidden_blocks(self.resolved_["hidden"])
         self._xp = None
         self._use_device()
@@ -336,10 +326,26 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self._use_device()
         return float(self.step_batch(self.prepare_batch(Xb, Yb)))
 
-    def train_epoch(self, Xp, Y, order, progress=None) -> dict:
-        """One pass over preprocessed rows in ``order``: batch k+1 is prepared on a host thread
-        while the device runs batch k; the loss is read once, at the end."""
+    @property
+    def batch_size_(self) -> int:
+        return self.resolved_["batch_size"]
+
+    def snapshot(self, out=None) -> dict:
+        """A copy of the parameters (on their device); into ``out``'s arrays where given."""
+        return copy_params(self.params_, out)
+
+    def restore(self, params) -> None:
+        """Put parameters from :meth:`snapshot` back in place."""
+        for k, v in params.items():
+            self.params_[k][...] = v
+
+    def train_epoch(self, Xp, Y, order, progress=None, learning_rate=None) -> dict:
+        """One pass over preprocessed rows in ``order`` at ``learning_rate`` (None: the
+        current one): batch k+1 is prepared on a host thread while the device runs batch k;
+        the loss is read once, at the end."""
         from concurrent.futures import ThreadPoolExecutor
+        if learning_rate is not None:
+            self.learning_rate_ = float(learning_rate)
         self._use_device()
         xp, bs = self._xp, self.batch_size_
         starts = range(0, order.size, bs)
@@ -361,17 +367,21 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                     progress.update(n)
         return {"loss": float(total) / max(order.size, 1)}
 
-    def _params_changed(self):
-        pass
-
     def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
         """As :meth:`slide.SlideClassifier.fit`."""
-        warm = self.warm_start and self._is_fitted()
+        return self.train(X, Y, validation=validation, progress=progress, on_epoch=on_epoch)
+
+    def train(self, X, Y, *, continue_training=None, distributed=None, runner=None, **kw):
+        """As :meth:`slide.SlideClassifier.train` (one process, its own epochs)."""
+        if distributed is not None or runner is not None:
+            raise ValueError("the dense reference trains in one process, by its own epochs")
+        warm = self.warm_start and self._is_fitted() if continue_training is None \
+            else continue_training
         if warm:
             self.config_ = self._config()
             self.resolved_ = self._resolve(self.config_)
-        return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
-                        continue_training=warm)
+        self.record_ = fit_model(self, X, Y, continue_training=warm, **kw)
+        return self
 
     def partial_fit(self, X, Y):
         if self._is_fitted():
@@ -434,17 +444,17 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         pre_arrays, pre_meta = self.preprocessor_.get_state()
         arrays = {**self.host_params(), **{f"adam.{k}": self._host(v) for k, v in self.moments_.items()},
                   **{f"pre.{k}": v for k, v in pre_arrays.items()}}
-        if self.best_params_ is not None:
-            arrays.update({f"best.{k}": self._host(v) for k, v in self.best_params_.items()})
+        r = self.record_
+        if r.best_params is not None:
+            arrays.update({f"best.{k}": self._host(v) for k, v in r.best_params.items()})
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "rare_share": self.rare_share_, "choice": self.choice_,
                 "labels_per_row": self.labels_per_row_,
-                "step": self.step_, "epoch": self.epoch_, "epoch_position": self.epoch_position_,
+                "step": self.step_, "epoch": r.epoch, "epoch_position": r.epoch_position,
                 "learning_rate": self.learning_rate_,
-                "history": self.history_, "stopping": self.stopping_,
-                "single_label": bool(getattr(self, "single_label_", False)),
-                "early_stopping": self.early_stopping_.to_json() if self.early_stopping_ else None,
+                "history": r.history, "stopping": r.stopping, "single_label": bool(r.single_label),
+                "early_stopping": r.early_stopping.to_json() if r.early_stopping else None,
                 "dense": {"negatives": self.negatives, "precision": self.precision}}
         write_checkpoint(path, arrays, meta, self.step_)
 
@@ -462,14 +472,11 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)
         model._set_arrays(ck.arrays_like(shapes),
                           ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))
-        best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
-        model.best_params_ = {k: model._xp.asarray(v) for k, v in best.items()} or None
+        model.record_ = record_from_checkpoint(ck, model.resolved_["hidden"])
+        if model.record_.best_params:
+            model.record_.best_params = {k: model._xp.asarray(v)
+                                         for k, v in model.record_.best_params.items()}
         model.preprocessor_ = ck.preprocessor(ck.n_features)
         model.learning_rate_ = ck.float("learning_rate", model.resolved_["lr"], positive=True)
-        model.step_, model.epoch_ = ck.step, ck.epoch
-        model.epoch_position_ = ck.int("epoch_position", 0, minimum=0, maximum=ck.n_train)
-        model.history_ = ck.records("history")
-        model.early_stopping_ = ck.parsed("early_stopping", EarlyStopping.from_json)
-        model.stopping_ = ck.object("stopping")
-        model.single_label_ = bool(ck.meta.get("single_label", False))
+        model.step_ = ck.step
         return model

@@ -32,10 +32,9 @@ import numpy as np
 
 from gpu_ref.dense import batch_rows, get_array_module, softmax_grads, uniform_targets
 from gpu_ref.ops import PRECISIONS, matmul_precision
-from lsh import engine_threads
+from slide.runtime import engine_threads
 from slide.config import hidden_blocks
 from slide.data import take_rows
-from slide.train import fit_loop
 
 __all__ = ["HeteroConfig", "HeteroTrainer", "HeteroError", "BatchPolicy"]
 
@@ -164,196 +163,46 @@ class _Stream:
             return chunk
 
 
-def _delegated(name):
-    """An attribute of the trainer that is the wrapped model's (the training loop sets them)."""
-    return property(lambda self: getattr(self.model, name),
-                    lambda self, value: setattr(self.model, name, value))
-
-
 class HeteroTrainer:
-    """Trains a :class:`slide.SlideClassifier` with a CPU worker and a GPU worker together.
+    """Runs a :class:`slide.SlideClassifier`'s epochs with a CPU worker and a GPU worker together.
 
-    ``HeteroTrainer(model, HeteroConfig(policy="adaptive"))``, then ``fit(X, Y, validation)``
-    as for the model: the same training loop (:func:`slide.train.fit_loop`: preprocessing,
-    validation slice, early stopping, checkpoints), whose epochs this trainer runs with both
-    workers. Each epoch's record adds, per worker, its updates, samples, busy seconds and
-    utilisation (busy / wall), its final batch size and its mean loss.
-    ``epoch_indices_`` keeps the sample ids each worker processed in the last epoch.
+    ``HeteroTrainer(model, HeteroConfig(policy="adaptive")).fit(X, Y, validation)`` trains
+    ``model`` through its own ``fit`` (:func:`slide.fitting.fit_model`: preprocessing,
+    validation slice, early stopping, checkpoints), with this trainer as the runner of its
+    epochs over the model's training state. Each epoch's record adds, per worker, its updates,
+    samples, busy seconds and utilisation (busy / wall), its final batch size and its mean
+    loss. ``epoch_indices_`` keeps the sample ids each worker processed in the last pass.
+    ``clock`` measures the workers' steps (the policy's speeds come from it).
     """
 
-    epoch_ = _delegated("epoch_")
-    epoch_position_ = _delegated("epoch_position_")
-    history_ = _delegated("history_")
-    learning_rate_ = _delegated("learning_rate_")
-    early_stopping_ = _delegated("early_stopping_")
-    best_params_ = _delegated("best_params_")
-    stopping_ = _delegated("stopping_")
-    choice_ = _delegated("choice_")
-
-    def __init__(self, model, config: HeteroConfig = HeteroConfig()):
-        self.model, self.config = model, config
+    def __init__(self, model, config: HeteroConfig = HeteroConfig(), clock=time.perf_counter):
+        self.model, self.config, self.clock = model, config, clock
         self.xp, self._sparse = get_array_module(config.device)
+        self._state = None
 
-    # the step API of slide.train, delegated to the model where the model does the work
-    def get_params(self, deep=True):
+    def settings(self) -> dict:
+        """The trainer's settings (``slide train`` records them beside the model's)."""
         from dataclasses import asdict
-        return {**self.model.get_params(), **{f"hetero_{k}": v for k, v in asdict(self.config).items()}}
+        return asdict(self.config)
 
-    def fit_settings(self):
-        return self.model.fit_settings()
+    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
+        """Train the model as :meth:`slide.SlideClassifier.fit` does, with both workers."""
+        self.model.fit(X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                       runner=self)
+        return self
 
-    def validation_metric(self):
-        return self.model.validation_metric()
+    def partial_fit(self, X, Y):
+        """One pass over (X, Y) in row order with both workers; returns the per-worker stats."""
+        return self.model.partial_fit(X, Y, runner=self)
 
-    def check_data(self, X, Y=None, where="input", fitted=True):
-        return self.model.check_data(X, Y, where=where, fitted=fitted)
-
-    def initialize(self, X, Y, choice=None):
-        self.model.initialize(X, Y, choice=choice)
-        self._start()
-
-    def preprocess(self, X):
-        return self.model.preprocess(X)
-
-    def fitted_state(self):
-        return {"trainer": dict(vars(self)), "model": self.model.fitted_state()}
-
-    def restore_fitted(self, state):
-        vars(self).clear()
-        vars(self).update(state["trainer"])
-        self.model.restore_fitted(state["model"])
-
-    def snapshot(self, out=None):
-        return self.model.snapshot(out)
-
-    def restore(self, state):
-        self.model.restore(state)
-
-    def evaluate(self, X, Y, k=5, loss=False):
-        return self.model.evaluate(X, Y, k=k, loss=loss)
-
-    def save(self, path):
-        self.model.save(path)
-
-    @property
-    def resolved_(self):
-        return self.model.resolved_
-
-    # -- workers ---------------------------------------------------------------------------------
-    def _cpu_step(self, X, Y, idx):
-        return self.model.train_step(take_rows(X, idx), take_rows(Y, idx))
-
-    def _gpu_step(self, X, Y, idx):
-        """Pull the rows batch ``idx`` needs, compute their gradients on the device, push them."""
-        xp, m = self.xp, self.model
-        p = m.params_
-        Xb, Yb = take_rows(X, idx), take_rows(Y, idx)
-        key = int(self._rng.integers(2**63))  # the worker's own stream of draws
-        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, m.n_labels_, self.config.gpu_pool, key)
-        rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"],
-                "W": p["W"][out_rows], "b": p["b"][out_rows]}
-        device_rows = {k: xp.asarray(v) for k, v in rows.items()}
-        Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
-        targets = tuple(xp.asarray(t) for t in uniform_targets(Yl))
-        with matmul_precision(xp, self.config.precision):
-            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks,
-                                        m.resolved_["activation"] == "relu")
-        host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
-                for k, v in grads.items()}
-        m.apply_gradients(out_rows, in_rows, host)
-        return float(loss)
-
-    def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads):
-        try:
-            with engine_threads(threads):
-                t_start = time.perf_counter()
-                if name == "gpu":  # the engine's first step compiles its kernels: don't race it
-                    while not (self._engine_ready.wait(0.05) or stop.is_set()):
-                        pass
-                while not stop.is_set():
-                    if name == "gpu" and self.policy_.retired:
-                        break
-                    idx = stream.take(self.policy_.take_size(name, stream.remaining))
-                    if idx is None:
-                        break
-                    idx = np.sort(idx)
-                    t0 = time.perf_counter()
-                    loss = step(X, Y, idx)
-                    dt = time.perf_counter() - t0
-                    self.policy_.observe(name, idx.size, dt)
-                    stats["updates"] += 1
-                    stats["samples"] += int(idx.size)
-                    stats["busy_seconds"] += dt
-                    stats["loss_sum"] += loss * idx.size
-                    self.epoch_indices_[name].append(idx)
-                    if name == "cpu":
-                        self._engine_ready.set()
-                stats["wall_seconds"] = time.perf_counter() - t_start
-        except BaseException as e:  # reported by the caller, after the other worker stopped
-            errors.append((name, e))
-            stop.set()
-        finally:
-            if name == "cpu":  # a CPU worker that never stepped must not hold the other back
-                self._engine_ready.set()
-
-    def _run(self, X, Y, order):
-        """Both workers over the samples ``order``; returns (wall seconds, per-worker stats)."""
-        m = self.model
-        stream = _Stream(order)
-        stop = threading.Event()
-        errors = []
-        stats = {w: {"updates": 0, "samples": 0, "busy_seconds": 0.0, "wall_seconds": 0.0,
-                     "loss_sum": 0.0} for w in ("cpu", "gpu")}
-        self.epoch_indices_ = {"cpu": [], "gpu": []}
-        retired = self.policy_.retired
-        cpu_threads = self.config.cpu_threads or m.config_.threads
-        if cpu_threads is None:
-            cores = os.cpu_count() or 1
-            cpu_threads = max(1, cores - 1) if self.xp is np and not retired else cores
-        t0 = time.perf_counter()
-        # The CPU worker runs in the calling thread. The engine's kernels are OpenMP parallel
-        # regions, and each thread that opens them keeps a team of its own: a worker thread's
-        # team beside the caller's (from initialising and evaluating) holds more threads than
-        # there are cores, and libgomp then spins only briefly between regions. The engine's
-        # partial_fit from a second thread ran at 58,000 samples/s against 90,000 from the
-        # caller's (demo preset, 2 cores), as slowly as with OMP_WAIT_POLICY=passive.
-        gpu = None
-        if not retired:
-            gpu = threading.Thread(target=self._worker, name="slide-gpu", daemon=True,
-                                   args=("gpu", self._gpu_step, stream, X, Y, stats["gpu"], stop,
-                                         errors, 1))
-            gpu.start()
-        self._worker("cpu", self._cpu_step, stream, X, Y, stats["cpu"], stop, errors, cpu_threads)
-        if gpu is not None:
-            gpu.join()
-        wall = time.perf_counter() - t0
-        if errors:
-            name, e = errors[0]
-            raise HeteroError(f"{name} worker failed at epoch {m.epoch_ + 1}: "
-                              f"{type(e).__name__}: {e}") from e
-        for w in stats:
-            s = stats[w]
-            s["utilisation"] = s["busy_seconds"] / wall if wall > 0 else 0.0
-            s["final_batch"] = self.policy_.batch[w]
-            s["loss"] = s.pop("loss_sum") / max(s["samples"], 1)
-        return wall, stats
-
-    def _start(self):
-        """Batch policy, layer layout and the GPU worker's RNG for a (newly) fitted model."""
-        self._blocks = hidden_blocks(self.model.resolved_["hidden"])
-        # set once the engine has made its first step (its kernels compiled): only the first
-        # run of a fitted model holds the GPU worker back, not every partial_fit call
-        self._engine_ready = threading.Event()
-        self.policy_ = BatchPolicy(self.config)
-        self._rng = np.random.default_rng([self.model.config_.seed, 3, self.model.step_])
-
-    def train_epoch(self, Xp, Y, order, progress=None) -> dict:
+    # -- the runner of a training state's epochs -------------------------------------------------
+    def train_epoch(self, Xp, Y, order, progress=None, learning_rate=None) -> dict:
         """One epoch of preprocessed rows in ``order``, shared out to both workers."""
-        m = self.model
-        if not hasattr(self, "policy_"):
-            self._start()
-        self._rng = np.random.default_rng([m.config_.seed, 3, m.epoch_])
-        m.begin_epoch()
+        state = self._begin()
+        if learning_rate is not None:
+            state.learning_rate = float(learning_rate)
+        self._rng = np.random.default_rng([state.config.seed, 3, self.model.epoch_])
+        state.begin_epoch()
         wall, stats = self._run(Xp, Y, order)
         if progress is not None:
             progress.update(order.size)
@@ -365,20 +214,121 @@ class HeteroTrainer:
         record["gpu_share"] = stats["gpu"]["samples"] / max(order.size, 1)
         return record
 
-    def partial_fit(self, X, Y):
-        """One pass over (X, Y) in row order with both workers; returns the per-worker stats."""
-        m = self.model
-        if m.__sklearn_is_fitted__():
-            X, Y = m.check_data(X, Y, where="partial_fit")
-        else:
-            X, Y = m.check_data(X, Y, where="partial_fit", fitted=False)
-            self.initialize(X, Y)
-        if not hasattr(self, "policy_"):
-            self._start()
-        return self._run(m.preprocess(X), Y, np.arange(X.shape[0]))[1]
+    def train_rows(self, Xp, Y, order, progress=None) -> dict:
+        """A stream's pass (``partial_fit``): both workers, no rehash; the per-worker stats."""
+        self._begin()
+        return self._run(Xp, Y, order)[1]
 
-    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None):
-        """Train as :meth:`slide.SlideClassifier.fit` does, with both workers."""
-        warm = self.model.warm_start and self.model.__sklearn_is_fitted__()
-        return fit_loop(self, X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
-                        continue_training=warm)
+    def _begin(self):
+        """The model's training state; a new one (a new fit) gets a new policy and layout."""
+        state = self.model.state_
+        if state is not self._state:
+            self._state = state
+            self._blocks = hidden_blocks(state.resolved["hidden"])
+            # set once the engine has made its first step (its kernels compiled): only the
+            # first pass of a fitted model holds the GPU worker back
+            self._engine_ready = threading.Event()
+            self.policy_ = BatchPolicy(self.config)
+            self._rng = np.random.default_rng([state.config.seed, 3, state.step])
+        return state
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _cpu_step(self, X, Y, idx):
+        return self._state.train_step(take_rows(X, idx), take_rows(Y, idx))
+
+    def _gpu_step(self, X, Y, idx):
+        """Pull the rows batch ``idx`` needs, compute their gradients on the device, push them."""
+        xp, state = self.xp, self._state
+        p = state.params
+        Xb, Yb = take_rows(X, idx), take_rows(Y, idx)
+        key = int(self._rng.integers(2**63))  # the worker's own stream of draws
+        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, state.n_labels, self.config.gpu_pool, key)
+        rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"],
+                "W": p["W"][out_rows], "b": p["b"][out_rows]}
+        device_rows = {k: xp.asarray(v) for k, v in rows.items()}
+        Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
+        targets = tuple(xp.asarray(t) for t in uniform_targets(Yl))
+        with matmul_precision(xp, self.config.precision):
+            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks,
+                                        state.resolved["activation"] == "relu")
+        host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
+                for k, v in grads.items()}
+        state.apply_gradients(out_rows, in_rows, host)
+        return float(loss)
+
+    def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads):
+        clock = self.clock
+        try:
+            with engine_threads(threads):
+                t_start = clock()
+                if name == "gpu":  # the engine's first step compiles its kernels: don't race it
+                    while not (self._engine_ready.wait(0.05) or stop.is_set()):
+                        pass
+                while not stop.is_set():
+                    if name == "gpu" and self.policy_.retired:
+                        break
+                    idx = stream.take(self.policy_.take_size(name, stream.remaining))
+                    if idx is None:
+                        break
+                    idx = np.sort(idx)
+                    t0 = clock()
+                    loss = step(X, Y, idx)
+                    dt = clock() - t0
+                    self.policy_.observe(name, idx.size, dt)
+                    stats["updates"] += 1
+                    stats["samples"] += int(idx.size)
+                    stats["busy_seconds"] += dt
+                    stats["loss_sum"] += loss * idx.size
+                    self.epoch_indices_[name].append(idx)
+                    if name == "cpu":
+                        self._engine_ready.set()
+                stats["wall_seconds"] = clock() - t_start
+        except BaseException as e:  # reported by the caller, after the other worker stopped
+            errors.append((name, e))
+            stop.set()
+        finally:
+            if name == "cpu":  # a CPU worker that never stepped must not hold the other back
+                self._engine_ready.set()
+            self._worker_done(name)
+
+    def _worker_done(self, name) -> None:
+        """Called as each worker leaves a pass (a hook for schedulers that pace the workers)."""
+
+    def _run(self, X, Y, order):
+        """Both workers over the samples ``order``; returns (wall seconds, per-worker stats)."""
+        m = self.model
+        stream = _Stream(order)
+        stop = threading.Event()
+        errors = []
+        stats = {w: {"updates": 0, "samples": 0, "busy_seconds": 0.0, "wall_seconds": 0.0,
+                     "loss_sum": 0.0} for w in ("cpu", "gpu")}
+        self.epoch_indices_ = {"cpu": [], "gpu": []}
+        retired = self.policy_.retired
+        cpu_threads = self.config.cpu_threads or self._state.config.threads
+        if cpu_threads is None:
+            cores = os.cpu_count() or 1
+            cpu_threads = max(1, cores - 1) if self.xp is np and not retired else cores
+        t0 = self.clock()
+        # The CPU worker runs in the calling thread: each Python thread that opens the engine's
+        # OpenMP regions keeps a team of its own, and a worker thread's team beside the
+        # caller's would hold more threads than there are cores (docs/threading.md).
+        gpu = None
+        if not retired:
+            gpu = threading.Thread(target=self._worker, name="slide-gpu", daemon=True,
+                                   args=("gpu", self._gpu_step, stream, X, Y, stats["gpu"], stop,
+                                         errors, 1))
+            gpu.start()
+        self._worker("cpu", self._cpu_step, stream, X, Y, stats["cpu"], stop, errors, cpu_threads)
+        if gpu is not None:
+            gpu.join()
+        wall = self.clock() - t0
+        if errors:
+            name, e = errors[0]
+            raise HeteroError(f"{name} worker failed at epoch {m.epoch_ + 1}: "
+                              f"{type(e).__name__}: {e}") from e
+        for w in stats:
+            s = stats[w]
+            s["utilisation"] = s["busy_seconds"] / wall if wall > 0 else 0.0
+            s["final_batch"] = self.policy_.batch[w]
+            s["loss"] = s.pop("loss_sum") / max(s["samples"], 1)
+        return wall, stats

@@ -26,10 +26,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from lsh._threading import thread_chunks
+from slide.runtime import borrowed, prefetch, thread_chunks
 from lsh.families import make_family
-from lsh.prefetch import prefetch
-from lsh.scratch import borrowed
 from lsh.tables import TableConfig, select_candidates
 
 __all__ = ["CompactTables"]

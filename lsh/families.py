@@ -23,10 +23,7 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit, prange
 
-from lsh._threading import thread_chunks
-from lsh.arrays import as_rows, leading_rows
-from lsh.prefetch import prefetch
-from lsh.tiles import TILE, transpose_tile
+from slide.runtime import TILE, as_rows, leading_rows, prefetch, thread_chunks, transpose_tile
 
 __all__ = ["SimHash", "WTA", "DWTA", "make_family", "combine_codes"]
 

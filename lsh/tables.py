@@ -27,11 +27,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from lsh._threading import thread_chunks
-from lsh.arrays import aligned_zeros, copy_into
+from slide.runtime import aligned_zeros, borrowed, copy_into, prefetch, thread_chunks
 from lsh.families import make_family
-from lsh.prefetch import prefetch
-from lsh.scratch import borrowed
 
 __all__ = ["TableConfig", "HashTables", "autotune", "query_one", "query_union",
            "select_candidates", "claim", "QueryScratch"]

@@ -1,13 +1,27 @@
-"""slide: sub-linear extreme-classification training on multicore CPUs."""
-import lsh  # noqa: F401  (configures numba's threading layer before any kernel runs)
-from slide.config import SlideConfig
-from slide.data import DataFormatError, read_dataset, read_libsvm, read_xmc
-from slide.metrics import evaluate, ndcg_at_k, precision_at_k, psp_at_k
-from slide.network import SlideClassifier
-from slide.preprocess import Preprocessor
-from slide.synthetic import make_dataset
+"""slide: sub-linear extreme-classification training on multicore CPUs.
+
+The public names load on first use, so that ``import slide.runtime`` (which :mod:`lsh` does)
+loads nothing else, and importing the package configures nothing.
+"""
+import importlib
 
 __version__ = "0.2.0"
-__all__ = ["SlideClassifier", "SlideConfig", "Preprocessor", "DataFormatError", "make_dataset",
-           "read_dataset", "read_xmc", "read_libsvm", "evaluate", "precision_at_k", "ndcg_at_k",
-           "psp_at_k"]
+
+#: public name: the submodule that defines it
+_PUBLIC = {
+    "SlideClassifier": "estimator", "SlideConfig": "config", "Preprocessor": "preprocess",
+    "DataFormatError": "data", "read_dataset": "data", "read_xmc": "data", "read_libsvm": "data",
+    "make_dataset": "synthetic", "evaluate": "metrics", "precision_at_k": "metrics",
+    "ndcg_at_k": "metrics", "psp_at_k": "metrics",
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module 'slide' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])

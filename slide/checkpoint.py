@@ -25,7 +25,7 @@ import zipfile
 
 import numpy as np
 
-from lsh import aligned_empty, aligned_zeros
+from slide.runtime import aligned_empty, aligned_zeros
 from slide.config import checked_choice
 
 __all__ = ["CheckpointError", "Checkpoint", "write_checkpoint", "read_checkpoint", "FORMAT_VERSION"]

@@ -37,7 +37,8 @@ def _positive(text):
 
 def _build_parser() -> argparse.ArgumentParser:
     from slide import __version__
-    from slide.config import ACTIVATIONS, HASH_FAMILIES, IDF_CHOICE_ROWS
+    from slide.config import ACTIVATIONS, HASH_FAMILIES
+    from slide.selection import IDF_CHOICE_ROWS
     from slide.synthetic import PRESETS
     p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
     p.add_argument("--version", action="version", version=f"slide {__version__}")
@@ -168,18 +169,21 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _load_model(path, threads=None):
     """The model saved in directory ``path``, its queries on ``threads`` threads where given."""
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such model directory")
     model = SlideClassifier.load(path)
     return model if threads is None else model.set_params(threads=threads)
 
 
-#: ``slide train`` flags that fix the model's architecture, sampling or preprocessing: a resumed
-#: run keeps the checkpoint's, so giving another value is an error rather than silently ignored
-_FIXED_ON_RESUME = {"hidden": "hidden", "sparsity": "sparsity", "hidden_sparsity": "hidden_sparsity",
-                    "activation": "activation", "hard_negatives": "hard_negatives",
-                    "hash_family": "hash_family", "tfidf": "tfidf", "no_norm": "norm"}
+def _fixed_on_resume() -> dict:
+    """``slide train`` flag → setting, for the settings fixed after fitting
+    (:data:`slide.config.FIXED_AFTER_FIT`) that have a flag: a resumed run keeps the
+    checkpoint's, so giving another value is an error rather than silently ignored."""
+    from slide.config import FIXED_AFTER_FIT
+    flags = vars(_build_parser().parse_args(["train"]))
+    named = {"norm": "no_norm"}  # the flag that sets it, where its name differs
+    return {named.get(k, k): k for k in FIXED_AFTER_FIT if named.get(k, k) in flags}
 
 
 def _check_outputs(a):
@@ -216,7 +220,7 @@ def _check_resume_flags(a, model):
     """Architecture flags given with --resume must agree with the checkpoint's settings."""
     defaults = vars(_build_parser().parse_args(["train"]))
     saved = model.get_params()
-    for flag, param in _FIXED_ON_RESUME.items():
+    for flag, param in _fixed_on_resume().items():
         given = getattr(a, flag)
         if given == defaults.get(flag):
             continue
@@ -293,16 +297,17 @@ def _cmd_train(a):
                       early_stopping=not a.no_early_stopping,
                       validation_fraction=a.validation_fraction, refit=a.refit, epochs=a.epochs)
         if a.engine == "slide":
-            from slide.network import SlideClassifier
+            from slide.estimator import SlideClassifier
             model = SlideClassifier(sparsity=a.sparsity, hidden_sparsity=a.hidden_sparsity,
                                     hard_negatives=a.hard_negatives, hash_family=a.hash_family,
                                     threads=a.threads, **common)
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier(device=a.device, **common)
+    runner = None
     if a.mode == "hetero":
         from gpu_ref.hetero import HeteroConfig, HeteroTrainer
-        model = HeteroTrainer(model, HeteroConfig(policy=a.policy, device=a.device))
+        runner = HeteroTrainer(model, HeteroConfig(policy=a.policy, device=a.device))
     log(f"train: {n_rows} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
         f"engine={a.engine}, mode={a.mode}"
         + (f"; {dp.size} ranks, {dp!r}, {Xtr.shape[0]} rows on rank 0" if dp is not None else ""))
@@ -310,7 +315,7 @@ def _cmd_train(a):
                        metrics_json=a.metrics_json if lead else None,
                        checkpoint_dir=a.save if lead else None,
                        progress=lead and not a.no_progress, resume=a.resume,
-                       save_every=a.save_every, log=log, distributed=dp)
+                       save_every=a.save_every, log=log, distributed=dp, runner=runner)
     if not lead:
         return 0
     stop = doc["stopping"]
@@ -433,6 +438,8 @@ def _cmd_data(a):
 
 def main(argv=None) -> int:
     args = _build_parser().parse_args(argv)
+    from slide.runtime import configure_threading
+    configure_threading()  # before the first parallel kernel, once
     from slide.checkpoint import CheckpointError
     from slide.data import DataFormatError
     from slide.resources import ModelTooLargeError

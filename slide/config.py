@@ -17,19 +17,20 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "checked_setting", "checked_choice", "next_choice",
-           "choice_name", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
-           "rare_share", "init_parameters", "hidden_blocks", "hidden_block", "ARCHITECTURE_FIELDS",
+__all__ = ["SlideConfig", "resolve", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
+           "rare_share", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
 
 HASH_FAMILIES = ("dwta", "wta", "simhash")
 BUCKET_POLICIES = ("reservoir", "fifo")
 #: the hidden layers' activation: max(0, a) or a itself (scikit-learn's names)
 ACTIVATIONS = ("relu", "identity")
-# settings that fix the shapes of the parameters and tables, or what the weights mean: a fitted
-# model cannot change them and continue training (refit instead)
-ARCHITECTURE_FIELDS = ("hidden", "hidden_sparsity", "activation", "sparsity", "hash_family", "K",
-                       "L", "range_pow", "bucket_size", "bucket_policy", "norm", "tfidf")
+#: settings that fix the shapes of the parameters, tables and scratch, or what the weights mean:
+#: a fitted model cannot change them and continue training (the estimator refuses, and so does
+#: ``slide train --resume`` for the flags that set them)
+FIXED_AFTER_FIT = ("hidden", "hidden_sparsity", "activation", "sparsity", "hard_negatives",
+                   "hash_family", "K", "L", "range_pow", "bucket_size", "bucket_policy", "norm",
+                   "tfidf")
 
 
 def _number(name, value, *, lo=None, hi=None, integer=False, none=True, lo_open=False):
@@ -228,39 +229,8 @@ EARLY_STOPPING_STEPS = 10_000
 REFIT_ROWS = 10_000
 
 
-#: where the refit runs (rows below :data:`REFIT_ROWS`) and the output layer is computed whole,
-#: ``fit`` also trains a hidden layer this wide, early-stopped on the same held-out slice, and
-#: keeps the width with the better validation score (there a run costs seconds to a minute). On
-#: the real sets 2048 against 512 helped two (Medical 0.829 -> 0.841, stackex_cs 0.566 -> 0.578,
-#: seeds 0-2) and cost the others up to 0.035 (Corel5k); chosen on the held-out slice, 2048 was
-#: taken in 6 of 21 fits (Medical 2, stackex_cs 3, Enron 1): Medical 0.836, stackex_cs 0.578,
-#: Enron 0.776 -> 0.775, the others unchanged (bench/results/accuracy_experiments.md)
-WIDE_HIDDEN = 2048
 
-#: where the output layer is computed whole and the rule gives its rows decay 1 every step,
-#: ``fit`` also trains with lighter decays, early-stopped on the same held-out slice, and keeps
-#: the run with the best validation loss: first the first of these, then each next one for as
-#: long as the last one tried is the best run so far (:func:`next_choice`). Decay 1 holds back
-#: rows whose evidence is diluted among many features (rows of 236 features, a tenth of them
-#: telling: P@1 0.86 against 0.98 at 0.3), while the real sets here mostly want 1 (0.3 lower in
-#: 11 of 14 runs, by up to 0.027). The loss took 0.3 there (+0.12) and on stackex_cs (+0.002,
-#: +0.005), and decay 1 on every other real run; where 0.3 won, 0.1 lost to it on the slice
-#: and on the test rows, except on shapes that want lighter decay still (dense rows of 120
-#: features: P@5 0.613 / 0.645 / 0.653 at 0.3 / 0.1 / 0.03, the slice's loss in the same
-#: order; 0.01, 0.654, is not worth a run). The few-steps settings as the alternative lost
-#: 0.084 P@1 over the runs they were taken in (bench/results/accuracy_experiments.md)
-LIGHT_DECAYS = (0.3, 0.1, 0.03)
 
-#: below this many training rows (after the held-out slice), where ``tfidf`` is not given,
-#: ``fit`` also trains the chosen settings on idf-weighted features, early-stopped on the same
-#: held-out slice, and keeps whichever scores better (a run there takes minutes at most, even
-#: where the output is sampled). Idf weighting lifted every generator shape whose rows dilute
-#: their evidence, and the slice took it there (P@1 at the ``eurlex-4k`` preset 0.821 -> 0.849,
-#: ``demo`` 0.388 -> 0.414, 3,993 labels with 1.5 a row 0.825 -> 0.855, 1,000 labels with 5.3 a
-#: row 0.982 -> 0.990 on top of decay 0.3); on the real sets it cost up to 0.05 (Medical) where
-#: forced, and the slice took it on one of eight, Corel16k001, at +0.001
-#: (bench/results/accuracy_experiments.md)
-IDF_CHOICE_ROWS = 50_000
 
 #: a sampled output layer is as wide as its state (weights, two Adam moments and early
 #: stopping's best weights: 16 bytes a weight) allows within this budget, 512 at most, 128 at least.
@@ -323,23 +293,6 @@ def idf_weighted(config: SlideConfig, choice: dict | None) -> bool:
     if config.tfidf is not None:
         return config.tfidf
     return checked_choice(choice).get("tfidf", False)
-
-
-def next_choice(choice: dict) -> dict | None:
-    """The choice ``fit`` tries next where ``choice``'s run is the best so far: the next of
-    :data:`LIGHT_DECAYS` after a choice of one of them (lighter decay, while it keeps paying),
-    None after the last one and after any other choice."""
-    if set(choice) != {"weight_decay"} or choice["weight_decay"] not in LIGHT_DECAYS[:-1]:
-        return None
-    return {"weight_decay": LIGHT_DECAYS[LIGHT_DECAYS.index(choice["weight_decay"]) + 1]}
-
-
-def choice_name(choice: dict) -> str:
-    """How records and logs name a choice: "rule" for the rule's own settings, else e.g.
-    "hidden 2048", "decay 0.3" or "decay 0.3, tf-idf"."""
-    names = {"width": "hidden", "weight_decay": "decay"}
-    return ", ".join("tf-idf" if k == "tfidf" else f"{names[k]} {v:g}"
-                     for k, v in choice.items() if v is not False) or "rule"
 
 
 def rare_share(document_frequency) -> float:
@@ -407,20 +360,6 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
       ``min(1, SAMPLED_DECAY / s)`` with ``s`` the share of output rows a step touches
       (:func:`touched_share`; 1 for a whole output) and 0.1; otherwise 1e-3, 1 and 0.5. See
       the README's "Defaults" section.
-    * choices: the settings ``fit`` trains side by side, early-stopped on the same held-out
-      slice, keeping the run with the best validation score (:func:`slide.train.fit_loop`):
-      ``{}`` (the rule's own) first, then ``{"width": WIDE_HIDDEN}`` where ``hidden`` is not
-      set, the output is computed whole, the refit runs and the wide layer's state fits
-      :data:`OUTPUT_STATE_BYTES`, and ``{"weight_decay": LIGHT_DECAYS[0]}`` where ``weight_decay``
-      is not set, the output is computed whole and the rule gives decay 1 (``fit`` goes on to
-      the lighter ones while each wins: :func:`next_choice`); empty where there is nothing to
-      choose, without early stopping, or where ``choice`` is given. ``choice``: the
-      one ``fit`` chose, whose values replace the rule's (not settings given in ``config``);
-      None before a choice is made.
-    * choices_on_best: settings ``fit`` adds to the best of ``choices`` once they are through,
-      each trained and kept where it scores better still: ``{"tfidf": True}`` where ``tfidf``
-      is not given and ``n_train`` is below :data:`IDF_CHOICE_ROWS` (with early stopping,
-      before a choice is made); ``choices`` then holds at least the rule's own ``{}``.
     * tfidf: whether the features are idf-weighted (:func:`idf_weighted`: as given, else as
       ``choice`` says).
     """
@@ -470,17 +409,6 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     else:
         out["weight_decay"] = 1.0
     out["tfidf"] = idf_weighted(c, choice)
-    out["choices"], out["choices_on_best"] = [], []
-    if choice is None and c.early_stopping:
-        wide_fits = 16 * WIDE_HIDDEN * (n_features + n_labels) <= OUTPUT_STATE_BYTES
-        if c.hidden is None and not sampled and out["refit"] and wide_fits:
-            out["choices"].append({"width": WIDE_HIDDEN})
-        if c.weight_decay is None and not sampled and out["weight_decay"] == 1.0:
-            out["choices"].append({"weight_decay": LIGHT_DECAYS[0]})
-        if c.tfidf is None and n_train < IDF_CHOICE_ROWS:
-            out["choices_on_best"].append({"tfidf": True})
-        if out["choices"] or out["choices_on_best"]:
-            out["choices"].insert(0, {})
     # an input row is trained only in the steps whose samples hold its feature, and a rare
     # feature's random start stays noise in every row holding it: at Amazon-670K shape (136K
     # features, half of them in fewer than 25 rows) 0.1 instead of 0.5 took P@1 after 6 epochs

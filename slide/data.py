@@ -19,8 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit
 
-from lsh.arrays import copy_into
-from lsh.prefetch import prefetch
+from slide.runtime import copy_into, prefetch
 
 __all__ = ["DataFormatError", "read_xmc", "write_xmc", "read_libsvm", "write_libsvm",
            "read_dataset", "read_shard", "check_xy", "labels_to_csr", "shuffle_rows", "take_rows"]

@@ -46,7 +46,7 @@ import traceback
 import numpy as np
 from numba import njit, prange
 
-from lsh.arrays import copy_into, leading_rows
+from slide.runtime import copy_into, leading_rows
 
 __all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank"]
 
@@ -334,25 +334,30 @@ class DataParallel:
         """Fit ``pre`` (fitted on this shard) on every shard's document frequencies."""
         pre.fit_counts(self.allreduce(pre.document_frequency_), self.total(pre.n_documents_))
 
-    def ensure_started(self, model) -> None:
-        """:meth:`start` unless this model is the one last started (``partial_fit`` calls)."""
-        if self._model is not model:
-            self.start(model)
+    @property
+    def started(self):
+        """The training state last made equal across the ranks (:meth:`start`), or None."""
+        return self._model
 
-    def start(self, model) -> None:
-        """Make every replica rank 0's: parameters, moments, hash seed and counters."""
-        self._model, self._round = model, None
-        for arrays in (model.params_, model.moments_):
+    def start(self, state, record=None) -> None:
+        """Make every replica rank 0's: the training state's parameters, moments, hash seed,
+        counters and learning rate, and the run record's epoch."""
+        self._model, self._round = state, None
+        for arrays in (state.params, state.moments):
             for k in sorted(arrays):
                 self.broadcast(arrays[k])
-        counters = np.array([model.hash_seed_, model.step_, model.samples_seen_, model.epoch_], np.int64)
+        epoch = record.epoch if record is not None else 0
+        counters = np.array([state.hash_seed, state.step, state.samples_seen, epoch], np.int64)
         self.broadcast(counters)
-        model.hash_seed_, model.step_, model.samples_seen_, model.epoch_ = (int(v) for v in counters)
-        lr = np.array([model.learning_rate_], np.float64)
+        state.hash_seed, state.step, state.samples_seen, epoch = (int(v) for v in counters)
+        lr = np.array([state.learning_rate], np.float64)
         self.broadcast(lr)
-        model.learning_rate_ = float(lr[0])
-        model.epoch_position_ = 0  # a shard's position in its epoch means nothing to other shards
-        self._n_out, self._n_in = model.n_labels_, model.n_features_in_
+        state.learning_rate = float(lr[0])
+        state.params_changed()
+        if record is not None:
+            record.epoch = epoch
+            record.epoch_position = 0  # a shard's position in its epoch means nothing elsewhere
+        self._n_out, self._n_in = state.n_labels, state.n_features
         self._changed = np.zeros(self._n_out + self._n_in, bool)
         self._step = 0
 
@@ -379,7 +384,7 @@ class DataParallel:
         mask[self._n_out + in_rows] = True
         return mask
 
-    def before_update(self, model, out_rows, in_rows, grads):
+    def before_update(self, state, out_rows, in_rows, grads):
         """``sync``: average the step's gradients over the ranks, on the rows any rank touched.
         ``grads`` holds this rank's compact gradients: row t of ``grads["W"]`` and entry t of
         ``grads["b"]`` for output row ``out_rows[t]``, row t of ``grads["W0"]`` for input row
@@ -391,7 +396,7 @@ class DataParallel:
         out_ids, in_ids = self._union(self._mark(out_rows, in_rows))
         self.exchanged_rows_.append((out_ids.size, in_ids.size))
         t0 = time.perf_counter()
-        parts = _Parts(model.params_, out_ids, in_ids, self._buffer("gradients"))  # the layout
+        parts = _Parts(state.params, out_ids, in_ids, self._buffer("gradients"))  # the layout
         parts.buffer[:] = 0.0  # a row this rank did not touch: no gradient from it
         one = np.zeros(1, np.int32)
         at = {"W": np.searchsorted(out_ids, out_rows).astype(np.int32),
@@ -412,7 +417,7 @@ class DataParallel:
             averaged[name] = view if name in ("W", "W0") else view.reshape(-1)
         return out_ids, in_ids, averaged
 
-    def after_update(self, model, out_rows, in_rows) -> None:
+    def after_update(self, state, out_rows, in_rows) -> None:
         """Count the step; ``local``/``delayed``: mark the rows it changed, finish the average
         in flight when its delay is up and start the next one every ``every`` steps.
 
@@ -427,29 +432,29 @@ class DataParallel:
         self._mark(out_rows, in_rows, self._changed)
         self._step += 1
         if self._round is not None and self._step >= self._round.apply_at:
-            self._finish_round(model)
+            self._finish_round(state)
         if self._step % self.every == 0:
-            self._start_round(model)
+            self._start_round(state)
             if self.delay == 0:
-                self._finish_round(model)
+                self._finish_round(state)
 
-    def finish(self, model) -> None:
+    def finish(self, state) -> None:
         """End of an epoch (or of ``partial_fit``): complete any average in flight and average
         every row changed since, so that all replicas are equal (evaluation, early stopping
         and checkpoints see one model)."""
         if self.mode == "sync" or self.size == 1:
             return
         if self._round is not None:
-            self._finish_round(model)
-        self._start_round(model)
-        self._finish_round(model)
+            self._finish_round(state)
+        self._start_round(state)
+        self._finish_round(state)
 
-    def _start_round(self, model):
+    def _start_round(self, state):
         out_ids, in_ids = self._union(self._changed)
         self.exchanged_rows_.append((out_ids.size, in_ids.size))
         self._changed[:] = False
         t0 = time.perf_counter()
-        parts = _Parts(model.params_, out_ids, in_ids, self._buffer("sent"))
+        parts = _Parts(state.params, out_ids, in_ids, self._buffer("sent"))
         sent = parts.gather()
         total = self._buffer("total")(sent.size)
         self.pack_seconds_ += time.perf_counter() - t0
@@ -457,7 +462,7 @@ class DataParallel:
         self.bytes_sent_ += sent.nbytes
         self._round = _Round(parts, total, request, self._step + self.delay)
 
-    def _finish_round(self, model):
+    def _finish_round(self, state):
         r, self._round = self._round, None
         t0 = time.perf_counter()
         if not r.done.wait(self.timeout):
@@ -470,4 +475,4 @@ class DataParallel:
             _merge_rows(rows, ids, total, sent, inv)
         self.pack_seconds_ += time.perf_counter() - t0
         self.rounds_ += 1
-        model._params_changed()
+        state.params_changed()

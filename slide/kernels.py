@@ -48,17 +48,11 @@ thread the samples go in order.
 import numpy as np
 from numba import njit, prange
 
-from lsh.arrays import copy_into
-from lsh.atomics import fetch_add
-from lsh.prefetch import prefetch, prefetch_l2, prefetch_w
+from slide.runtime import copy_into, fetch_add, prefetch, prefetch_l2, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
-from slide.vecmath import MAX_LANES, exp_nonpositive, fmax, fsum
+from slide.vecmath import MAX_LANES, dot, exp_nonpositive, fmax, fsum
 
-#: the dot products may be summed in any order: LLVM then vectorises the reduction (a strict
-#: left-to-right float sum cannot be), 3-4x faster over rows scattered in a 670K-row layer. The
-#: order is fixed by the compiled code, so one thread still repeats exactly.
-_REASSOC = {"reassoc", "contract"}
 
 #: the Adam kernels' arithmetic may fuse a multiply and an add (one rounding instead of two):
 #: the update is about a dozen vector operations a weight, and in the output step, which waits
@@ -80,15 +74,6 @@ AHEAD = 4
 #: from 8 to 32), the input rows' Adam in backward_hidden 9.3 -> 8.1 at 8 and 7.6 at 12, the
 #: pool's 19.7 -> 18.3 at 8 or 16; the step 1.09x side by side (bench/README.md)
 FAR = 16
-
-
-@njit(cache=True, nogil=True, fastmath=_REASSOC)
-def _dot(a, b):
-    """Σ a[j]·b[j] over two float32 vectors of equal length (float32 result)."""
-    s = np.float32(0.0)
-    for j in range(a.size):
-        s += a[j] * b[j]
-    return s
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,7 +117,7 @@ def forward_layer(acts, lo_in, lo_out, W, b, active, n_active, relu):
             out[:] = 0.0
         for a in range(k):
             i = a if active.shape[1] == 0 else active[r, a]
-            a_i = b[i] + _dot(W[i], prev)
+            a_i = b[i] + dot(W[i], prev)
             out[i] = max(a_i, np.float32(0.0)) if relu else a_i
 
 
@@ -371,7 +356,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                     # level up, not in memory
                     far = own[a + FAR]
                     _prefetch_far(far, _grad_row(owners, slots, far, ALONE), W, gW)
-                s = b[own[a]] + _dot(W[own[a], :H], h)
+                s = b[own[a]] + dot(W[own[a], :H], h)
                 logits[a] = s
                 zmax = max(zmax, s)
             zmax = max(zmax, fmax(zp, lanes))

@@ -15,7 +15,7 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit, prange
 
-from lsh import as_rows, blas_threads
+from slide.runtime import as_rows, blas_threads, configure_threading
 
 __all__ = ["topk", "topk_product", "precision_at_k", "ndcg_at_k", "psp_at_k", "propensities", "evaluate",
            "PROPENSITY_AB"]
@@ -25,7 +25,7 @@ PROPENSITY_AB = {"default": (0.55, 1.5), "amazon": (0.6, 2.6), "wikipedia": (0.5
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _heap_push(v, j, k, n, out_ids, out_scores):
+def heap_push(v, j, k, n, out_ids, out_scores):
     """Offer score ``v`` of id ``j`` to the k-sized min-heap holding n entries; returns the new
     size. Ties go to the lower id (ids arrive in increasing order)."""
     if n < k:
@@ -64,7 +64,7 @@ def _heap_push(v, j, k, n, out_ids, out_scores):
 
 
 @njit(cache=True, nogil=True)
-def _heap_sorted(n, k, out_ids, out_scores):
+def heap_sorted(n, k, out_ids, out_scores):
     """A heap of n entries -> descending order (k is small: insertion sort); pads to k."""
     for a in range(1, n):
         s, d = out_scores[a], out_ids[a]
@@ -91,7 +91,7 @@ def _offer_row(row, bias, offset, n, out_ids, out_scores):
     for j in range(row.size):
         v = row[j] + bias[j] if biased else row[j]
         if v > floor or n < k:
-            n = _heap_push(v, offset + j, k, n, out_ids, out_scores)
+            n = heap_push(v, offset + j, k, n, out_ids, out_scores)
             if n >= k:
                 floor = out_scores[0]
     return n
@@ -106,18 +106,18 @@ def _heaps_offer(S, bias, offset, heap_ids, heap_scores, sizes):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _heaps_merge(heap_ids, heap_scores, sizes, out_ids, out_scores):
+def heaps_merge(heap_ids, heap_scores, sizes, out_ids, out_scores):
     """Per row, the top-k of the threads' heaps [T, n, k], merged in label order (thread c
     covered lower labels than c + 1), so ties still go to the lower id."""
     T, n, k = heap_ids.shape
     for r in prange(n):
         m = 0
         for c in range(T):
-            _heap_sorted(sizes[c, r], k, heap_ids[c, r], heap_scores[c, r])
+            heap_sorted(sizes[c, r], k, heap_ids[c, r], heap_scores[c, r])
             for a in range(k):  # sorted: among equal scores the lower id comes first
                 if heap_ids[c, r, a] >= 0:
-                    m = _heap_push(heap_scores[c, r, a], heap_ids[c, r, a], k, m, out_ids[r], out_scores[r])
-        _heap_sorted(m, k, out_ids[r], out_scores[r])
+                    m = heap_push(heap_scores[c, r, a], heap_ids[c, r, a], k, m, out_ids[r], out_scores[r])
+        heap_sorted(m, k, out_ids[r], out_scores[r])
 
 
 def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -133,6 +133,7 @@ def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, 
     ids int64 [n, k] and scores float32 [n, k], best first, ties to the lower id, -1 / -inf
     padding when L < k.
     """
+    configure_threading()
     k = check_k(k)
     n, L = H.shape[0], W.shape[0]
     H = np.ascontiguousarray(H, dtype=np.float32)
@@ -157,7 +158,7 @@ def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, 
                 list(pool.map(scan, range(T)))
     ids = np.empty((n, k), np.int64)
     vals = np.empty((n, k), np.float32)
-    _heaps_merge(heap_ids, heap_scores, sizes, ids, vals)
+    heaps_merge(heap_ids, heap_scores, sizes, ids, vals)
     return ids, vals
 
 
@@ -168,7 +169,7 @@ def topk_kernel(scores, k, out_ids, out_scores):
     no_bias = np.empty(0, scores.dtype)
     for r in prange(scores.shape[0]):
         n = _offer_row(scores[r], no_bias, 0, 0, out_ids[r], out_scores[r])
-        _heap_sorted(n, k, out_ids[r], out_scores[r])
+        heap_sorted(n, k, out_ids[r], out_scores[r])
 
 
 def check_k(k) -> int:
@@ -181,6 +182,7 @@ def check_k(k) -> int:
 
 def topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k indices [n, k] (int64, best first) and their scores [n, k] (float32) of each row."""
+    configure_threading()
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     if scores.ndim != 2:
         raise ValueError(f"scores must be 2-D, got shape {scores.shape}")
@@ -231,6 +233,7 @@ def _as_top(pred, k: int) -> np.ndarray:
 
 
 def _hits(y_true, y_pred, k, weights=None):
+    configure_threading()
     from slide.data import DataFormatError, labels_to_csr
     try:
         Y = labels_to_csr(y_true, where="y_true")
@@ -316,6 +319,7 @@ def _best_gains(indptr, data, out):
 def evaluate(y_true, y_pred, k: int = 5, propensities=None) -> dict:
     """A dict of the usual report at j = 1, 3, 5 (those up to k) and at k itself: P@j, nDCG@j
     (and PSP@j given the labels' propensities)."""
+    configure_threading()
     k = check_k(k)
     top = _as_top(y_pred, k)
     at = sorted({j for j in (1, 3, 5) if j <= k} | {k})

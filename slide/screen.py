@@ -37,10 +37,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from lsh import aligned_empty, as_rows
-from lsh.prefetch import prefetch, prefetch_l2
-from slide.kernels import AHEAD, FAR, _REASSOC, _dot
-from slide.metrics import _heap_push, _heap_sorted, _heaps_merge, check_k, topk_product
+from slide.runtime import aligned_empty, as_rows, configure_threading, prefetch, prefetch_l2
+from slide.kernels import AHEAD, FAR
+from slide.vecmath import REASSOC, dot
+from slide.metrics import heap_push, heap_sorted, heaps_merge, check_k, topk_product
 
 __all__ = ["Int8Rows", "quantize_rows", "screened_topk", "has_int8_dot", "SCREEN_MIN_LABELS",
            "Int8Labels", "quantize_labels", "screened_candidates"]
@@ -195,6 +195,7 @@ def _quantize_rows(W, packed, scale, norm, error, sums):
 def quantize_rows(W, b) -> Int8Rows:
     """:class:`Int8Rows` of the layer ``W`` float32 [L, d] (rows contiguous), ``b`` float32
     [L]; 0.25 bytes per weight extra."""
+    configure_threading()
     W = as_rows(W)
     L, d = W.shape
     if np.shape(b) != (L,):
@@ -314,7 +315,7 @@ def _screen(hq, n, t, off, slack, nh, rounding, packed, scale, norm, error, sums
                     low = _bounds(acc, r, j, jj, t[r], off[r], slack[r], nh[r], rounding, scale,
                                   norm, error, sums, bias)[0]
                     if not full or low > floor:
-                        sizes[c, r] = _heap_push(low, j, k, sizes[c, r], heap_ids[c, r],
+                        sizes[c, r] = heap_push(low, j, k, sizes[c, r], heap_ids[c, r],
                                                  heap_lows[c, r])
                         full = sizes[c, r] >= k
                         if full:
@@ -350,7 +351,7 @@ def _rescore(H, W, b, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, ov
         m = 0
         for c in range(C):
             for a in range(sizes[c, r]):
-                m = _heap_push(heap_lows[c, r, a], heap_ids[c, r, a], k, m, ids, lows)
+                m = heap_push(heap_lows[c, r, a], heap_ids[c, r, a], k, m, ids, lows)
         theta = lows[0] if m >= k else -np.inf
         m = 0
         for c in range(C):
@@ -360,8 +361,8 @@ def _rescore(H, W, b, heap_ids, heap_lows, sizes, cand_ids, cand_ups, n_cand, ov
                     s = np.float32(0.0)
                     for x in range(d):
                         s += H[r, x] * W[j, x]
-                    m = _heap_push(s + b[j], j, k, m, out_ids[r], out_scores[r])
-        _heap_sorted(m, k, out_ids[r], out_scores[r])
+                    m = heap_push(s + b[j], j, k, m, out_ids[r], out_scores[r])
+        heap_sorted(m, k, out_ids[r], out_scores[r])
 
 
 def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
@@ -377,6 +378,7 @@ def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
     padding when L < k; scores are float32 dot products (the same values as
     :func:`slide.metrics.topk_product`'s up to float32 rounding).
     """
+    configure_threading()
     k = check_k(k)
     H = np.ascontiguousarray(H, dtype=np.float32)
     W, b = as_rows(W), np.ascontiguousarray(b, dtype=np.float32)
@@ -462,6 +464,7 @@ def quantize_labels(W, b) -> Int8Labels:
     """:class:`Int8Labels` of the layer ``W`` float32 [L, d] (each row contiguous: the weights'
     view in a training model's row block goes as it is), ``b`` float32 [L]; 0.25 bytes per
     weight and 16 bytes per label extra."""
+    configure_threading()
     W = as_rows(W)
     L, d = W.shape
     if np.shape(b) != (L,):
@@ -472,7 +475,7 @@ def quantize_labels(W, b) -> Int8Labels:
     return Int8Labels(q, meta)
 
 
-@njit(cache=True, nogil=True, fastmath=_REASSOC)
+@njit(cache=True, nogil=True, fastmath=REASSOC)
 def _dot_int8(q, h):
     """``q · h`` in float32 for an int8 row ``q`` [d] (its own function, so that LLVM keeps
     the reassociation that vectorises it where it inlines it)."""
@@ -526,7 +529,7 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
             ups[a] = v + e
             low = v - e
             if low == low:  # NaN (an infinite bias) never rules a label out
-                m = _heap_push(low, a, k, m, low_pos, lows)
+                m = heap_push(low, a, k, m, low_pos, lows)
         floor = lows[0] if m >= k else np.float32(-np.inf)
         # float32 scores of the labels whose upper bound reaches the run's k-th best lower
         # bound (at most the row's), in candidate order: the run's top-k, exactly
@@ -535,10 +538,10 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
         for a in range(lo, hi):
             if not ups[a] < floor:
                 i = cand[r, a]
-                n = _heap_push(b[i] + _dot(W[i, :d], h), a, k, n, pos, top)
+                n = heap_push(b[i] + dot(W[i, :d], h), a, k, n, pos, top)
         sizes[p, r] = n
     # the runs in candidate order, so that ties still go to the earlier candidate
-    _heaps_merge(part_pos, part_top, sizes, ids, scores)
+    heaps_merge(part_pos, part_top, sizes, ids, scores)
     for r in prange(n_rows):
         pos, top = ids[r], scores[r]  # candidate positions, as label ids from here
         for j in range(k):
@@ -566,6 +569,7 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
     merged after: more parts than 1 a row where there are fewer rows than threads (one row's
     thousands of candidates on every thread).
     """
+    configure_threading()
     H = np.ascontiguousarray(H, dtype=np.float32)
     n, d = H.shape
     if labels.q.shape != (W.shape[0], d) or W.shape[1] < d:

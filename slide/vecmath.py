@@ -12,7 +12,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["exp_nonpositive", "fsum", "fmax", "MAX_LANES"]
+__all__ = ["exp_nonpositive", "fsum", "fmax", "dot", "MAX_LANES", "REASSOC"]
 
 
 @intrinsic
@@ -87,3 +87,18 @@ def fmax(a, lanes):
     for j in range(whole, a.size):
         m = max(m, a[j])
     return m
+
+
+#: the dot products may be summed in any order: LLVM then vectorises the reduction, which a
+#: strict left-to-right float sum forbids. The order is fixed by the compiled code, so one
+#: thread still repeats exactly.
+REASSOC = {"reassoc", "contract"}
+
+
+@njit(cache=True, nogil=True, fastmath=REASSOC)
+def dot(a, b):
+    """Σ a[j]·b[j] over two float32 vectors of equal length (float32 result)."""
+    s = np.float32(0.0)
+    for j in range(a.size):
+        s += a[j] * b[j]
+    return s

@@ -13,7 +13,7 @@ import scipy.sparse as sp
 from mpi4py import MPI
 
 from slide.distributed import DataParallel
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

@@ -23,8 +23,8 @@ def test_a_revision_exports_as_renamed_packages(tmp_path):
     if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     export_revision(REPO, "HEAD", tmp_path / "code")
-    network = (tmp_path / "code" / "slide_rev" / "network.py").read_text()
-    assert "from slide_rev." in network and "from lsh_rev." in network
-    assert "from slide." not in network and "from lsh." not in network
+    step = (tmp_path / "code" / "slide_rev" / "step.py").read_text()
+    assert "from slide_rev." in step and "from lsh_rev " in step
+    assert "from slide." not in step and "from lsh." not in step and "from lsh " not in step
     assert (tmp_path / "code" / "lsh_rev" / "__init__.py").is_file()
     assert not (tmp_path / "code.partial").exists()

@@ -66,7 +66,7 @@ def test_a_window_of_a_sampled_step(tmp_path, capsys):
 
 def test_targets_are_the_kernels_module_own_compiled_functions():
     import slide.kernels as kernels
-    from slide.network import SlideClassifier
+    from slide.estimator import SlideClassifier
     from slide.synthetic import make_dataset
     X, Y, _, _ = make_dataset("demo", n_train=512, n_test=8, seed=0)
     model = SlideClassifier(threads=1, epochs=1, early_stopping=False, seed=0).fit(X, Y)

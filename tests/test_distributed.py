@@ -12,7 +12,7 @@ import pytest
 import scipy.sparse as sp
 
 from slide.data import DataFormatError, read_dataset, read_shard, write_xmc
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from slide.checkpoint import CheckpointError
 from slide.data import DataFormatError, read_dataset
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 EXAMPLES = int(os.environ.get("SLIDE_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,

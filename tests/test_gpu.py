@@ -6,7 +6,7 @@ from gpu_ref import DenseClassifier, gpu_available, ops
 from gpu_ref.dense import uniform_targets
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide.metrics import precision_at_k
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not gpu_available(), reason="needs cupy and a CUDA device")]

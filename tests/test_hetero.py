@@ -1,12 +1,11 @@
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from gpu_ref.hetero import BatchPolicy, HeteroConfig, HeteroError, HeteroTrainer
 from slide.metrics import precision_at_k
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 
 def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
@@ -23,7 +22,7 @@ def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     h = _trainer(policy, epochs=6, min_speed=0.0).fit(Xtr, Ytr, validation=(Xte, Yte))
     seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
     np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
-    rec = h.history_[-1]
+    rec = h.model.history_[-1]
     assert rec["cpu_samples"] + rec["gpu_samples"] == Xtr.shape[0]
     assert rec["cpu_updates"] > 0 and rec["gpu_updates"] > 0
     assert 0 < rec["cpu_utilisation"] <= 1.0 and 0 < rec["gpu_utilisation"] <= 1.0
@@ -33,27 +32,63 @@ def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     assert rec["val_P@1"] > base + 0.1, (rec["val_P@1"], base)
 
 
-class _SlowGPU(HeteroTrainer):
-    """The GPU worker made artificially slower: a fixed delay per sample."""
+class _VirtualTime:
+    """A clock of its own for each worker thread, advanced by its paced steps: a discrete-event
+    schedule over the real threads. A worker whose step ends at virtual time t goes on (to take
+    its next chunk of the stream) only once no other active worker can end a step before t, so
+    the workers take the stream's chunks in the order their paces say, however loaded the
+    machine is and however long the real steps take."""
 
-    def _gpu_step(self, X, Y, idx):
-        time.sleep(2e-4 * idx.size)
-        return super()._gpu_step(X, Y, idx)
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._now = {}  # thread id: virtual time (of its last step's end, or the one it waits at)
+
+    def clock(self) -> float:
+        with self._cond:
+            return self._now.get(threading.get_ident(), 0.0)
+
+    def spend(self, seconds: float) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            # each worker's time starts at 0 with its first step of a pass
+            self._now[me] = self._now.get(me, 0.0) + seconds
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: all((t, o) > (self._now[me], me)
+                                            for o, t in self._now.items() if o != me))
+
+    def leave(self) -> None:
+        with self._cond:
+            self._now.pop(threading.get_ident(), None)
+            self._cond.notify_all()
 
 
 class _PacedWorkers(HeteroTrainer):
-    """Both workers slowed by a fixed delay per sample, far above their compute: their speeds are
-    set by the delays (10,000 and 1,000 samples a second unless set), not by how busy the
-    machine is."""
+    """Both workers paced by a fixed virtual time per sample (10,000 and 1,000 samples a second
+    unless set), which the trainer's clock reads: their speeds, and the order in which they take
+    the stream's chunks, are set by the paces, not by how busy the machine is."""
     cpu_pace, gpu_pace = 1e-4, 1e-3
 
+    def __init__(self, *args, **kwargs):
+        self.time = _VirtualTime()
+        super().__init__(*args, clock=self.time.clock, **kwargs)
+
     def _cpu_step(self, X, Y, idx):
-        time.sleep(self.cpu_pace * idx.size)
-        return super()._cpu_step(X, Y, idx)
+        loss = super()._cpu_step(X, Y, idx)
+        self.time.spend(self.cpu_pace * idx.size)
+        return loss
 
     def _gpu_step(self, X, Y, idx):
-        time.sleep(self.gpu_pace * idx.size)
-        return super()._gpu_step(X, Y, idx)
+        loss = super()._gpu_step(X, Y, idx)
+        self.time.spend(self.gpu_pace * idx.size)
+        return loss
+
+    def _worker_done(self, name):
+        self.time.leave()
+
+
+class _SlowGPU(_PacedWorkers):
+    """The GPU worker twenty times slower than the engine."""
+    cpu_pace, gpu_pace = 1e-5, 2e-4
 
 
 def test_adaptive_balances_update_ratio_when_one_worker_is_slow(tiny_data):
@@ -66,7 +101,7 @@ def test_adaptive_balances_update_ratio_when_one_worker_is_slow(tiny_data):
         h = _trainer(policy, cls=_PacedWorkers, cpu_batch=8, gpu_batch=64, target_ratio=2.0,
                      threshold=16, min_speed=0.0, epochs=4)
         h.fit(Xtr, Ytr)
-        after_first = h.history_[1:]  # the first epoch starts from the fixed batches
+        after_first = h.model.history_[1:]  # the first epoch starts from the fixed batches
         ratios[policy] = sum(r["cpu_updates"] for r in after_first) / \
             sum(r["gpu_updates"] for r in after_first)
     assert abs(np.log(ratios["adaptive"] / 2.0)) < np.log(1.3), ratios
@@ -81,7 +116,7 @@ def test_slow_worker_retires_and_run_learns_as_cpu_alone(tiny_data):
     # after its first update: in an epoch of 3,000 rows the slow worker makes only one or two
     h = _trainer("adaptive", cls=_SlowGPU, epochs=5, min_speed=0.5, warmup_updates=1)
     h.fit(Xtr, Ytr, validation=(Xte, Yte))
-    first, last = h.history_[0], h.history_[-1]
+    first, last = h.model.history_[0], h.model.history_[-1]
     assert first["gpu_retired"] and last["gpu_retired"]
     assert last["gpu_samples"] == 0 and last["cpu_samples"] == Xtr.shape[0]
     assert first["gpu_share"] < 0.5
@@ -171,9 +206,9 @@ def test_worker_error_stops_run_and_keeps_last_checkpoint(tmp_path, tiny_data):
     h = _trainer(cls=_FailingGPU, min_speed=0.0)
     saved_steps = []
 
-    def checkpoint(trainer, record):
-        trainer.save(tmp_path / "ck")
-        saved_steps.append(trainer.model.step_)
+    def checkpoint(model, record):
+        model.save(tmp_path / "ck")
+        saved_steps.append(model.step_)
 
     with pytest.raises(HeteroError, match="gpu worker failed at epoch 2: MemoryError: device out of memory"):
         h.fit(Xtr, Ytr, on_epoch=checkpoint)

@@ -7,7 +7,8 @@ import scipy.sparse as sp
 from scipy import stats
 
 import lsh
-from lsh import DWTA, WTA, HashTables, SimHash, TableConfig, as_rows, autotune
+from lsh import DWTA, WTA, HashTables, SimHash, TableConfig, autotune
+from slide.runtime import as_rows, set_num_threads
 from lsh.families import _densify
 
 
@@ -134,7 +135,7 @@ def test_leading_rows_widen_a_row_blocks_weights_and_nothing_else(rng):
     that start where they do, so that they compile once with a plain matrix's layout; a view
     whose rows are not contiguous, or whose last row widened would run past its memory, goes
     as it is."""
-    from lsh.arrays import aligned_empty, leading_rows
+    from slide.runtime import aligned_empty, leading_rows
     plain = rng.standard_normal((50, 12)).astype(np.float32)
     lined = aligned_empty((50, 12), np.float32)
     lined[:] = plain
@@ -157,7 +158,7 @@ def test_leading_rows_widen_a_row_blocks_weights_and_nothing_else(rng):
 def test_aligned_arrays_start_on_a_cache_line():
     """Arrays whose rows kernels read at random start on a cache line (numpy's large arrays
     start 16 bytes into one), zeroed or not, at any shape and dtype."""
-    from lsh.arrays import CACHE_LINE, aligned_empty, aligned_zeros
+    from slide.runtime import CACHE_LINE, aligned_empty, aligned_zeros
     for shape, dtype in (((1000, 384), np.float32), ((3, 5, 64), np.int32), (7, np.int64)):
         for make in (aligned_empty, aligned_zeros):
             a = make(shape, dtype)
@@ -174,7 +175,7 @@ def test_transpose_tile_moves_one_tile_and_nothing_else(rng, zeros_to_neg_inf):
     """A 16 x 16 tile of a strided view lands transposed at its place in the destination (zeros
     as -inf where asked), every other element of the destination untouched."""
     from numba import njit
-    from lsh.tiles import transpose_tile
+    from slide.runtime import transpose_tile
 
     @njit
     def move(src, r, d, dst, i, z):
@@ -282,9 +283,9 @@ def test_same_seed_identical_and_parallel_equals_serial(rng):
     a, b = HashTables(32, 5000, cfg, seed=9), HashTables(32, 5000, cfg, seed=9)
     old = numba.get_num_threads()
     try:
-        lsh.set_num_threads(1)
+        set_num_threads(1)
         a.build(W)
-        lsh.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        set_num_threads(numba.config.NUMBA_NUM_THREADS)
         b.build(W)
     finally:
         numba.set_num_threads(old)
@@ -324,7 +325,7 @@ def test_prefetch_hints_leave_results_unchanged():
     its end) changes nothing a kernel computes; anything but a 1-D array is refused."""
     from numba import njit
     from numba.core.errors import TypingError
-    from lsh.prefetch import prefetch, prefetch_l2, prefetch_w
+    from slide.runtime import prefetch, prefetch_l2, prefetch_w
 
     @njit
     def sum_rows(W, b, rows):
@@ -359,7 +360,7 @@ def test_prefetch_hints_leave_results_unchanged():
 def test_thread_chunks_split_rows_into_one_even_run_per_thread(n):
     """The boundaries start at 0, end at n, never fall, and give each thread n // t or
     n // t + 1 rows (t: the thread count, at most n)."""
-    from lsh import engine_threads, thread_chunks
+    from slide.runtime import engine_threads, thread_chunks
     for threads in (1, 2, 3):
         with engine_threads(threads) as t:
             bounds = thread_chunks(n)
@@ -376,8 +377,8 @@ def test_fetch_add_hands_each_item_to_one_thread():
     an int64 array is refused."""
     from numba import njit, prange
     from numba.core.errors import TypingError
-    from lsh import engine_threads
-    from lsh.atomics import fetch_add
+    from slide.runtime import engine_threads
+    from slide.runtime import fetch_add
 
     @njit(parallel=True)
     def claim_all(n_items, n_threads, owner, counter):

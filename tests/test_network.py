@@ -8,12 +8,12 @@ import scipy.sparse as sp
 from sklearn.exceptions import NotFittedError
 
 from gpu_ref import DenseClassifier
-from lsh.arrays import CACHE_LINE
+from slide.runtime import CACHE_LINE
 from gpu_ref.dense import softmax_grads, uniform_targets
 from slide.config import hidden_blocks
 from slide.data import DataFormatError
 from slide.metrics import precision_at_k
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 
 def _small(tiny_data, n=64, labels=300):
@@ -58,8 +58,8 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data, activation):
             grads[name] = _expand(g[name], rows, eng.params_[name].shape[0])
         grads.update({k: g[k].copy() for k in ("b0", "Wh", "bh")})
 
-    eng._adam_update = capture
-    eng._updates_in_place = lambda: False  # every row through the gradients, to read them
+    eng.state_.apply_gradients = capture
+    eng.state_.updates_in_place = lambda: False  # every row through the gradients, to read them
     eng.partial_fit(X, Y)
     assert eng.step_ == 0 and grads
     for k in before:  # nothing was updated
@@ -311,14 +311,14 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
     # serving tables follow the weights: rebuilt (centred on the new mean row) after training
     m.set_serving(L)
     before = m.serving_tables_.offset.copy()
-    screen = m._candidate_screen()
+    screen = m.server_.candidate_screen()
     m.partial_fit(Xtr[:64], Ytr[:64])
     ids, scores = m.predict_topk(Xte[:20], 5, mode="lsh")
     assert np.abs(before - m.params_["W"].mean(0)).max() > 1e-5
     np.testing.assert_allclose(m.serving_tables_.offset, m.params_["W"].mean(0), atol=1e-6)
     # ... and so is the int8 copy their candidates are screened with: each row's top-5 of its
     # candidates by the new weights' float32 scores
-    assert m._candidate_screen() is not screen
+    assert m.server_.candidate_screen() is not screen
     h = m.embed(Xte[:20])
     cand, n_c = m.serving_tables_.query(h, m.serving_candidates_)
     for r in range(20):
@@ -532,7 +532,7 @@ def _claimed_step(threads: int):
     import scipy.sparse as sp
 
     import slide.kernels as K
-    from lsh import engine_threads
+    from slide.runtime import engine_threads
     from lsh.tables import QueryScratch
 
     rng = np.random.default_rng(3)
@@ -612,7 +612,7 @@ def test_shared_input_rows_sum_their_samples_in_order_on_any_thread_count():
     import scipy.sparse as sp
 
     import slide.kernels as K
-    from lsh import engine_threads
+    from slide.runtime import engine_threads
 
     rng = np.random.default_rng(5)
     n, n_f, H = 40, 16, 8

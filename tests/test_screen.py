@@ -105,16 +105,16 @@ def test_screened_topk_falls_back_where_the_screen_cannot_serve(rng):
 
 @needs_vnni
 def test_exact_predictions_go_through_the_screen_and_follow_training(monkeypatch, tiny_data):
-    from slide import SlideClassifier, network
+    from slide import SlideClassifier, serving
     calls = []
-    real = network.screened_topk
+    real = serving.screened_topk
 
     def counted(*args, **kw):
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(network, "SCREEN_MIN_LABELS", 1)
-    monkeypatch.setattr(network, "screened_topk", counted)
+    monkeypatch.setattr(serving, "SCREEN_MIN_LABELS", 1)
+    monkeypatch.setattr(serving, "screened_topk", counted)
     X, Y = tiny_data[0], tiny_data[1]
     m = SlideClassifier(hidden=16, epochs=1, early_stopping=False, seed=0, threads=1).fit(X, Y)
     for _ in range(2):  # the int8 copy is rebuilt after the weights move

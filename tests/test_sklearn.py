@@ -6,7 +6,7 @@ that passes today and fails tomorrow fails this test.
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from gpu_ref import DenseClassifier
-from slide.network import SlideClassifier
+from slide.estimator import SlideClassifier
 
 ESTIMATORS = [
     SlideClassifier(hidden=(8,), epochs=2, early_stopping=False),           # every core

@@ -9,12 +9,12 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, resources
-from slide.config import (HARD_NEGATIVES, IDF_CHOICE_ROWS, LIGHT_DECAYS, OUTPUT_STATE_BYTES, RARE_POSITIVES,
-                          RARE_ROWS, RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, WIDE_HIDDEN, SlideConfig,
-                          checked_choice, choice_name, idf_weighted, next_choice, positives_per_step,
-                          rare_share, resolve, sampled_width, touched_share)
+from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS, RARE_SHARE,
+                          REFIT_ROWS, SAMPLED_DECAY, SlideConfig, checked_choice, idf_weighted,
+                          positives_per_step, rare_share, resolve, sampled_width, touched_share)
+from slide.loop import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, validation_split
 from slide.resources import model_memory_bytes
-from slide.train import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, fit_loop, validation_split
+from slide.selection import CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, WIDE_HIDDEN, choice_name, offered
 
 
 def test_validation_split_is_seeded_disjoint_and_bounded():
@@ -62,7 +62,7 @@ def test_schedule_runs_in_fit_and_a_checkpoint_resumes_it(tmp_path, tiny_data):
     with pytest.raises(KeyboardInterrupt):
         SlideClassifier(**kw).fit(X, Y, on_epoch=save_then_die)
     resumed = SlideClassifier.load(tmp_path / "ck")
-    fit_loop(resumed, X, Y, until_epoch=6, continue_training=True)
+    resumed.train(X, Y, until_epoch=6, continue_training=True)
     assert [h["learning_rate"] for h in resumed.history_] == [h["learning_rate"] for h in straight.history_]
     np.testing.assert_array_equal(resumed.params_["W"], straight.params_["W"])
 
@@ -107,9 +107,9 @@ def test_held_out_rows_are_not_trained_on(tiny_data):
     seen = []
 
     class Recording(SlideClassifier):
-        def train_step(self, Xb, Yb):
-            seen.append(Xb.shape[0])
-            return super().train_step(Xb, Yb)
+        def train_epoch(self, Xp, Y, order, progress=None, learning_rate=None):
+            seen.append(order.size)
+            return super().train_epoch(Xp, Y, order, progress, learning_rate)
 
     m = Recording(hidden=(8,), sparsity=0.5, epochs=1, validation_fraction=0.2, seed=0,
                   refit=False, tfidf=False).fit(X, Y)
@@ -156,7 +156,7 @@ def test_resume_during_early_stopping_equals_straight_run(tmp_path, tiny_data):
         SlideClassifier(**kw).fit(X, Y, on_epoch=save_then_die)
     resumed = SlideClassifier.load(tmp_path / "ck4")
     assert resumed.best_params_ is not None  # the checkpoint holds the best epoch's weights too
-    fit_loop(resumed, X, Y, until_epoch=12, continue_training=True)
+    resumed.train(X, Y, until_epoch=12, continue_training=True)
     assert resumed.stopping_["kept_epoch"] == straight.stopping_["kept_epoch"]
     assert [h["val_nDCG@5"] for h in resumed.history_] == [h["val_nDCG@5"] for h in straight.history_]
     assert [h["learning_rate"] for h in resumed.history_] == [h["learning_rate"] for h in straight.history_]
@@ -182,12 +182,12 @@ def test_kill_inside_an_epoch_loses_at_most_save_every(tmp_path, tiny_data, engi
 
     straight = make().fit(X, Y)
     with pytest.raises(KeyboardInterrupt):
-        fit_loop(make(), X, Y, save_every=4, on_save=save_then_die)
+        make().train(X, Y, save_every=4, on_save=save_then_die)
     assert saves == [128, 256, 384]  # samples of the first epoch done at each save
     cls = type(straight)
     resumed = cls.load(tmp_path / "ck", **({} if engine == "slide" else {"device": "cpu"}))
     assert (resumed.epoch_, resumed.epoch_position_, resumed.step_) == (0, 384, 12)
-    fit_loop(resumed, X, Y, until_epoch=2, continue_training=True)
+    resumed.train(X, Y, until_epoch=2, continue_training=True)
     assert resumed.step_ == straight.step_
     for k in straight.params_:
         np.testing.assert_array_equal(resumed.params_[k], straight.params_[k], err_msg=k)
@@ -202,6 +202,7 @@ def test_kill_inside_an_epoch_loses_at_most_save_every(tmp_path, tiny_data, engi
 def test_every_engine_runs_the_same_loop(tiny_data, make):
     X, Y = tiny_data[0][:500], tiny_data[1][:500]
     m = make().fit(X, Y)
+    m = m.model if isinstance(m, HeteroTrainer) else m  # the trainer runs the engine's epochs
     assert len(m.history_) == 4 and m.stopping_["validation"].startswith("held out")
     # 500 rows: every engine then trains again on all of them for the kept epochs
     assert m.history_[-1]["refit"] and m.stopping_["refit"]["rows"] == 500
@@ -231,9 +232,7 @@ def test_refit_trains_again_on_every_row_for_the_kept_epochs(tiny_data):
     ref.initialize(X, Y)
     Xp = ref.preprocess(X)
     for e, rate in enumerate(rates):
-        ref.learning_rate_ = rate
-        ref.train_epoch(Xp, Y, np.random.default_rng([3, 2, e]).permutation(600))
-        ref.epoch_ += 1
+        ref.train_epoch(Xp, Y, np.random.default_rng([3, 2, e]).permutation(600), learning_rate=rate)
     for k in ref.params_:
         np.testing.assert_array_equal(m.params_[k], ref.params_[k], err_msg=k)
     # the rule: training rows after the held-out slice, below REFIT_ROWS; never without it
@@ -382,41 +381,48 @@ def test_rarely_positive_labels_get_the_settings_of_rarely_updated_rows(tmp_path
         SlideClassifier.load(tmp_path / "m")
 
 
+def _offered(config, n_features, n_labels, n_train, **kw):
+    """The names of the candidates the selection table offers for this shape."""
+    resolved = resolve(config, n_features, n_labels, n_train, **kw)
+    return [c.name for c in offered(config, resolved, n_features, n_labels, n_train)]
+
+
 def test_choices_follow_the_rule(tiny_data):
-    # the rule's own settings first, then the wide hidden layer where the width is derived, the
-    # output whole, the refit runs and its state fits the budget, and the light decay where the
-    # decay is derived and would be 1; nothing where a choice was made or there is no early stop
+    # the wide hidden layer where the width is derived, the output whole, the refit runs and
+    # its state fits the budget, and the ladder of light decays where the decay is derived and
+    # would be 1; nothing without early stopping
     whole = dict(n_features=1449, n_labels=45, n_train=300)
-    wide, light = {"width": WIDE_HIDDEN}, {"weight_decay": LIGHT_DECAYS[0]}
-    assert resolve(SlideConfig(), **whole)["choices"] == [{}, wide, light]
-    assert resolve(SlideConfig(hidden=(64,)), **whole)["choices"] == [{}, light]
-    assert resolve(SlideConfig(refit=False), **whole)["choices"] == [{}, light]
-    assert resolve(SlideConfig(), 1449, 45, REFIT_ROWS)["choices"] == [{}, light]
-    assert resolve(SlideConfig(weight_decay=1.0), **whole)["choices"] == [{}, wide]
-    assert resolve(SlideConfig(), **whole, rare_fraction=RARE_SHARE)["choices"] == [{}, wide]
+    WIDE, LADDER, IDF = ["hidden 2048"], [f"decay {d:g}" for d in LIGHT_DECAYS], ["tf-idf"]
+    assert _offered(SlideConfig(), **whole) == WIDE + LADDER + IDF
+    assert _offered(SlideConfig(hidden=(64,)), **whole) == LADDER + IDF
+    assert _offered(SlideConfig(refit=False), **whole) == LADDER + IDF
+    assert _offered(SlideConfig(), 1449, 45, REFIT_ROWS) == LADDER + IDF
+    assert _offered(SlideConfig(weight_decay=1.0), **whole) == WIDE + IDF
+    assert _offered(SlideConfig(), **whole, rare_fraction=RARE_SHARE) == WIDE + IDF
     for config in (SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5, tfidf=False),
                    SlideConfig(hidden=(64,), weight_decay=0.5, tfidf=False)):
-        assert resolve(config, **whole)["choices"] == []
+        assert _offered(config, **whole) == []
     # idf weighting, tried on the best of those where tfidf is not given and the rows are few,
     # whether the output is sampled or not
-    idf = [{"tfidf": True}]
-    assert resolve(SlideConfig(), **whole)["choices_on_best"] == idf
-    assert resolve(SlideConfig(sparsity=0.5), **whole)["choices"] == [{}]
-    assert resolve(SlideConfig(sparsity=0.5), **whole)["choices_on_best"] == idf
-    assert resolve(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS - 1)["choices_on_best"] == idf
-    assert resolve(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS)["choices_on_best"] == []
+    assert _offered(SlideConfig(sparsity=0.5), **whole) == IDF
+    assert _offered(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS - 1)[-1:] == IDF
+    assert "tf-idf" not in _offered(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS)
     for config in (SlideConfig(tfidf=False), SlideConfig(tfidf=True), SlideConfig(early_stopping=False)):
-        assert resolve(config, **whole)["choices_on_best"] == []
+        assert "tf-idf" not in _offered(config, **whole)
     too_wide = OUTPUT_STATE_BYTES // (16 * WIDE_HIDDEN)
-    assert resolve(SlideConfig(), too_wide + 1 - 45, 45, 300)["choices"] == [{}, light]
-    assert resolve(SlideConfig(), too_wide - 45, 45, 300)["choices"] == [{}, wide, light]
-    # a choice replaces the rule's values, not settings given, and leaves nothing to choose
+    assert _offered(SlideConfig(), too_wide + 1 - 45, 45, 300) == LADDER + IDF
+    assert _offered(SlideConfig(), too_wide - 45, 45, 300) == WIDE + LADDER + IDF
+    # the table: the ladder's rungs each build on the one before, idf weighting on the best
+    assert [(c.name, c.on) for c in CANDIDATES] == [
+        ("hidden 2048", "rule"), ("decay 0.3", "rule"), ("decay 0.1", "decay 0.3"),
+        ("decay 0.03", "decay 0.1"), ("tf-idf", "best")]
+    # a choice replaces the rule's values, not settings given
+    wide, light = {"width": WIDE_HIDDEN}, {"weight_decay": LIGHT_DECAYS[0]}
     chosen = resolve(SlideConfig(), **whole, choice=wide)
-    assert chosen["hidden"] == [WIDE_HIDDEN] and chosen["choices"] == []
+    assert chosen["hidden"] == [WIDE_HIDDEN]
     assert resolve(SlideConfig(), **whole, choice=light)["weight_decay"] == LIGHT_DECAYS[0]
     assert resolve(SlideConfig(weight_decay=0.5), **whole, choice=light)["weight_decay"] == 0.5
-    assert resolve(SlideConfig(), **whole, choice={}) == \
-        {**resolve(SlideConfig(), **whole), "choices": [], "choices_on_best": []}
+    assert resolve(SlideConfig(), **whole, choice={}) == resolve(SlideConfig(), **whole)
     for bad in ({"width": 0}, {"lr": 1.0}, [("width", 2)]):
         with pytest.raises(ValueError, match="width|choice"):
             resolve(SlideConfig(), **whole, choice=bad)
@@ -492,18 +498,17 @@ def test_without_refit_the_chosen_run_is_kept_as_trained(tiny_data):
     assert c["chosen"] == "rule" and m.choice_ == {} and "refit" not in m.stopping_
     # the rule's settings given, so that nothing is chosen
     alone = SlideClassifier(hidden=(512,), weight_decay=1.0, **kw).fit(X, Y, validation=(Xv, Yv))
-    assert "choice" not in alone.stopping_ and alone.resolved_ == {**m.resolved_, "choices": []}
+    assert "choice" not in alone.stopping_ and alone.resolved_ == m.resolved_
     assert alone.stopping_["best_score"] == pytest.approx(c["validation_scores"]["rule"], rel=1e-6)
     assert [r["loss"] for r in m.history_] == pytest.approx([r["loss"] for r in alone.history_], rel=1e-6)
     np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
 
 
 def test_lighter_decays_are_tried_while_each_is_the_best_so_far(tiny_data):
-    assert [next_choice({"weight_decay": d}) for d in LIGHT_DECAYS] == \
-        [{"weight_decay": d} for d in LIGHT_DECAYS[1:]] + [None]
-    for choice in ({}, {"width": WIDE_HIDDEN}, {"weight_decay": 0.5},
-                   {"width": WIDE_HIDDEN, "weight_decay": LIGHT_DECAYS[0]}):
-        assert next_choice(choice) is None
+    # each rung of the ladder is tried only where the rung before it is the best run so far
+    rungs = [c for c in CANDIDATES if "weight_decay" in c.change]
+    assert [c.change["weight_decay"] for c in rungs] == list(LIGHT_DECAYS)
+    assert [c.on for c in rungs] == ["rule"] + [choice_name(c.change) for c in rungs[:-1]]
     X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
     kw = dict(threads=1, seed=0, epochs=2, tfidf=False)
     # the loss made to fall with the decay: every rung is tried, the lightest is kept
@@ -582,12 +587,12 @@ def test_a_held_fitted_state_survives_another_fit(engine, tiny_data):
     inner = model.model if engine == "hetero" else model
     model.fit(X, Y)
     params = {k: np.array(v) for k, v in inner.params_.items()}
-    history = list(model.history_)
-    held = model.fitted_state()
+    history = list(inner.history_)
+    held = inner.fitted_state()
     inner.set_params(hidden=(8,), seed=1)
     model.fit(tiny_data[0][300:500], tiny_data[1][300:500])
-    model.restore_fitted(held)
-    assert model.history_ == history and inner.resolved_["hidden"] == [16]
+    inner.restore_fitted(held)
+    assert inner.history_ == history and inner.resolved_["hidden"] == [16]
     for k, v in params.items():
         np.testing.assert_array_equal(np.asarray(inner.params_[k]), v)
     assert inner.predict_topk(X[:5], 3)[0].shape == (5, 3)

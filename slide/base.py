@@ -1,0 +1,204 @@
+"""What every estimator of the project shares: the engine's and the dense reference's
+scikit-learn face over their own training states.
+
+:class:`TrainableMixin` supplies data checks, preprocessing, the fitted record's attributes,
+evaluation and the probability outputs. A subclass provides ``_config()`` (its settings as a
+:class:`slide.config.SlideConfig`), ``initialize``, ``train_epoch``, ``snapshot`` /
+``restore``, ``score_blocks``, ``block_topk`` and ``predict_topk``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.exceptions import NotFittedError
+from sklearn.utils import ClassifierTags
+
+from slide.config import idf_weighted, rare_share
+from slide.data import check_xy
+from slide.loop import FitRecord
+from slide.preprocess import Preprocessor
+
+__all__ = ["TrainableMixin", "softmax_loss", "array_module"]
+
+
+def _from_record(field: str, doc: str):
+    """A fitted attribute read from the model's :class:`slide.loop.FitRecord`."""
+    def get(self):
+        if "record_" not in vars(self):
+            raise AttributeError(f"{type(self).__name__} is not fitted: it has no {field}_")
+        return getattr(self.record_, field)
+    return property(get, doc=doc)
+
+
+class TrainableMixin:
+    """The engine-independent half of the estimator interface (see the module docstring)."""
+
+    epoch_ = _from_record("epoch", "Epochs trained.")
+    epoch_position_ = _from_record("epoch_position", "Samples of the next epoch trained.")
+    history_ = _from_record("history", "One record per epoch.")
+    stopping_ = _from_record("stopping", "The epoch kept and why training stopped.")
+    early_stopping_ = _from_record("early_stopping", "Validation bookkeeping.")
+    best_params_ = _from_record("best_params", "The best epoch's weights while a run goes on.")
+    single_label_ = _from_record("single_label", "Fitted on a 1-D y (label ids).")
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = True  # CSR is the native input
+        tags.target_tags.required = True
+        tags.target_tags.multi_output = True  # Y: a label-indicator matrix or label lists
+        tags.classifier_tags = ClassifierTags(multi_class=True, multi_label=True)
+        return tags
+
+    #: the attribute that fitting sets first: the model is fitted when it has it
+    _fitted_attribute = "params_"
+
+    def _is_fitted(self) -> bool:
+        return self._fitted_attribute in vars(self)
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return self._is_fitted()
+
+    def _require_fitted(self):
+        if not self._is_fitted():
+            raise NotFittedError(f"this {type(self).__name__} is not fitted yet; call fit first")
+
+    def fit_settings(self) -> dict:
+        """Early stopping, validation fraction, patience, refit and seed (current settings,
+        valid before the model is fitted)."""
+        c = self._config()
+        return {"early_stopping": c.early_stopping, "validation_fraction": c.validation_fraction,
+                "n_iter_no_change": c.n_iter_no_change, "refit": c.refit, "seed": c.seed}
+
+    def check_data(self, X, Y=None, where="input", fitted=True):
+        """Validated float32 CSR ``X`` (and CSR indicator ``Y``), against the fitted shapes
+        when ``fitted`` and the model is fitted."""
+        if not (fitted and self._is_fitted()):
+            return check_xy(X, Y, where=where, require_labels=Y is not None)
+        return check_xy(X, Y, n_features=self.n_features_in_,
+                        n_labels=self.n_labels_ if Y is not None else None, where=where,
+                        owner=type(self).__name__)
+
+    def fit_data(self, X, Y, distributed=None) -> None:
+        """Learn what the defaults rule reads from the training rows (``initialize``'s first
+        step, after ``config_`` and ``choice_`` are set): ``n_features_in_``, ``n_labels_``,
+        ``n_train_``, the preprocessing ``preprocessor_`` (``config_.norm``, and idf weighting
+        as :func:`slide.config.idf_weighted` says) fitted on ``X``, ``rare_share_``
+        (:func:`slide.config.rare_share`) and ``labels_per_row_``. With ``distributed``, ``X``,
+        ``Y`` are this rank's shard and the counts and feature statistics are the whole
+        data's. Starts a fresh ``record_``."""
+        n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
+        n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
+        self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
+        self.preprocessor_ = Preprocessor(self.config_.norm,
+                                          idf_weighted(self.config_, self.choice_)).fit(X)
+        if distributed is not None:
+            distributed.merge_preprocessor(self.preprocessor_)
+        self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
+        self.labels_per_row_ = n_positives / max(n_train, 1)
+        self.record_ = FitRecord()
+
+    def preprocess(self, X):
+        """The model's fitted preprocessing of CSR ``X`` (float32 CSR, same shape)."""
+        return self.preprocessor_.transform(X)
+
+    def fitted_state(self) -> dict:
+        """The fitted model's attributes, for :meth:`restore_fitted` after another run. A
+        shallow copy suffices: ``initialize`` binds every fitted attribute to new objects."""
+        return dict(vars(self))
+
+    def restore_fitted(self, state: dict) -> None:
+        """Make the run :meth:`fitted_state` held the model's again (its settings included)."""
+        vars(self).clear()
+        vars(self).update(state)
+
+    def evaluate(self, X, Y, k: int = 5, loss: bool = False, **predict_kw) -> dict:
+        """P@1..k and nDCG@1..k (reported at 1, 3, 5 and k) of the top-k predictions, and with
+        ``loss`` the mean cross-entropy against uniform targets over each row's labels (rows
+        without labels are left out of it), from the same exact scores."""
+        from slide.metrics import evaluate as evaluate_topk
+        X, Y = self.check_data(X, Y, where="evaluate", fitted=True)
+        if predict_kw or not loss:
+            return evaluate_topk(Y, self.predict_topk(X, k, **predict_kw)[0], k)
+        top = np.empty((X.shape[0], k), np.int64)
+        total, rows = 0.0, 0
+        for lo, hi, S in self.score_blocks(X):
+            top[lo:hi] = self.block_topk(S, k)[0]
+            s, n = softmax_loss(S, Y[lo:hi])
+            total, rows = total + s, rows + n
+        return {**evaluate_topk(Y, top, k), "loss": total / max(rows, 1)}
+
+    def score(self, X, y=None) -> float:
+        """P@1 (for scikit-learn's model selection)."""
+        if y is None:
+            self.check_data(X, where="score", fitted=True)
+            raise ValueError("score needs the true labels y")
+        return self.evaluate(X, y, k=1)["P@1"]
+
+    def predict(self, X, k: int = 1):
+        """Label-indicator matrix of each row's top ``k`` labels: scipy CSR [n, n_labels] of
+        0/1 int8, the form scikit-learn's multi-label metrics and scorers take. A model fitted
+        on a 1-D ``y`` (one label id per row) returns the top label ids, int64 [n], as
+        scikit-learn's classifiers do."""
+        if self._is_fitted() and self.single_label_ and k == 1:
+            return self.predict_topk(X, 1)[0][:, 0]
+        ids = self.predict_topk(X, k)[0]
+        n = ids.shape[0]
+        keep = ids >= 0
+        indptr = np.concatenate([[0], np.cumsum(keep.sum(axis=1))])
+        return sp.csr_matrix((np.ones(int(keep.sum()), np.int8), ids[keep], indptr),
+                             shape=(n, self.n_labels_))
+
+    def predict_proba(self, X) -> np.ndarray:
+        """Softmax probability of every label, float32 [n, n_labels] on the host (dense: n ×
+        n_labels × 4 bytes; for wide layers use :meth:`predict_topk_proba`)."""
+        self._require_fitted()
+        X = self.check_data(X, where="predict_proba", fitted=True)
+        out = np.empty((X.shape[0], self.n_labels_), np.float32)
+        for lo, hi, S in self.score_blocks(X):
+            xp = array_module(S)
+            P = xp.exp(S - _logsumexp_rows(S)[:, None])
+            out[lo:hi] = P if xp is np else P.get()
+        return out
+
+    def predict_topk_proba(self, X, k: int = 5):
+        """Exact top-k labels and their softmax probabilities (normalised over every label):
+        ``(ids int64 [n, k], probabilities float32 [n, k])``, best first."""
+        X = self.check_data(X, where="predict", fitted=True)
+        ids = np.empty((X.shape[0], k), np.int64)
+        probs = np.empty((X.shape[0], k), np.float32)
+        for lo, hi, S in self.score_blocks(X):
+            lse = _logsumexp_rows(S)
+            ids[lo:hi], top = self.block_topk(S, k)
+            lse = lse if isinstance(lse, np.ndarray) else lse.get()
+            probs[lo:hi] = np.exp(top - lse[:, None])
+        return ids, probs
+
+
+def softmax_loss(S, Y) -> tuple[float, int]:
+    """Summed cross-entropy of score rows ``S`` [n, L] (numpy or cupy) against uniform targets
+    over the labels of CSR ``Y`` [n, L], and the number of rows with labels."""
+    xp = array_module(S)
+    counts = np.diff(Y.indptr)
+    rows = np.repeat(np.arange(S.shape[0]), counts)
+    m = S.max(axis=1, keepdims=True)
+    lse = (m + xp.log(xp.exp(S - m).sum(axis=1, keepdims=True)))[:, 0]
+    picked = S[xp.asarray(rows), xp.asarray(Y.indices)]
+    per_row = xp.bincount(xp.asarray(rows), weights=picked.astype(xp.float64),
+                          minlength=S.shape[0]) / xp.asarray(np.maximum(counts, 1))
+    has = xp.asarray(counts > 0)
+    return float((lse.astype(xp.float64) - per_row)[has].sum()), int((counts > 0).sum())
+
+
+def _logsumexp_rows(S):
+    """log Σ exp over each row of score rows ``S`` [n, L] (numpy or cupy), float32 [n]."""
+    xp = array_module(S)
+    m = S.max(axis=1)
+    return m + xp.log(xp.exp(S - m[:, None]).sum(axis=1))
+
+
+def array_module(a):
+    """numpy, or cupy for a device array (cupy is imported only when one is passed)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy.get_array_module(a)

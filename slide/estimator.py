@@ -1,0 +1,429 @@
+"""The scikit-learn face of the engine: :class:`SlideClassifier`.
+
+The estimator holds the settings, validates at the boundary and delegates: training to its
+:class:`slide.step.TrainingState` (``state_``) driven by :func:`slide.fitting.fit_model`,
+queries to its :class:`slide.serving.Server` (``server_``), files to :mod:`slide.checkpoint`.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numba
+import numpy as np
+from sklearn.base import BaseEstimator
+
+from slide.base import TrainableMixin
+from slide.checkpoint import read_checkpoint, write_checkpoint
+from slide.config import FIXED_AFTER_FIT, SlideConfig, checked_setting, resolve
+from slide.fitting import fit_model
+from slide.loop import EarlyStopping, FitRecord
+from slide.metrics import check_k, topk
+from slide.resources import check_fits, model_memory_bytes
+from slide.runtime import set_num_threads
+from slide.serving import Server
+from slide.step import TrainingState
+
+__all__ = ["SlideClassifier"]
+
+#: guards the check-and-set of a model's training thread (:meth:`SlideClassifier._training`)
+_TRAINER_LOCK = threading.Lock()
+
+
+def _from_state(name: str, doc: str):
+    """A fitted attribute read from the training state."""
+    return property(lambda self: getattr(self.state_, name), doc=doc)
+
+
+class SlideClassifier(TrainableMixin, BaseEstimator):
+    """Extreme multi-label classifier trained sparsely on CPU threads.
+
+    Parameters are those of :class:`slide.config.SlideConfig` (``None``: derived from the
+    training data by :func:`slide.config.resolve`).
+
+    Fitted attributes: ``config_`` (the validated settings), ``resolved_`` (the concrete
+    ones), ``n_features_in_``, ``n_labels_``, ``preprocessor_``, ``state_`` (the training
+    state: ``params_``, ``moments_``, ``step_``, ``learning_rate_``, ``tables_`` and
+    ``timings_`` read from it), ``server_`` (top-k queries), ``record_`` (the run's record:
+    ``epoch_``, ``history_``, ``stopping_`` read from it; ``stopping_["choice"]`` where
+    settings were chosen on the validation set), ``choice_`` (the settings chosen, ``{}`` for
+    the rule's own; None where there was no choice).
+    """
+
+    _fitted_attribute = "state_"
+
+    params_ = _from_state("params", "Parameters: dict of float32 arrays.")
+    moments_ = _from_state("moments", "Adam's moments, by parameter name + '.m' / '.v'.")
+    step_ = _from_state("step", "Optimizer steps taken.")
+    samples_seen_ = _from_state("samples_seen", "Training samples seen.")
+    learning_rate_ = property(
+        lambda self: self.state_.learning_rate,
+        lambda self, rate: setattr(self.state_, "learning_rate", float(rate)),
+        doc="The learning rate of the next step (``fit`` sets it each epoch; a stream of "
+            "``partial_fit`` calls may set it).")
+    hash_seed_ = _from_state("hash_seed", "The output tables' hash seed.")
+    tables_ = _from_state("tables", "The output layer's training tables (None: every output).")
+    timings_ = _from_state("timings", "Seconds per phase of the training step.")
+    serving_tables_ = property(lambda self: self.server_.tables, doc="LSH serving's tables.")
+    serving_candidates_ = property(lambda self: self.server_.candidates,
+                                   doc="LSH serving's candidates a row.")
+
+    def __init__(self, hidden=None, hidden_sparsity=None, activation=None, sparsity=None,
+                 hard_negatives=None, hash_family="dwta", K=None, L=None, range_pow=None,
+                 bucket_size=None, bucket_policy="reservoir", rehash_every=None, rehash_growth=1.25,
+                 rebuild_every=None, norm="l2", tfidf=None, lr=None, beta1=0.9, beta2=0.999,
+                 eps=1e-8, weight_decay=None, batch_size=None,
+                 epochs=None, early_stopping=True, validation_fraction=0.1, n_iter_no_change=5,
+                 refit=None, threads=None, seed=0, warm_start=False):
+        self.hidden = hidden
+        self.hidden_sparsity = hidden_sparsity
+        self.activation = activation
+        self.sparsity = sparsity
+        self.hard_negatives = hard_negatives
+        self.hash_family = hash_family
+        self.K = K
+        self.L = L
+        self.range_pow = range_pow
+        self.bucket_size = bucket_size
+        self.bucket_policy = bucket_policy
+        self.rehash_every = rehash_every
+        self.rehash_growth = rehash_growth
+        self.rebuild_every = rebuild_every
+        self.norm = norm
+        self.tfidf = tfidf
+        self.lr = lr
+        self.beta1 = beta1
+        self.beta2 = beta2
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
+        self.n_iter_no_change = n_iter_no_change
+        self.refit = refit
+        self.threads = threads
+        self.seed = seed
+        self.warm_start = warm_start
+
+    # -- settings --------------------------------------------------------------------------------
+    def _config(self) -> SlideConfig:
+        return SlideConfig(**self.get_params())
+
+    def _current_config(self) -> SlideConfig:
+        """The constructor's settings, validated; a fitted model checks that none of the
+        settings fixed after fitting has changed since."""
+        config = self._config()
+        if self._is_fitted():
+            changed = [k for k in FIXED_AFTER_FIT if getattr(config, k) != getattr(self.config_, k)]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} changed since the model was fitted "
+                    f"({', '.join(f'{k}={getattr(self.config_, k)!r}' for k in changed)}); "
+                    f"these fix the model's shapes: fit a new model (warm_start=False)")
+        return config
+
+    def validation_metric(self) -> str:
+        """The early-stopping score: the full softmax's loss where the output layer is trained
+        whole, nDCG@5 where it is sampled (:class:`slide.loop.EarlyStopping`)."""
+        return "nDCG@5" if self.resolved_["sampled"] else "loss"
+
+    @property
+    def batch_size_(self) -> int:
+        return self.resolved_["batch_size"]
+
+    def _resolve(self, config):
+        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_,
+                       self.rare_share_, self.choice_, self.labels_per_row_)
+
+    def _refresh_config(self):
+        """Settings that may change between calls on a fitted model (lr, threads, epochs...)."""
+        config = self._current_config()
+        lr_changed = config.lr != self.config_.lr
+        self.config_ = config
+        self.resolved_ = self._resolve(config)
+        self.state_.config, self.state_.resolved = config, self.resolved_
+        if lr_changed:
+            self.state_.learning_rate = self.resolved_["lr"]
+
+    # -- training --------------------------------------------------------------------------------
+    def fit(self, X, Y, validation=None, progress: bool = False, on_epoch=None, distributed=None,
+            runner=None):
+        """Train from scratch (or, with ``warm_start``, continue) on ``X`` [n, n_features]
+        (CSR-convertible) and ``Y`` (CSR indicator [n, n_labels] or label-id lists).
+
+        With ``early_stopping`` a slice of the training rows is held out unless ``validation``
+        ``(X_val, Y_val)`` is given (:func:`slide.fitting.fit_model`). ``progress`` shows a
+        tqdm bar per epoch; ``on_epoch(model, record)`` runs after each epoch.
+        ``distributed``: a :class:`slide.distributed.DataParallel`; every rank calls ``fit``
+        with its own shard of the rows and ends with the same model. ``runner``: what runs
+        the epochs over the training state (default: the engine's threads; the heterogeneous
+        trainer, :class:`gpu_ref.hetero.HeteroTrainer`).
+        """
+        return self.train(X, Y, validation=validation, progress=progress, on_epoch=on_epoch,
+                          distributed=distributed, runner=runner)
+
+    def train(self, X, Y, *, continue_training=None, distributed=None, **kw):
+        """:meth:`fit` with the whole of :func:`slide.fitting.fit_model`'s control
+        (``until_epoch``, ``save_every``, ``on_save``...; ``slide train`` uses it).
+        ``continue_training`` defaults to ``warm_start`` on a fitted model."""
+        with self._training(distributed):
+            warm = self.warm_start and self._is_fitted() if continue_training is None \
+                else continue_training
+            if warm:
+                self._refresh_config()
+            try:
+                self.record_ = fit_model(self, X, Y, continue_training=warm,
+                                         distributed=distributed, **kw)
+            finally:
+                if self._is_fitted():
+                    self.state_.distributed = None
+        return self
+
+    def partial_fit(self, X, Y, distributed=None, runner=None):
+        """One pass over (X, Y) in the given row order (for streams); initialises an unfitted
+        model from this first batch's shapes (no validation slice is held out). A call does not
+        start with a rehash: the tables follow their schedule across calls. ``distributed``:
+        see :meth:`fit`; every rank calls with its own rows (a shard shorter than the others
+        repeats its first rows to take as many steps). Returns the model, or with ``runner``
+        what its ``train_rows`` returns."""
+        with self._training(distributed):
+            if self._is_fitted():
+                self._refresh_config()
+                X, Y = self.check_data(X, Y, where="partial_fit")
+            else:
+                X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
+                if distributed is not None:
+                    X, Y = distributed.agree_shapes(X, Y)
+                self.initialize(X, Y, distributed=distributed)
+            order = np.arange(X.shape[0])
+            if distributed is not None:
+                if distributed.started is not self.state_:
+                    self.join(distributed)
+                order = distributed.epoch_order(order, self.batch_size_)
+            if self.state_.samples_seen == 0:  # fill the tables from the (rank 0's) weights
+                self.state_.refresh_tables()
+            self.state_.distributed = distributed
+            try:
+                out = (runner or self.state_).train_rows(self.preprocess(X), Y, order)
+                if distributed is not None:
+                    distributed.finish(self.state_)
+            finally:
+                self.state_.distributed = None
+        return self if runner is None else out
+
+    def initialize(self, X, Y, distributed=None, choice: dict | None = None) -> None:
+        """Fresh preprocessing (fitted on X), training state, server and record. With
+        ``distributed``, X is this rank's shard (counts and feature statistics are the whole
+        data's). ``choice``: settings chosen on a held-out slice (:mod:`slide.selection`)."""
+        self.config_ = self._config()
+        self.choice_ = choice
+        self.fit_data(X, Y, distributed)
+        self.resolved_ = self._resolve(self.config_)
+        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
+                                      self.config_.threads or numba.config.NUMBA_NUM_THREADS),
+                   f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "
+                   f"and {self.n_labels_} labels")
+        # a previous fit's arrays go before the new ones are made
+        self.__dict__.pop("state_", None), self.__dict__.pop("server_", None)
+        self.state_ = TrainingState.fresh(self.config_, self.resolved_, self.n_features_in_,
+                                          self.n_labels_, self.preprocessor_.seen_features())
+        self.server_ = Server(self.state_)
+
+    def join(self, distributed) -> None:
+        """Train with ``distributed`` from here on, this replica made rank 0's (parameters,
+        moments, counters and epoch)."""
+        distributed.start(self.state_, self.record_)
+        self.state_.distributed = distributed
+
+    def train_epoch(self, Xp, Y, order, progress=None, learning_rate=None) -> dict:
+        """One epoch of the training state (the loop's default runner); with data
+        parallelism, the replicas end it equal."""
+        out = self.state_.train_epoch(Xp, Y, order, progress, learning_rate)
+        if self.state_.distributed is not None:
+            self.state_.distributed.finish(self.state_)  # one model before it is scored or saved
+        return out
+
+    def snapshot(self, out=None) -> dict:
+        return self.state_.snapshot(out)
+
+    def restore(self, params) -> None:
+        self.state_.restore(params)
+
+    def row_blocks(self) -> dict:
+        """The row blocks ``W`` and ``W0`` train in (:mod:`slide.rowblocks`)."""
+        self._require_fitted()
+        return self.state_.row_blocks()
+
+    def __getstate__(self):
+        # a copy (pickle, deepcopy) is not being trained, whichever thread trains this model
+        state = super().__getstate__()
+        state.pop("_trainer", None)
+        return state
+
+    @contextlib.contextmanager
+    def _training(self, distributed=None):
+        """Mark the model as training on the calling thread for the block. Another thread that
+        starts training it meanwhile gets an error instead of racing the first through its
+        parameters and scratch; nested calls on the same thread (``partial_fit`` from an
+        ``on_epoch`` callback) go through. With ``distributed`` the block is inside its
+        :meth:`~slide.distributed.DataParallel.guard`: an error on one rank ends the job."""
+        with distributed.guard() if distributed is not None else contextlib.nullcontext():
+            me = threading.get_ident()
+            with _TRAINER_LOCK:
+                owner = self.__dict__.get("_trainer")
+                if owner is not None and owner != me:
+                    raise RuntimeError(
+                        f"this {type(self).__name__} is already training on another thread: a "
+                        "model trains on one thread at a time (its kernels already use `threads` "
+                        "cores); train a clone on each thread instead")
+                self._trainer = me
+            try:
+                yield
+            finally:
+                if owner is None:
+                    self._trainer = None
+
+    # -- serving ---------------------------------------------------------------------------------
+    def set_serving(self, tables: int | None = None, candidates: int | None = None,
+                    center: bool = True):
+        """The hash tables of ``predict_topk(mode="lsh")``, apart from training's.
+
+        ``tables``: how many tables to query (default: as many as training's), with training's
+        hash family, K and buckets; they store every label, at ``tables × n_labels × 4`` bytes.
+        More tables find more of the exact top-k at a higher cost per query. ``candidates``:
+        the most labels scored a row, those found in the most tables (default: four times the
+        most training's bounded tables could return, tables × bucket size; at most every
+        label). ``center``: hash the output rows less their mean row, which ranks the labels as
+        the rows do while the large mean that trained rows share no longer gives most of them
+        the same codes (docs/serving.md). Built at the first LSH query where this was not
+        called, and rehashed as the weights move; not saved with the model.
+        """
+        self._require_current()
+        self.server_.configure(tables, candidates, center)
+        return self
+
+    def _query_threads(self) -> int:
+        """numba's threads for a query from the ``threads`` parameter as it is now:
+        ``set_params(threads=N)`` on a fitted model takes effect at its next query."""
+        return set_num_threads(checked_setting("threads", self.threads))
+
+    def _require_current(self):
+        """Serving starts here: the model exists, and its tables reflect its weights."""
+        self._require_fitted()
+        self._query_threads()
+        self.server_.current()
+
+    def embed(self, X) -> np.ndarray:
+        """Last hidden layer activations, float32 [n, hidden[-1]]."""
+        self._require_current()
+        X = self.preprocess(self.check_data(X, where="embed"))
+        return np.ascontiguousarray(self.state_.last(self.state_.forward(X)))
+
+    def _hidden_blocks(self, X, block: int | None = None):
+        """Yields ``(lo, hi, h)``: the last hidden layer of rows lo..hi of the (checked, raw)
+        CSR ``X``, block by block (about 64 MB of scores a block by default)."""
+        Xp = self.preprocess(X)
+        block = block or max(1, min(4096, (1 << 24) // self.n_labels_))
+        # the model's threads, a single row's query too: each kernel splits the work
+        self._query_threads()
+        n = Xp.shape[0]
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            # a single block takes its rows whole: scipy's slice is a new matrix
+            rows = Xp if hi - lo == n else Xp[lo:hi]
+            yield lo, hi, self.state_.last(self.state_.forward(rows))
+
+    def score_blocks(self, X, block: int | None = None):
+        """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
+        float32 [hi - lo, n_labels] for rows lo..hi of the (checked, raw) CSR ``X``."""
+        self._require_current()
+        W, b = self.params_["W"], self.params_["b"]
+        for lo, hi, h in self._hidden_blocks(X, block):
+            s = h @ W.T
+            s += b
+            yield lo, hi, s
+
+    def block_topk(self, S, k: int):
+        """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of score rows ``S``."""
+        return topk(S, k)
+
+    def predict_topk(self, X, k: int = 5, mode: str = "exact", block: int | None = None):
+        """Top-k labels per row: ``(ids int64 [n, k], scores float32 [n, k])``, best first.
+
+        ``mode="exact"`` finds the exact top-k without forming the score matrix, ``block``
+        rows per call (default 1024): through an int8 screen whose candidates are rescored in
+        float32 at 32,768 labels or more on CPUs with AVX-512 VNNI
+        (:func:`slide.screen.screened_topk`), else :func:`slide.metrics.topk_product`.
+        ``mode="lsh"`` scores only each row's candidates from the serving tables
+        (:meth:`set_serving`; rows with fewer than k candidates are padded with id -1).
+        """
+        self._require_current()
+        X = self.check_data(X, where="predict")
+        k = check_k(k)
+        if mode not in ("exact", "lsh"):
+            raise ValueError(f"mode must be 'exact' or 'lsh', got {mode!r}")
+        return self.server_.topk(lambda b: self._hidden_blocks(X, b), X.shape[0], k, mode, block)
+
+    def decision_function(self, X) -> np.ndarray:
+        """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers)."""
+        self._require_current()
+        X = self.preprocess(self.check_data(X, where="decision_function"))
+        return self.state_.last(self.state_.forward(X)) @ self.params_["W"].T + self.params_["b"]
+
+    # -- persistence -----------------------------------------------------------------------------
+    def save(self, path, inference_only: bool = False) -> None:
+        """Write the model to directory ``path`` (npz + JSON, atomic; see :mod:`slide.checkpoint`).
+
+        ``inference_only`` leaves out what only training needs (the Adam moments and the best
+        epoch's copy): about a third of the size; such a model predicts, but cannot resume.
+        """
+        self._require_fitted()
+        r = self.record_
+        pre_arrays, pre_meta = self.preprocessor_.get_state()
+        arrays = {**self.params_, **{f"pre.{k}": v for k, v in pre_arrays.items()}}
+        if not inference_only:
+            arrays.update({f"adam.{k}": v for k, v in self.moments_.items()})
+            if r.best_params is not None:
+                arrays.update({f"best.{k}": v for k, v in r.best_params.items()})
+        meta = {
+            "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
+            "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
+            "rare_share": self.rare_share_, "choice": self.choice_,
+            "labels_per_row": self.labels_per_row_, **self.state_.counters(),
+            "epoch": r.epoch, "epoch_position": r.epoch_position, "history": r.history,
+            "early_stopping": r.early_stopping.to_json() if r.early_stopping else None,
+            "stopping": r.stopping, "inference_only": bool(inference_only),
+            "single_label": bool(r.single_label),
+        }
+        write_checkpoint(path, arrays, meta, self.step_)
+
+    @classmethod
+    def load(cls, path) -> "SlideClassifier":
+        """Load a model saved by :meth:`save`, or by the dense reference (same format)."""
+        ck = read_checkpoint(path)
+        model = cls(**ck.config_params(cls))
+        model.config_ = model._config()
+        model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
+        model.rare_share_, model.choice_ = ck.rare_share, ck.choice
+        model.labels_per_row_ = ck.labels_per_row
+        model.resolved_ = model._resolve(model.config_)
+        model.inference_only_ = bool(ck.meta.get("inference_only", False))
+        model.preprocessor_ = ck.preprocessor(model.n_features_in_)
+        model.state_ = TrainingState.from_checkpoint(ck, model.config_, model.resolved_)
+        model.server_ = Server(model.state_)
+        model.record_ = record_from_checkpoint(ck, model.resolved_["hidden"])
+        return model
+
+
+def record_from_checkpoint(ck, hidden) -> FitRecord:
+    """The :class:`slide.loop.FitRecord` a checkpoint holds (the dense reference's too)."""
+    from slide.config import parameter_shapes
+    shapes = parameter_shapes(hidden, ck.n_features, ck.n_labels)
+    best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
+    return FitRecord(epoch=ck.epoch,
+                     epoch_position=ck.int("epoch_position", 0, minimum=0, maximum=ck.n_train),
+                     history=ck.records("history"),
+                     early_stopping=ck.parsed("early_stopping", EarlyStopping.from_json),
+                     best_params=best or None, stopping=ck.object("stopping"),
+                     single_label=bool(ck.meta.get("single_label", False)))

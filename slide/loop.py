@@ -1,0 +1,318 @@
+"""The one training loop: epochs over a written protocol, returning the run's record.
+
+A model takes part by providing :class:`Trainable` (the engine, the dense reference); the
+epochs themselves run through a :class:`EpochRunner`, the model by default, or a way of running
+them over the same training state (the heterogeneous trainer). The loop holds the learning-rate
+plan (:func:`epoch_learning_rate`), the per-epoch record, validation, early stopping with the
+best weights kept, the learning rate lowered on a plateau, progress bars, callbacks and
+mid-epoch checkpoints. Everything it decides goes into a :class:`FitRecord`, which it returns;
+it sets nothing on the model.
+
+What surrounds the loop (the validation slice, the settings chosen on it, the refit on every
+row) is :func:`slide.fitting.fit_model`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["Trainable", "EpochRunner", "FitRecord", "EarlyStopping", "run_epochs",
+           "refit_epochs", "epoch_learning_rate", "epoch_order", "validation_split",
+           "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS"]
+
+# After half the patience without improvement the learning rate is multiplied by this
+# (ReduceLROnPlateau): the plateau is usually Adam's noise floor, which a lower rate gets under.
+PLATEAU_FACTOR = 0.3
+# Validation rows scored per evaluation, at most. Scoring is exact (every label), so on wide
+# output layers a larger slice would cost more than the epoch it judges; 5,000 rows give P@1
+# to about ±0.007.
+MAX_VALIDATION_ROWS = 5000
+
+
+class EpochRunner(Protocol):
+    """Runs one epoch (or a stream's pass) of preprocessed rows over a model's parameters."""
+
+    def train_epoch(self, Xp, Y, order, progress=None, learning_rate: float | None = None) -> dict:
+        """One pass over rows ``order`` of ``Xp`` / ``Y`` at ``learning_rate``; returns a dict
+        with the mean ``loss`` and anything else worth recording."""
+
+
+class Trainable(EpochRunner, Protocol):
+    """What the loop needs of a model (the engine, the dense reference).
+
+    ``batch_size_`` (the steps' batch), ``resolved_`` (concrete settings: ``epochs``,
+    ``refit``, ``lr``, ``choices``) and ``record_`` (the :class:`FitRecord` that
+    ``initialize`` starts) are read; the model's own attributes are never written.
+    """
+
+    batch_size_: int
+    resolved_: dict
+    record_: "FitRecord"
+
+    def fit_settings(self) -> dict:
+        """early_stopping, validation_fraction, n_iter_no_change, refit and seed, valid before
+        the model is fitted."""
+
+    def check_data(self, X, Y=None, where: str = "input", fitted: bool = True): ...
+
+    def initialize(self, X, Y, choice: dict | None = None, distributed=None) -> None:
+        """Fresh preprocessing fitted on X, fresh parameters and a fresh ``record_``."""
+
+    def preprocess(self, X): ...
+
+    def snapshot(self, out: dict | None = None) -> dict: ...
+
+    def restore(self, params: dict) -> None: ...
+
+    def evaluate(self, X, Y, k: int = 5, loss: bool = False) -> dict: ...
+
+    def validation_metric(self) -> str:
+        """``"loss"`` or ``"nDCG@5"`` (see :class:`EarlyStopping`)."""
+
+    def fitted_state(self) -> dict: ...
+
+    def restore_fitted(self, state: dict) -> None: ...
+
+
+@dataclass
+class EarlyStopping:
+    """Validation bookkeeping: best score and epoch, evaluations without improvement.
+
+    ``metric`` names the score: ``"loss"``, the validation cross-entropy against uniform
+    targets over each row's labels, negated, for an output layer trained whole (on small
+    validation slices it picks better epochs than P@k, which moves in steps of one row); or
+    ``"nDCG@5"`` for a sampled output layer, whose training never sees the full softmax's
+    normaliser (docs/early-stopping.md). ``patience`` evaluations without an improvement larger
+    than ``tol`` (relative) stop the run; after every ``max(1, patience // 2)`` of them the
+    learning rate is lowered.
+    """
+    patience: int = 5
+    metric: str = "loss"
+    tol: float = 1e-4
+    best_score: float = -math.inf
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    lowered: int = 0
+    stopped: str = ""
+    scores: list = field(default_factory=list)
+
+    def score(self, metrics: dict) -> float:
+        if self.metric == "loss":
+            return -float(metrics["val_loss"])
+        return float(metrics[f"val_{self.metric}"])
+
+    def update(self, epoch: int, metrics: dict) -> tuple[bool, bool]:
+        """Record epoch ``epoch``'s metrics; returns ``(improved, lower_learning_rate)``."""
+        s = self.score(metrics)
+        self.scores.append(s)
+        if not self.scores[:-1] or s > self.best_score + self.tol * abs(self.best_score):
+            self.best_score, self.best_epoch, self.bad_epochs = s, epoch, 0
+            return True, False
+        self.bad_epochs += 1
+        if self.bad_epochs >= self.patience:
+            self.stopped = (f"no improvement of the validation score for {self.patience} epochs "
+                            f"(best {self.best_score:.4f} at epoch {self.best_epoch})")
+        lower = not self.stopped and self.bad_epochs % max(1, self.patience // 2) == 0
+        self.lowered += lower
+        return False, lower
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["best_score"] = None if d["best_score"] == -math.inf else d["best_score"]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EarlyStopping":
+        d = dict(d)
+        d["best_score"] = -math.inf if d.get("best_score") is None else float(d["best_score"])
+        return cls(**d)
+
+
+@dataclass
+class FitRecord:
+    """What a run decided and measured; saved with the model.
+
+    ``epoch``: epochs trained; ``epoch_position``: samples of the next epoch already trained
+    (a mid-epoch checkpoint); ``history``: one dict per epoch; ``early_stopping``; ``best_params``
+    (the best epoch's weights while the run goes on); ``stopping``: the epoch kept and why the
+    run stopped (and ``"choice"``, ``"refit"`` where those ran); ``single_label``: fitted on a
+    1-D ``y``.
+    """
+    epoch: int = 0
+    epoch_position: int = 0
+    history: list = field(default_factory=list)
+    early_stopping: EarlyStopping | None = None
+    best_params: dict | None = None
+    stopping: dict | None = None
+    single_label: bool = False
+
+
+def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, validation) row ids: a seeded random ``fraction`` of the n rows held out
+    (at least one, at most :data:`MAX_VALIDATION_ROWS`, and never all of them)."""
+    n_val = int(min(max(1, round(fraction * n)), MAX_VALIDATION_ROWS, n - 1))
+    order = np.random.default_rng([seed, 4]).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def epoch_learning_rate(base: float, epoch: int, planned: int, lowered: int = 0) -> float:
+    """The learning rate of epoch ``epoch`` (0-based) of a run planned for ``planned`` epochs
+    after ``lowered`` plateau drops: ``base`` for the first third of the plan, then halved at
+    1/3, 1/2, 2/3 and 5/6 of it, times ``PLATEAU_FACTOR ** lowered``. At a constant rate Adam's
+    lazily updated rows settle at a noise floor the rate sets (docs/learning-rate.md)."""
+    halvings = min(4, max(0, int(6 * epoch / max(planned, 1)) - 1))  # past the plan: the last
+    return base * 0.5 ** halvings * PLATEAU_FACTOR ** lowered
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The rows' order in epoch ``epoch``: a function of the seed and the epoch alone, so a
+    resumed run and the refit see what an uninterrupted run would."""
+    return np.random.default_rng([seed, 2, epoch]).permutation(n)
+
+
+def progress_bar(progress: bool, total: int, desc: str):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit="samples", unit_scale=True, leave=True, desc=desc)
+
+
+def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validation=None,
+               stopper: EarlyStopping | None = None, planned: int, runner: EpochRunner = None,
+               progress: bool = False, on_epoch=None, continue_training: bool = False,
+               eval_k: int = 5, save_every: int | None = None, on_save=None,
+               distributed=None, held_out: bool = False) -> FitRecord:
+    """Train ``model`` on preprocessed rows ``Xp`` / ``Y`` until ``record.epoch`` reaches
+    ``planned`` or ``stopper`` stops the run; returns ``record`` with the epochs added.
+
+    Each epoch runs through ``runner`` (default: the model) at the rate of
+    :func:`epoch_learning_rate` over the ``planned`` epochs. ``validation`` ``(X, Y)``, checked,
+    is scored after each; with ``stopper`` the best weights are kept in ``record.best_params``
+    and put back at the end (``record.stopping`` says which epoch and why). ``on_epoch(model,
+    entry)`` after each epoch; ``on_save(model)`` also every ``save_every`` batches inside one,
+    ``record.epoch_position`` then giving the samples done (a run continued from such a
+    checkpoint skips them, ``continue_training``). ``distributed``: a
+    :class:`slide.distributed.DataParallel`; ``Xp``, ``Y`` are this rank's shard, and the
+    loss, rates and validation scores are the ranks' means.
+    """
+    runner = model if runner is None else runner
+    metric = model.validation_metric() if stopper is None else stopper.metric
+    n_rows = Xp.shape[0]
+    first = record.epoch
+    epochs = max(0, planned - first)
+    for _ in range(epochs):
+        if stopper is not None and stopper.stopped:
+            break
+        rate = epoch_learning_rate(model.resolved_["lr"], record.epoch, planned,
+                                   stopper.lowered if stopper is not None else 0)
+        bar = progress_bar(progress, n_rows, f"epoch {record.epoch + 1}/{planned}")
+        order = epoch_order(seed, record.epoch, n_rows)
+        start = min(record.epoch_position, order.size) if continue_training else 0
+        order = order[start:]  # a checkpoint taken inside this epoch already holds these rows
+        if distributed is not None:
+            order = distributed.epoch_order(order, model.batch_size_)
+        sink = bar
+        if save_every and on_save is not None:
+            sink = _SavingProgress(model, record, bar, start, save_every * model.batch_size_, on_save)
+        t0 = time.perf_counter()
+        entry = runner.train_epoch(Xp, Y, order, sink, learning_rate=rate)
+        seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        record.epoch += 1
+        record.epoch_position = 0
+        # the rate leaves out a first batch that compiled the kernels (recorded on its own)
+        first_batch = entry.get("first_batch_seconds", 0.0)
+        ranks = 1 if distributed is None else distributed.size
+        entry = {"epoch": record.epoch, "train_seconds": seconds,
+                 "samples_per_second": ranks * order.size / max(seconds - first_batch, 1e-9),
+                 **entry, "learning_rate": float(rate)}
+        if distributed is not None:  # the ranks' mean loss; rates count every rank's rows
+            entry = distributed.mean(entry, order.size)
+            entry["ranks"] = ranks
+        if validation is not None:
+            t0 = time.perf_counter()
+            # the full softmax's loss costs an exp per label and row: only where it is the score
+            scores = model.evaluate(*validation, k=eval_k, loss=metric == "loss")
+            if distributed is not None:  # every shard's slice: the same decision on every rank
+                scores = distributed.mean(scores, validation[0].shape[0])
+            entry.update({f"val_{k}": v for k, v in scores.items()})
+            entry["eval_seconds"] = time.perf_counter() - t0
+        if stopper is not None:
+            improved, _ = stopper.update(record.epoch, entry)  # drops: stopper.lowered
+            if improved:
+                # copied now because training moves on; restored at the end if nothing beats it
+                record.best_params = model.snapshot(out=record.best_params)
+            entry["best_epoch"] = stopper.best_epoch
+        record.history.append(entry)
+        if on_epoch is not None:
+            on_epoch(model, entry)
+    record.stopping = _outcome(model, record, stopper, held_out, planned)
+    return record
+
+
+def refit_epochs(model: Trainable, Xp, Y, rates: list, *, seed: int, runner=None,
+                 progress: bool = False) -> tuple[float, float]:
+    """Train a freshly initialised ``model`` on every row for ``len(rates)`` epochs, epoch e at
+    ``rates[e]`` in epoch e's order; returns (last epoch's loss, seconds)."""
+    runner = model if runner is None else runner
+    record = model.record_
+    t0 = time.perf_counter()
+    loss = float("nan")
+    for rate in rates:
+        bar = progress_bar(progress, Xp.shape[0], f"refit {record.epoch + 1}/{len(rates)}")
+        order = epoch_order(seed, record.epoch, Xp.shape[0])
+        loss = runner.train_epoch(Xp, Y, order, bar, learning_rate=rate)["loss"]
+        if bar is not None:
+            bar.close()
+        record.epoch += 1
+    return loss, time.perf_counter() - t0
+
+
+class _SavingProgress:
+    """The epoch's progress sink (a tqdm bar or None) that also saves every ``every`` samples."""
+
+    def __init__(self, model, record, bar, start, every, on_save):
+        self.model, self.record, self.bar = model, record, bar
+        self.done, self.every, self.on_save = start, every, on_save
+        self.next = start + every
+        self.total = bar.total if bar is not None else None
+
+    def update(self, n):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        if self.done >= self.next:
+            self.record.epoch_position = self.done
+            self.on_save(self.model)
+            self.next = self.done + self.every
+
+    def reset(self, total=None):
+        if self.bar is not None:
+            self.bar.reset(total=total)
+
+    def set_postfix(self, *args, **kwargs):
+        if self.bar is not None:
+            self.bar.set_postfix(*args, **kwargs)
+
+    def set_postfix_str(self, *args, **kwargs):
+        if self.bar is not None:
+            self.bar.set_postfix_str(*args, **kwargs)
+
+
+def _outcome(model, record: FitRecord, stopper, held_out, planned) -> dict:
+    """Put the best weights back if training went past them; say what was kept and why."""
+    if stopper is None or not stopper.scores:
+        return {"kept_epoch": record.epoch, "reason": f"ran the planned {planned} epochs",
+                "validation": None}
+    if stopper.best_epoch != record.epoch and record.best_params is not None:
+        model.restore(record.best_params)
+    record.best_params = None
+    return {"kept_epoch": stopper.best_epoch,
+            "reason": stopper.stopped or f"reached the planned {planned} epochs",
+            "best_score": stopper.best_score,
+            "validation": "held out from the training rows" if held_out else "given"}

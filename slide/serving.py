@@ -1,0 +1,143 @@
+"""Serving a fitted network's top-k: the exact mode through an int8 screen, and the sub-linear
+mode through hash tables that store every label.
+
+A :class:`Server` answers for one :class:`slide.step.TrainingState`. What it builds on first use
+(the int8 copies of the output layer, the serving tables) is built once however many query
+threads ask at the same moment, and again after the weights move (it compares the state's
+``version``). Queries may come from several threads; training must not run meanwhile.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numba
+import numpy as np
+
+from lsh import CompactTables
+from slide.metrics import topk_product
+from slide.screen import (SCREEN_MIN_LABELS, has_int8_dot, quantize_labels, quantize_rows,
+                          screened_candidates, screened_topk)
+
+__all__ = ["Server", "EXACT_BLOCK_ROWS", "CANDIDATES_PER_SLOT"]
+
+#: rows per block of exact top-k (its kernel holds a tile of scores, not a block's matrix)
+EXACT_BLOCK_ROWS = 1024
+#: LSH serving's default candidates a row, per slot of training's bounded tables (tables ×
+#: bucket size): a budget that does not grow with the serving tables, so that more tables find
+#: better candidates within it (docs/serving.md)
+CANDIDATES_PER_SLOT = 4
+
+#: guards what serving builds on first use: two rehashes of the same tables at once would
+#: corrupt them
+_LOCK = threading.RLock()
+
+
+class Server:
+    """Top-k queries over a training state's output layer (see the module docstring).
+
+    ``tables`` and ``candidates``: the serving tables and the candidates a row, None until
+    :meth:`configure` or the first LSH query.
+    """
+
+    def __init__(self, state):
+        self.state = state
+        self.tables = None
+        self.candidates = None
+        self._built = {}  # name: (state version, object)
+        self._tables_version = None
+
+    def __getstate__(self):
+        # a copy rebuilds its int8 copies and serving tables from its own weights
+        return {"state": self.state, "tables": None, "candidates": self.candidates,
+                "_built": {}, "_tables_version": None}
+
+    def current(self) -> None:
+        """Bring the training tables (and serving tables) up to the weights, once."""
+        s = self.state
+        if s.tables_stale or (self.tables is not None and self._tables_version != s.version):
+            with _LOCK:
+                if s.tables_stale:
+                    s.refresh_tables()
+                if self.tables is not None and self._tables_version != s.version:
+                    self.tables.rehash(s.params["W"])
+                    self._tables_version = s.version
+
+    def _once(self, name: str, build):
+        """``build()``, made once for the state's version, however many threads ask."""
+        version = self.state.version
+        held = self._built.get(name)
+        if held is None or held[0] != version:
+            with _LOCK:
+                held = self._built.get(name)
+                if held is None or held[0] != version:
+                    held = (version, build())
+                    self._built[name] = held
+        return held[1]
+
+    def exact_screen(self):
+        """The int8 copy of the output layer for exact top-k (:mod:`slide.screen`), or None
+        where the float32 kernel is as fast (fewer than ``SCREEN_MIN_LABELS`` labels) or the
+        CPU has no int8 dot product."""
+        s = self.state
+        if s.n_labels < SCREEN_MIN_LABELS or not has_int8_dot():
+            return None
+        return self._once("rows", lambda: quantize_rows(s.params["W"], s.params["b"]))
+
+    def candidate_screen(self):
+        """The int8 copy of the output layer by label that LSH serving scores its candidates
+        from (:func:`slide.screen.screened_candidates`)."""
+        s = self.state
+        return self._once("labels", lambda: quantize_labels(s.params["W"], s.params["b"]))
+
+    def configure(self, tables: int | None = None, candidates: int | None = None,
+                  center: bool = True) -> None:
+        """Build the serving tables (see :meth:`slide.SlideClassifier.set_serving`)."""
+        s = self.state
+        if s.tables is None:
+            raise ValueError("every output is computed for this model: there are no tables to "
+                             "serve from")
+        for name, value in (("tables", tables), ("candidates", candidates)):
+            if value is not None and (isinstance(value, bool) or
+                                      not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cfg = dataclasses.replace(s.tables.config, L=int(tables or s.tables.config.L))
+        serving = CompactTables(s.tables.dim, s.n_labels, cfg, seed=s.hash_seed + 0x5EED,
+                                center=center)
+        version = s.version
+        serving.build(s.params["W"])
+        slots = s.tables.config.L * s.tables.config.bucket_size
+        self.candidates = int(candidates or min(s.n_labels, CANDIDATES_PER_SLOT * slots))
+        # the tables last, once built: a query on another thread takes them as they are set
+        self._tables_version = version
+        self.tables = serving
+
+    def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None):
+        """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of the rows whose last hidden
+        layer ``hidden_blocks(block)`` yields as ``(lo, hi, h)``."""
+        s = self.state
+        ids = np.empty((n, k), np.int64)
+        scores = np.empty((n, k), np.float32)
+        W, b = s.params["W"], s.params["b"]
+        if mode == "exact" or s.tables is None:
+            # the fused kernels never form a block's score matrix, so blocks can be larger
+            screen = self.exact_screen()
+            for lo, hi, h in hidden_blocks(block or EXACT_BLOCK_ROWS):
+                ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k) if screen is None \
+                    else screened_topk(h, W, b, k, screen)
+            return ids, scores
+        if self.tables is None:
+            with _LOCK:
+                if self.tables is None:
+                    self.configure()
+        tables, n_cand = self.tables, self.candidates
+        screen = self.candidate_screen()
+        # a block's candidates take 8 bytes each (their ids, their int8 bounds): about 64 MB
+        block = block or max(1, min(4096, (1 << 23) // n_cand))
+        for lo, hi, h in hidden_blocks(block):
+            cand, n_c = tables.query(h, n_cand)
+            # fewer rows than threads: each row's candidates split among them
+            parts = max(1, numba.get_num_threads() // h.shape[0])
+            screened_candidates(h, s.weight_rows("W"), b, screen, cand, n_c, parts,
+                                ids[lo:hi], scores[lo:hi])
+        return ids, scores
