@@ -87,7 +87,7 @@ def test_hetero_with_cupy_worker_learns_and_reports_shares(tiny_data):
     h = HeteroTrainer(model, HeteroConfig(policy="hogbatch", cpu_batch=32, gpu_batch=256, gpu_pool=64,
                                           device="gpu", min_speed=0.0))
     h.fit(Xtr, Ytr, validation=(Xte, Yte))
-    rec = h.history_[-1]
+    rec = h.model.history_[-1]
     assert rec["device"] == "gpu" and rec["gpu_updates"] > 0 and rec["cpu_updates"] > 0
     assert rec["cpu_samples"] + rec["gpu_samples"] == Xtr.shape[0]
     assert 0 < rec["gpu_share"] < 1 and np.isfinite(rec["gpu_loss"])
@@ -102,7 +102,7 @@ def test_adaptive_hogbatch_moves_batches_with_measured_speeds(tiny_data):
     cfg = HeteroConfig(policy="adaptive", cpu_batch=64, gpu_batch=256, gpu_pool=64, device="gpu",
                        target_ratio=1.0, threshold=4, min_speed=0.0)
     h = HeteroTrainer(model, cfg).fit(Xtr, Ytr)
-    speeds, rec = h.policy_.speeds, h.history_[-1]
+    speeds, rec = h.policy_.speeds, h.model.history_[-1]
     # equal update rates want gpu/cpu batch = s_gpu / s_cpu: the GPU's batch moves up when it is
     # faster per sample than that ratio of the initial batches, down otherwise
     wanted = speeds["gpu"] / speeds["cpu"]
