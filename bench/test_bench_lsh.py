@@ -12,9 +12,9 @@ import numba
 import numpy as np
 import pytest
 
-import lsh
 from lsh import HashTables, TableConfig, autotune
 from slide.config import SlideConfig, resolve
+from slide.runtime import set_num_threads
 
 N, DIM = 670_091, 128
 CONFIGS = {
@@ -41,7 +41,7 @@ def tables(request, weights):
 def _threads(n):
     if n > numba.config.NUMBA_NUM_THREADS:
         pytest.skip(f"needs {n} threads")
-    lsh.set_num_threads(n)
+    set_num_threads(n)
 
 
 @pytest.mark.parametrize("threads", THREADS)

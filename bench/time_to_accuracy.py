@@ -16,7 +16,7 @@ linear peers, ``xr-linear`` and ``parabel`` (:mod:`bench.peers`, in the peers en
 training seconds and its P@1 on the same test sample (skipped, with a note, without that
 environment).
 The learning rate follows ``fit``'s schedule (``--schedule fit``, the default): at each epoch
-of the harness, :func:`slide.train.epoch_learning_rate` over the epochs ``fit`` would plan for
+of the harness, :func:`slide.loop.epoch_learning_rate` over the epochs ``fit`` would plan for
 this training set (:func:`slide.config.resolve`), set through the step API's
 ``learning_rate_`` for every engine alike. There are no plateau drops (no validation slice
 here). ``--schedule constant`` keeps the engine's initial rate.

@@ -2,8 +2,8 @@
 
 :class:`HashTables` keeps buckets of a bounded size, so that training can rehash in place into
 memory fixed in advance; a full bucket keeps a sample of the ids offered to it. Trained output
-layers fill buckets very unevenly (at Amazon-670K shape the largest bucket of a table is offered
-thousands of ids and a table keeps a third of them; bench/README.md), and an id left out of a
+layers fill buckets very unevenly (the largest bucket of a table can be offered thousands of
+ids; docs/serving.md), and an id left out of a
 bucket can never be found there. :class:`CompactTables` stores table t's buckets one after the
 other in one flat array, each exactly as long as it needs to be (compressed sparse rows):
 
@@ -123,7 +123,7 @@ class CompactTables:
         self.ids = np.zeros((config.L, self.n_ids), np.int32)
         self.offset = np.zeros(self.dim, np.float32)
         self.largest_union = 0
-        self._free_scratch = []  # query scratch not lent out (lsh.scratch)
+        self._free_scratch = []  # query scratch not lent out (slide.runtime.borrowed)
 
     def build(self, W, chunk: int = 1 << 16) -> None:
         """Store every row of ``W`` float32 [n_ids, dim] (id = row), less their mean row where
@@ -155,7 +155,7 @@ class CompactTables:
         """Candidates for rows of bucket ids ``codes`` int32 [n, L]: ``ids`` int32 [n, max_out]
         (padded with -1), the ``max_out`` found in the most tables (all of them where fewer) in
         the order found, and ``lengths`` int64 [n]. Queries from several Python threads at
-        once each borrow their own scratch (:mod:`lsh.scratch`)."""
+        once each borrow their own scratch (:func:`slide.runtime.borrowed`)."""
         codes = np.ascontiguousarray(codes, np.int32)
         if codes.ndim != 2 or codes.shape[1] != self.config.L:
             raise ValueError(f"codes must be [n, {self.config.L}], got {codes.shape}")

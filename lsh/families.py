@@ -158,7 +158,7 @@ _LANES = 16
 def _transpose_block(V, r0, R, densify, Vt):
     """``Vt[:, :R] = V[r0:r0 + R, :dim].T`` for float32 ``V`` [n, >= dim] and ``Vt`` [dim, B],
     R <= B, with DWTA's zeros (``densify``) as -inf so that no bin's argmax lands on one; the
-    columns past R are -inf. Whole 16 x 16 tiles go through :func:`lsh.tiles.transpose_tile`, the
+    columns past R are -inf. Whole 16 x 16 tiles go through :func:`slide.runtime.transpose_tile`, the
     rest (the last rows of a thread's range, the last columns of an odd dim) one by one."""
     neg = np.float32(-np.inf)
     dim = Vt.shape[0]
@@ -190,9 +190,9 @@ def _wta_block_codes(bins, Vt, codes, best):
     ``codes[h, i]`` int32 [n_hashes, R] for column i, the same result (strict ``>``: the first
     position on ties, -1 for a bin of -inf only). ``best`` float32 [R] is scratch. Every load
     and store runs along the columns, so the whole loop is SIMD (codes stored row-major per
-    column took half the hashing time in scattered stores); a pass takes four positions of a
-    bin (two where the bin has two), so the running maximum and its position are loaded and
-    stored once per four comparisons (10 -> 7.4 us a block of 64 rows at 120 bins of 8)."""
+    column spend much of the hashing time in scattered stores); a pass takes four positions of
+    a bin (two where the bin has two), so the running maximum and its position are loaded and
+    stored once per four comparisons."""
     neg = np.float32(-np.inf)
     R = Vt.shape[1]
     width = bins.shape[1]
@@ -221,8 +221,8 @@ def _wta_block_codes(bins, Vt, codes, best):
 @njit(cache=True, nogil=True)
 def _wta_block_codes_8(bins, Vt, codes):
     """:func:`_wta_block_codes` for bins of 8 positions (the default): each bin in one pass that
-    starts from -inf and keeps its running maximum in registers, never stored or loaded (6.5 ->
-    4.1 us a block of 64 rows at 120 bins). A function of its own: as a branch of the general
+    starts from -inf and keeps its running maximum in registers, never stored or loaded. A
+    function of its own: as a branch of the general
     kernel, or with a running-maximum array in the loop, LLVM left the loops scalar."""
     neg = np.float32(-np.inf)
     for h in range(bins.shape[0]):
@@ -253,8 +253,7 @@ def _combine_block(codes, K, L, bits, range_pow, keys, by_table, r0, m):
     """:func:`combine_codes` for the columns of hash-major ``codes`` int32 [K·L, R] at once:
     the bucket ids of the first m <= R columns into columns ``r0:r0 + m`` of table-major
     ``by_table`` int32 [L, n]. ``keys`` [R] is scratch for the concatenated codes: uint32 where
-    their K·bits fit (the same ids, with the loops in twice the lanes: 2.8 -> 1.5 us a block of
-    64 rows at 24 tables of five 3-bit codes, 2026-11-24), uint64 otherwise."""
+    their K·bits fit (the same ids, with the loops in twice the lanes), uint64 otherwise."""
     total = K * bits
     R = keys.size
     for t in range(L):
@@ -275,12 +274,12 @@ def _combine_block(codes, K, L, bits, range_pow, keys, by_table, r0, m):
 @njit(cache=True, nogil=True, parallel=True)
 def _wta_dense(bins, V, dim, densify, seed, K, L, bits, range_pow, key_dtype, bounds, by_table):
     """WTA (or with ``densify`` DWTA) bucket ids of the rows ``V[:, :dim]`` (float32
-    [n, >= dim], see :func:`lsh.arrays.leading_rows`) into table-major ``by_table`` int32
+    [n, >= dim], see :func:`slide.runtime.leading_rows`) into table-major ``by_table`` int32
     [L, n]; ``key_dtype``: the dtype of :func:`_combine_block`'s keys;
     thread c hashes rows ``bounds[c]:bounds[c + 1]``, in transposed blocks of
     :data:`_BLOCK_ROWS`, or of as few lanes as fewer rows need (a row-at-a-time loop gathers 8
-    scattered coordinates per bin and does not vectorise: this is 2-3x faster on the 670K rows
-    of a rehash). A row with an empty bin (DWTA) is densified on its own."""
+    scattered coordinates per bin and does not vectorise). A row with an empty bin (DWTA) is
+    densified on its own."""
     n_hashes = K * L
     for c in prange(bounds.size - 1):
         width = min(_BLOCK_ROWS, max(1, -(-(bounds[c + 1] - bounds[c]) // _LANES)) * _LANES)
@@ -363,13 +362,12 @@ class _Family:
         return 1 << self.range_pow
 
     def _dense_input(self, V, out=None):
-        """(the rows of ``V`` [n, dim] as the kernels take them, :func:`lsh.arrays.leading_rows`,
+        """(the rows of ``V`` [n, dim] as the kernels take them, :func:`slide.runtime.leading_rows`,
         of which they read the first ``dim`` entries; the table-major int32 [L, n] array they
         write: the transpose of ``out`` where that is C-contiguous, a new one otherwise; the
         threads' row bounds). The kernels see one layout of each, so each compiles once: the
         weights of a rehash (rows of a row block, written table-major) and a batch's hidden
-        rows compiled the WTA kernel twice, 8.8-10.7 s of a first training run against 5.5-6.2
-        for once (bench/README.md)."""
+        rows would otherwise compile the WTA kernel twice, seconds of a first run."""
         V = as_rows(V)
         if V.ndim != 2 or V.shape[1] != self.dim:
             raise ValueError(f"expected rows of dimension {self.dim}, got shape {V.shape}")

@@ -14,9 +14,8 @@ depend on the thread count.
 Queries take a vector's L bucket ids and return the deduplicated union of the hit buckets,
 optionally cut to its ``max_out`` most frequent ids (hit count across tables). The union is
 deduplicated in a per-thread open-addressed set sized for the largest union (L ×
-bucket_size ids, at most half full): 32 KB at 24 tables of 64, which stays in L1 and L2, where
-an array of one mark per id (2.7 MB at 670K ids) was evicted by the training step between
-queries (select_active 11.5 -> 8.2 us a sample side by side, same candidates).
+bucket_size ids, at most half full): small enough to stay in L1 and L2, where an array of one
+mark per id is evicted by the training step between queries (docs/tables.md).
 """
 from __future__ import annotations
 
@@ -301,7 +300,7 @@ class HashTables:
         self.seen = np.zeros((config.L, R), np.int32)
         self._policy = _POLICIES[config.policy]
         self._reset_rng()
-        self._free_scratch = []  # query scratch not lent out (lsh.scratch)
+        self._free_scratch = []  # query scratch not lent out (slide.runtime.borrowed)
         self.builds = 0  # times the tables were (re)built from weights: rehash cost counters
 
     def _reset_rng(self):
@@ -333,10 +332,9 @@ class HashTables:
         self.clear()
         self.builds += 1
         # codes table-major, so that each table's inserts read their column in order: row-major,
-        # a table's pass read every line of the chunk's codes (6 MB at 64K rows of 24 tables),
-        # which pushed the buckets being filled out of L2 (inserts of 670K rows in 64K-row
-        # chunks 73 -> 67 ms on 2 threads, bench/README.md). A chunk's codes are a
-        # C-contiguous [L, m] at the start of one buffer, which the hashing writes in place.
+        # a table's pass would read every line of the chunk's codes and push the buckets being
+        # filled out of L2. A chunk's codes are a C-contiguous [L, m] at the start of one
+        # buffer, which the hashing writes in place.
         L = self.config.L
         buf = np.empty(L * min(chunk, self.n_ids), np.int32)
         for lo in range(0, self.n_ids, chunk):
@@ -357,7 +355,7 @@ class HashTables:
 
         Returns ``ids`` int32 [n, max_out] (padded with -1) and ``lengths`` int64 [n].
         ``max_out`` defaults to L × bucket_size (the whole union). Queries from several Python
-        threads at once each borrow their own scratch (:mod:`lsh.scratch`).
+        threads at once each borrow their own scratch (:func:`slide.runtime.borrowed`).
         """
         codes = np.ascontiguousarray(codes, np.int32)
         cfg = self.config

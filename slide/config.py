@@ -113,11 +113,11 @@ class SlideConfig:
         lr, beta1, beta2, eps : Adam. weight_decay : decoupled (AdamW) decay, as a multiple of
         the learning rate, applied to the weight rows a step touches. batch_size. epochs : the
         number of epochs (the most, with early stopping); ``fit`` lowers ``lr`` over them in
-        steps (:func:`slide.train.epoch_learning_rate`).
+        steps (:func:`slide.loop.epoch_learning_rate`).
     Early stopping (as scikit-learn's)
         early_stopping : hold out ``validation_fraction`` of the training rows (at most 5,000),
         score them after every epoch (the loss, or nDCG@5 for a sampled output layer: see
-        :class:`slide.train.EarlyStopping`), lower the learning rate when the score stalls, stop after
+        :class:`slide.loop.EarlyStopping`), lower the learning rate when the score stalls, stop after
         ``n_iter_no_change`` epochs without improvement and keep the best weights.
         refit : then train again from the start on every row, the held-out slice too, for
         the epochs kept at the learning rates they had (None: where the training rows are
@@ -211,60 +211,41 @@ FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
 # --------------------------------------------------------------------------------------------
 # The defaults rule
 # --------------------------------------------------------------------------------------------
-#: the most LSH candidates per sample by default. Each sample's candidates are rows of its own,
-#: so a batch touches about batch_size x this many distinct output rows, through the scattered
-#: reads of the forward and backward passes and Adam's updates: at Amazon-670K shape a quarter of
-#: the active set (837) cost 1.7x the step time of 209 for the same P@1 after the same epochs
-#: (bench/results/accuracy_experiments.md)
+#: the most LSH candidates per sample by default: each sample's candidates are rows of its own
+#: to read, update and pass through Adam, so more cost step time faster than they add accuracy
+#: (docs/active-set.md)
 HARD_NEGATIVES = 256
 
 #: optimizer steps the planned epochs cover, at most, when early stopping may end the run sooner
 EARLY_STOPPING_STEPS = 10_000
 
 #: below this many training rows (after the held-out slice) ``fit`` trains again on every row
-#: once early stopping has chosen the epochs: the held-out tenth is worth most where rows are few,
-#: and there a second run costs seconds. On the eight small real sets (333 to 12,022 rows, 3
-#: seeds) P@1 +0.006 on average, +0.012 to +0.017 on the three smallest, -0.003 on the largest
-#: (bench/results/accuracy_experiments.md)
+#: once early stopping has chosen the epochs: the held-out tenth is worth most where rows are
+#: few, and there a second run costs seconds (docs/refit.md)
 REFIT_ROWS = 10_000
 
-
-
-
-
 #: a sampled output layer is as wide as its state (weights, two Adam moments and early
-#: stopping's best weights: 16 bytes a weight) allows within this budget, 512 at most, 128 at least.
-#: Width is what a few thousand labels lack (eurlex-4k preset, P@1 0.70 at 128, 0.82 at 512); at
-#: 670K labels 256 learned more per sample but trained at two thirds the samples/s, even in time,
-#: and its output layer alone would hold 2.7 GB (bench/results/accuracy_experiments.md)
+#: stopping's best weights: 16 bytes a weight) allows within this budget, 512 at most, 128 at
+#: least: width is what a few thousand labels lack, and at hundreds of thousands it costs speed
+#: and memory without a gain in time (docs/hidden-width.md)
 OUTPUT_STATE_BYTES = 1 << 30
 
 #: where the output is sampled, weight decay is set so that the mean output row decays by
 #: SAMPLED_DECAY x lr per step (at most 1 x lr per touch): a row decays only in the steps that
-#: touch it, and the share of rows a step touches runs from 5% at 670K labels to all of them at a
-#: few thousand. At 4K and 10K labels a decay of 1 (every row, every step, at the sampled rate)
-#: held P@1 at 0.47 / 0.33 against 0.70 / 0.36 with 0.1; at 670K labels 0.1 overfitted (0.22
-#: against 0.33) (bench/results/accuracy_experiments.md)
+#: touch it, and the share of rows a step touches varies with the label count by orders of
+#: magnitude (docs/weight-decay.md)
 SAMPLED_DECAY = 0.1
 
 
 #: a feature is rare when fewer than RARE_ROWS training rows hold it; where at least RARE_SHARE
 #: of the training non-zeros are in rare features, most input rows are updated in few steps,
-#: as a sampled output's rows are, and get the same settings (lr 4e-3, input start 0.1, decay
-#: 0.1 per step on average). On the real sets where that holds (Medical, and 400- to 1,000-row
-#: cuts of the others) those settings were higher in 13 of 15 cases; where under 0.4 of the
-#: non-zeros are rare they were mixed to lower (bench/results/accuracy_experiments.md)
+#: as a sampled output's rows are, and get the same settings (docs/slow-rows.md)
 RARE_ROWS = 25
 RARE_SHARE = 0.5
 
 #: an output row whose label is a positive in fewer than this many samples of a step, on average
 #: (:func:`positives_per_step`), learns from few steps too, even where the output is computed
-#: whole, and gets the same settings. On generator shapes of 1,000 labels (0.048 and 0.064 a
-#: step) they took P@1 from 0.884 to 0.993 and from 0.827 to 0.847, and with 3,993 labels
-#: computed whole (0.085) from 0.56 to 0.82; on real sets made multi-class by each row's first
-#: label they were even at 0.086 (Corel5k) and 0.14 (stackex_chess, philosophy) and 0.009 lower
-#: at 0.117 (stackex_cs), over 5 seeds. The eight real sets are at 0.30 to 2.0, unchanged
-#: (bench/results/accuracy_experiments.md)
+#: whole, and gets the same settings (docs/slow-rows.md)
 RARE_POSITIVES = 0.1
 
 
@@ -410,25 +391,18 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
         out["weight_decay"] = 1.0
     out["tfidf"] = idf_weighted(c, choice)
     # an input row is trained only in the steps whose samples hold its feature, and a rare
-    # feature's random start stays noise in every row holding it: at Amazon-670K shape (136K
-    # features, half of them in fewer than 25 rows) 0.1 instead of 0.5 took P@1 after 6 epochs
-    # from 0.24 to 0.28-0.30 and at the end from 0.296 to 0.33; with 0.1 two small real sets (a
-    # few hundred frequent features) lost 0.006-0.011 and the demo preset 0.006
-    # (bench/results/accuracy_experiments.md)
+    # feature's random start stays noise in every row holding it (docs/slow-rows.md)
     out["input_init"] = 0.1 if slow_rows else 0.5
     if sampled:
         over = {k: getattr(c, k) for k in ("K", "L", "range_pow", "bucket_size") if getattr(c, k)}
         # the tables only supply lsh_cap candidates per sample, so fewer and smaller than
-        # BOLT's rule: at Amazon-670K shape 24 tables of 64 matched 82 of 164 in P@1 at 0.77 of
-        # the memory and a third of the rehash time (bench/README.md)
+        # BOLT's rule asks for (docs/tables.md)
         tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy,
                       max_tables=24, max_bucket_size=64, **over)
         out["tables"] = dataclasses.asdict(tc)
     hs = c.hidden_sparsity or (1.0,) * len(hidden)
-    # where the output is sampled the hidden layer's identity generalised better than its ReLU
-    # at every shape tried (`eurlex-4k` preset P@1 0.846 -> 0.858-0.871; Amazon-670K preset at
-    # 100K rows P@1 even, P@5 0.137-0.144 -> 0.160-0.161); where it is computed whole, on the
-    # real sets, ReLU did (bench/results/accuracy_experiments.md)
+    # where the output is sampled the hidden layer's identity generalised better than its
+    # ReLU; where it is computed whole, ReLU did (docs/activation.md)
     out["activation"] = c.activation or ("identity" if sampled and min(hs) == 1 else "relu")
     out["hidden_layers"] = [None] * len(hidden)
     for l in range(1, len(hidden)):

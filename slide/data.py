@@ -599,10 +599,9 @@ def take_rows(X: sp.csr_matrix, rows, out: sp.csr_matrix | None = None) -> sp.cs
     ``out``: a matrix an earlier call returned for m rows of ``X`` (or of a matrix of the same
     shape and dtypes), which is given these rows and returned instead of a new one; otherwise
     (None, or another shape) a new matrix is built. A training loop takes each batch's rows
-    this way: scipy's fancy row index checks the whole matrix's index arrays on every call
-    (180 µs of a 193 µs batch of 128 rows at Amazon-670K shape, 6.7M non-zeros), and building
-    a new scipy matrix, cheap in a loop of its own, took 88 µs a call between training steps,
-    which leave Python's caches cold (bench/README.md).
+    this way: scipy's fancy row index checks the whole matrix's index arrays on every call,
+    and building a new scipy matrix costs more between training steps, which leave Python's
+    caches cold, than in a loop of its own (docs/runtime.md).
     """
     rows = np.asarray(rows, np.int64)
     n = X.shape[0]

@@ -53,12 +53,8 @@ __all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank"]
 MODES = ("sync", "local", "delayed")
 #: local/delayed: steps between averages. A round carries every row any rank changed since the
 #: last, and the rows a step touches overlap little from step to step, so longer rounds carry
-#: fewer bytes a step: at Amazon-670K shape on 2 ranks, 14.5 MB a step at 16 steps (320,673
-#: output rows a round) against 6.3 MB at 64 (431,326), and packing and merging them, not the
-#: link, had become the cost once a step took 23 ms on one thread. 2 ranks trained at 4,904
-#: samples/s against 6,886 (one rank alone: 5,509), P@1 at the end of 60 s 0.038 against 0.056,
-#: and on the EURLex-4K preset 0.697 against 0.715 after 30 s (bench/README.md, "Data
-#: parallelism")
+#: fewer bytes a step, and packing and merging them, not the link, is the cost to keep small
+#: (docs/distributed.md)
 DEFAULT_EVERY = 64
 DEFAULT_TIMEOUT = 300.0
 
@@ -90,7 +86,7 @@ def cores_per_rank(comm) -> int:
 @njit(cache=True, nogil=True, parallel=True)
 def _gather_rows(src, ids, dst):
     """``dst[t] = src[ids[t], :d]`` for dst [len(ids), d] and src [n, D >= d]: a matrix, or the
-    row block whose leading columns it is (:func:`lsh.arrays.leading_rows`)."""
+    row block whose leading columns it is (:func:`slide.runtime.leading_rows`)."""
     d = dst.shape[1]
     for t in prange(ids.size):
         copy_into(dst[t], src[ids[t], :d])
@@ -140,8 +136,7 @@ class _Parts:
             self.views.append(self.buffer[lo:lo + s].reshape(ids.size, a.shape[1]))
             lo += s
         # a training model's W and W0 are the leading columns of their row blocks, which as
-        # C-contiguous rows compile to vector copies (as a strided view, element by element:
-        # 104 against 30 ms for 513K rows of 128 on one thread)
+        # C-contiguous rows compile to vector copies (a strided view copies element by element)
         self.pieces = [(leading_rows(a), ids) for a, ids in pieces]
 
     def gather(self):

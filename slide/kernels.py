@@ -11,12 +11,12 @@ Array layout (all float32, C-contiguous):
 The two matrices a step reads by scattered rows, ``W0`` and ``W``, train as *row blocks*
 [n, 3·H]: row i is the weights, Adam's first moment and second moment of row i back to back
 (:func:`row_parts`), so that a row's update reads and writes one 1.5 KB run at H = 128 instead
-of three 512-byte runs in three arrays: memory serves the one run faster (the training step
-1.10x at Amazon-670K shape, bench/README.md). A kernel that only reads weights takes "rows led
+of three 512-byte runs in three arrays: memory serves the one run faster (docs/runtime.md). A
+kernel that only reads weights takes "rows led
 by the weights": the plain matrix [n, H] or its row block, of which it reads the first H
 entries of a row (H from another argument).
 
-Kernels that walk scattered rows ask for them before use (:mod:`lsh.prefetch`): into every
+Kernels that walk scattered rows ask for them before use (:mod:`slide.runtime`): into every
 cache level :data:`AHEAD` rows ahead, and, where they update the rows, into L2 :data:`FAR` rows
 ahead, the lines of the whole update (the output step asks in its forward half for what its
 update half will touch).
@@ -38,12 +38,11 @@ taken from thread to thread. With one thread everything is deterministic.
 
 The per-sample kernels (:func:`select_active`, :func:`output_step`, :func:`backward_hidden`)
 run one loop on each of ``n_threads`` threads, each claiming the batch's next unclaimed sample
-from a shared counter as it finishes one (:func:`lsh.atomics.fetch_add`; the output step as
+from a shared counter as it finishes one (:func:`slide.runtime.fetch_add`; the output step as
 the sample's last rows go, to ask for the next one's first rows), instead of a fixed chunk
-each: a sample's cost varies with its labels, its candidates and its cache misses, and with
-fixed chunks the threads sat idle about 5% of the output and backward kernels at Amazon-670K
-shape on 2 threads, waiting for the slowest chunk. Their scratch is per thread; with one
-thread the samples go in order.
+each: a sample's cost varies with its labels, its candidates and its cache misses, and fixed
+chunks leave threads waiting for the slowest. Their scratch is per thread; with one thread the
+samples go in order.
 """
 import numpy as np
 from numba import njit, prange
@@ -60,19 +59,14 @@ from slide.vecmath import MAX_LANES, dot, exp_nonpositive, fmax, fsum
 _CONTRACT = {"contract"}
 
 
-#: rows asked for ahead of use by the kernels that walk scattered rows (lsh.prefetch): at 4 the
-#: output step and Adam ran 15-25% faster at Amazon-670K shape; 2 and 8 did no better
+#: rows asked for ahead of use by the kernels that walk scattered rows: enough to keep several
+#: rows in flight, few enough that they are still in L1 when used (docs/runtime.md)
 AHEAD = 4
 
-#: rows asked of L2 ahead of use (lsh.prefetch_l2) by the kernels that update scattered rows,
-#: beside AHEAD's ask of every level (our reading of the gain: L1 keeps few misses in flight,
-#: L2 many more, so more of a row's 24 lines are on their way at once). In the output step the
-#: rows its update will touch are asked for in the forward half, which otherwise waits on the
-#: weights alone. On batches captured from the step at Amazon-670K shape (2 threads, caches
-#: emptied before each call, us a sample): the output step 41.6 -> 34.8 at 32 ahead (36.1 at
-#: 20, 35.2 at 48; 16 and 24 as 32 in another run), Adam after the batch 7.0 -> 5.2 (the same
-#: from 8 to 32), the input rows' Adam in backward_hidden 9.3 -> 8.1 at 8 and 7.6 at 12, the
-#: pool's 19.7 -> 18.3 at 8 or 16; the step 1.09x side by side (bench/README.md)
+#: rows asked of L2 ahead of use by the kernels that update scattered rows, beside AHEAD's ask
+#: of every level: L2 keeps many more misses in flight than L1, so more of a row's lines are on
+#: their way at once. In the output step the rows its update will touch are asked for in the
+#: forward half, which otherwise waits on the weights alone (docs/runtime.md)
 FAR = 16
 
 
@@ -159,8 +153,8 @@ def select_active(y_indptr, y_indices, codes, buckets, seen, slots, where, cand,
     did not find. They are found through the pool ``pool`` int32 [P]'s position map
     ``pool_pos`` int32 [n_labels] (-1 outside it) and membership bits ``pool_bits`` uint8
     [ceil(n_labels / 8)], both set here and cleared before returning (all -1 and 0 on entry
-    and exit): a found neuron's bit, in L2 at 84 KB for 670K labels, answers most lookups
-    before the 2.7 MB map would (the query 13.8 -> 11.2 us a sample). Per-thread query scratch
+    and exit): a found neuron's bit, in L2 where the map is not, answers most lookups before
+    the map would. Per-thread query scratch
     (``slots``, ``where``, ``cand``, ``hits``, ``hist``) as in
     :class:`lsh.tables.QueryScratch`, one for each of ``n_threads`` threads, which claim the
     samples one at a time (see the module docstring).
@@ -252,8 +246,7 @@ def _mark(owners, i, first, touched, n):
 def _list_shared(owners, touched, slots, shared):
     """The SHARED rows of ``touched`` into ``shared``, in order, each with its place there in
     ``slots``; returns their count. A pass of its own: giving a row its slot in the marking
-    loop, as it became SHARED, made that loop 35 times slower (2.1 against 0.06 ms a batch at
-    Amazon-670K shape)."""
+    loop, as it became SHARED, slowed that loop many times over."""
     k = 0
     for i in touched:
         if owners[i] == SHARED:
@@ -268,12 +261,10 @@ def clear_marks(owners, touched, in_place):
     """Set the marks of the rows of ``touched`` [m] (:func:`mark_rows`' list) back to
     UNTOUCHED and, where ``in_place`` has room (data parallelism's averages need it), list
     those updated in place (ALONE or POOL) into it, in the order listed; returns their count
-    (0 without a list). The list takes a pass over the listed rows (a scan of all the marks,
-    in increasing order, cost 0.45 ms a batch at 670K rows). Without it the marks are reset
-    on every thread: all of them, in order, where the rows listed are at least one per line
-    of 64 marks, so that most lines are written either way (at Amazon-670K shape 24 against
-    111 µs a batch for the listed rows' output marks, 6 against 29 for the input's); the
-    listed rows' otherwise."""
+    (0 without a list). The list takes a pass over the listed rows (a scan of all the marks
+    costs more). Without it the marks are reset on every thread: all of them, in order, where
+    the rows listed are at least one per line of 64 marks, so that most lines are written
+    either way; the listed rows' otherwise."""
     if in_place.size == 0:
         if touched.size * 64 >= owners.size:
             for i in prange(owners.size):
@@ -344,10 +335,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
             for a in range(k):
                 if a + AHEAD < k:
                     # the bias and its two moments are scattered lines outside the row's run,
-                    # each a wait of its own where not asked for early: with them asked for
-                    # (the bias here, the moments in the update below), the output phase was
-                    # 6-14% faster in six side-by-side pairs at Amazon-670K shape, the step
-                    # 1.05x in their median (bench/README.md)
+                    # each a wait of its own where not asked for early (the bias here, the
+                    # moments in the update below)
                     ahead = own[a + AHEAD]
                     prefetch(W[ahead, :H])
                     prefetch_w(b[ahead:ahead + 1])
@@ -412,7 +401,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
 @njit(cache=True, nogil=True)
 def _mean(x):
     """The mean of float32 ``x`` as a float64 (0 for none): a kernel returns it, since numpy's
-    ``mean`` between the step's kernels, which leave the caches cold, took 60 us."""
+    small-array calls between the step's kernels, which leave the caches cold, cost tens of
+    microseconds."""
     total = 0.0
     for v in x:
         total += v
@@ -422,7 +412,7 @@ def _mean(x):
 @njit(cache=True, nogil=True)
 def longest_row(indptr):
     """The most entries in one row of a CSR matrix with row pointers ``indptr`` [n + 1] (0 for
-    no rows); numpy's ``diff(indptr).max()`` took 80 us between the step's kernels."""
+    no rows); a kernel, for the reason :func:`_mean` is one."""
     most = 0
     for r in range(indptr.size - 1):
         most = max(most, indptr[r + 1] - indptr[r])
@@ -558,8 +548,8 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_
 
     First per sample: the hidden stack's gradients (Hogwild), and the sample's first-layer
     gradient into ``D`` float32 [n, H0]. An input row marked ALONE in ``owners`` uint8
-    [n_features] (:func:`mark_ids`: a feature of one sample of the batch, most of them at
-    Amazon-670K shape) has its whole gradient in that sample's pass and gets its Adam step
+    [n_features] (:func:`mark_ids`: a feature of one sample of the batch, most of them on
+    sparse data) has its whole gradient in that sample's pass and gets its Adam step
     there (``W0``: the input layer's row block [n_features, 3·H0]; Adam's hyperparameters for
     ``step``, as :func:`adam_rows`). ``n_threads`` threads claim the samples one at a time (see
     the module docstring), each with its row of ``dbuf``.
@@ -568,9 +558,8 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_
     it, into the step's compact gradient ``gW0`` [S, H0] at its ``slots`` int32 [n_features]
     (:func:`mark_ids`) for Adam after the batch, and the input biases' into ``gb0``, each sum
     by one thread in sample order. Added by every sample as it went, the rows of features that
-    most samples hold took each write as a cache line the other threads had just taken: on
-    rows of 120 dense features this pass took 13.6 us a sample on 2 threads, 3.3 now
-    (bench/README.md). Scratch for the rows' entries, :func:`_shared_pairs`: ``starts`` int64
+    most samples hold would take each write as a cache line the other threads had just taken.
+    Scratch for the rows' entries, :func:`_shared_pairs`: ``starts`` int64
     [S + 1], ``pair_rows`` int32 and ``pair_vals`` float32 [nnz]. ``relu`` (bool): the hidden
     layers' activation is ReLU, else the identity."""
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
@@ -602,21 +591,17 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_
 # The shared pool: its logits and gradients as matrix products on numba's threads
 # --------------------------------------------------------------------------------------------
 # Each thread takes a contiguous block of the pool and multiplies only its own rows, through a
-# single-threaded BLAS (scipy's, which the caller holds at one thread: see lsh.engine_threads):
-# its weight rows are gathered, multiplied and their gradients added back while in its cache.
-# A multi-threaded BLAS instead would leave numba's workers spinning beside BLAS's between
-# kernels; one BLAS thread alone left the other cores idle for a third of the step at 16
-# threads. The products read and write the thread's block of columns of the [n, P] logits in
-# place (slide.blas.gemm), so the softmax reads each sample's pool logits as one row.
+# single-threaded BLAS (scipy's, which the caller holds at one thread: see
+# slide.runtime.engine_threads): its weight rows are gathered, multiplied and their gradients
+# added back while in its cache. A multi-threaded BLAS instead would leave numba's workers
+# spinning beside BLAS's between kernels, or, alone, the other cores idle. The products read
+# and write the thread's block of columns of the [n, P] logits in place (slide.blas.gemm), so
+# the softmax reads each sample's pool logits as one row.
 #
 # A thread's block goes through in chunks of POOL_CHUNK columns whose gathered weight rows,
 # logit columns and gradient rows stay in L2 from one operation on them to the next: the
 # gathered rows into their product, the logit gradients through two products and the column
-# sums, each gradient row into its Adam step. Whole blocks of 1,900 columns (2 threads at
-# Amazon-670K shape) left each of them about a megabyte; in chunks of 256, on a batch captured
-# from the step with caches emptied before each call, pool_logits took 8.4 against 9.6 µs a
-# sample and pool_gradients 18.4 against 20.1 (chunks of 128: 8.5 and 18.7; 512: 8.7 and 19.1;
-# bench/README.md). The products on warm operands of these shapes run as fast as a 2048-cube.
+# sums, each gradient row into its Adam step (docs/runtime.md).
 #: columns of the pool a thread takes at once (the kernels' ``chunk``)
 POOL_CHUNK = 256
 
@@ -642,8 +627,7 @@ def pool_logits(h, W, b, pool, W_pool, z, b_pool, bounds, chunk):
                 copy_into(Wc[t], W[pool[lo + t], :H])
                 bc[t] = b[pool[lo + t]]
             # the biases first, the product added to them: BLAS zeroes C in a pass of its own
-            # where beta is 0, and adding the biases after took another (about 8% of this
-            # kernel on 2 threads at Amazon-670K shape, bench/test_bench_pool.py)
+            # where beta is 0, and adding the biases after would take another
             # z[r, lo:hi], not a row of the column block z[:, lo:hi]: a row of that block has
             # numba's layout "A" (strides unknown when compiled), which keeps the loop scalar
             for r in range(z.shape[0]):

@@ -86,12 +86,10 @@ def shared_negatives(key: int, n_labels: int, size: int,
     :func:`draw_key`) alone.
 
     The batch's labels make each sample's negatives include the other samples' labels, drawn as
-    often as labels occur; at Amazon-670K shape this took the engine's P@1 after 3 epochs from
-    0.0055 to 0.069 (bench/results/accuracy_experiments.md). One pass of a numba kernel over a
-    bit set of the labels: numpy's draw without replacement, a sort and a mask took 0.12-0.2 ms
-    a batch at Amazon-670K shape inside the training step (a tenth of the step's serial work).
-    The labels' range is checked in that pass too: between the step's kernels, which leave the
-    caches cold, a copy to int64 and numpy's ``min`` and ``max`` took 50 us together.
+    often as labels occur (docs/active-set.md). One pass of a numba kernel over a bit set of the
+    labels, rather than numpy's draw without replacement, a sort and a mask; the labels' range
+    is checked in that pass too, rather than by numpy's ``min`` and ``max`` between the step's
+    kernels, which leave the caches cold.
     """
     size = min(int(size), n_labels)
     labels = np.asarray(batch_labels)

@@ -133,13 +133,13 @@ class Int8Rows:
     packed : int8 [L' / 64, ceil(d / 4), 256] (L' = L rounded up to 64; padding rows are zero):
         tile-major, so that scoring a tile of 64 labels reads 8 KB in one piece (at hidden 128)
         rather than 32 pieces a row of the whole matrix apart, each on a page of its own (a
-        single query was TLB-bound at 11 ms); within a tile the layout ``_dot_tile`` reads.
+        single query would be bound by TLB misses); within a tile the layout ``_dot_tile``
+        reads.
     scale : float32 [L']: w_j ~ scale_j * q_j (symmetric, per label: max |w_j| / 127).
     norm, error : float32 [L']: |w_j| and |w_j - scale_j q_j|, rounded up.
     sums : int32 [L']: sum_i q_ji (times a query's zero point, see the module docstring).
     bias : float32 [L']: the layer's biases b_j, and for the padding labels one that no bound
-        lifts to a candidate; built here once: built for every query (a fresh 2.7 MB at 670K
-        labels), it made a single row's query 1.07-1.17x as long (bench/README.md).
+        lifts to a candidate; built here once, not for every query.
     n_rows, dim : L and d.
     """
     packed: np.ndarray
@@ -510,9 +510,7 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
         for a in range(lo, hi):
             # the rows are scattered through the layer: each asked for a few ahead, a miss
             # a row; its 16 bytes of scale, bounds and bias are one line beside it. Asked of
-            # L2 FAR ahead too, more of them are on their way at once: LSH queries of 128
-            # rows at Amazon-670K shape 13.4 -> 9.3 ms, single rows 349 -> 276 us
-            # (bench/README.md)
+            # L2 FAR ahead too, more of them are on their way at once (docs/serving.md)
             if a + AHEAD < hi:
                 ahead = cand[r, a + AHEAD]
                 prefetch(q[ahead])
@@ -563,8 +561,7 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
     Every candidate is scored from its int8 row with a bound on the error; only those whose
     upper bound reaches the k-th best lower bound are scored again in float32. A candidate's
     int8 row and its 16 bytes of scale, bounds and bias are 3 of the 9 lines that its float32
-    row and bias span, and a scattered row costs its misses: LSH queries of 128 rows at 670K
-    labels took 1.6-2.0x less time than with float32 scoring (bench/README.md). Each row's
+    row and bias span, and a scattered row costs its misses (docs/serving.md). Each row's
     candidates are cut into ``parts`` runs, each a task for a thread with a heap of its own,
     merged after: more parts than 1 a row where there are fewer rows than threads (one row's
     thousands of candidates on every thread).

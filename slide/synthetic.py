@@ -15,7 +15,7 @@ simpler model hides:
 * rows are L2-normalised log term counts, as in the public sets' tf-idf-like features.
 
 Each preset is calibrated so that simple baselines reach on it about what they reach on the
-real set it imitates (bench/README.md lists XR-Linear's and 10-NN's figures per preset).
+real set it imitates (docs/data.md lists XR-Linear's and 10-NN's figures per preset).
 Same seed, same data. The draw is one numba pass.
 """
 from __future__ import annotations
