@@ -8,7 +8,7 @@ import time
 from slide.data import DataFormatError, read_dataset, shuffle_rows
 from slide.loop import MAX_VALIDATION_ROWS
 from slide.resources import peak_rss_mb
-from slide.synthetic import load_default
+from slide.synthetic import PRESETS, load_default
 
 __all__ = ["run_training", "load_train_test"]
 
@@ -23,8 +23,10 @@ def _write_json(path, obj):
 def load_train_test(train=None, test=None, seed=0, log=print):
     """Read the files (or generate the built-in dataset) and return train and test splits."""
     if train is None:
-        log("no training file given: generating the built-in 'demo' dataset (synthetic, "
-            "Amazon-670K-like, 20,000 train / 4,000 test samples)")
+        shape = PRESETS["demo"]
+        log(f"no training file given: generating the built-in 'demo' dataset (synthetic, "
+            f"Amazon-670K-like: {shape.n_train:,} train / {shape.n_test:,} test samples, "
+            f"{shape.n_features:,} features, {shape.n_labels:,} labels)")
         return load_default(seed)
     Xtr, Ytr = read_dataset(train)
     Xte = Yte = None
