@@ -22,11 +22,15 @@ import numpy as np
 
 __all__ = ["Trainable", "EpochRunner", "FitRecord", "EarlyStopping", "run_epochs",
            "refit_epochs", "epoch_learning_rate", "epoch_order", "validation_split",
-           "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS"]
+           "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS", "MIN_RATE_SHARE"]
 
 # After half the patience without improvement the learning rate is multiplied by this
 # (ReduceLROnPlateau): the plateau is usually Adam's noise floor, which a lower rate gets under.
 PLATEAU_FACTOR = 0.3
+# With early stopping, a run stops once the plan and the plateau drops have taken the learning
+# rate below this share of its start: the epochs left would move the weights too little to
+# change the ranking (docs/early-stopping.md).
+MIN_RATE_SHARE = 0.01
 # Validation rows scored per evaluation, at most. Scoring is exact (every label), so on wide
 # output layers a larger slice would cost more than the epoch it judges; 5,000 rows give P@1
 # to about ±0.007.
@@ -209,6 +213,10 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
             break
         rate = epoch_learning_rate(model.resolved_["lr"], record.epoch, planned,
                                    stopper.lowered if stopper is not None else 0)
+        if stopper is not None and stopper.scores and rate < MIN_RATE_SHARE * model.resolved_["lr"]:
+            stopper.stopped = (f"the learning rate fell below {MIN_RATE_SHARE:g} of its start "
+                               f"(best {stopper.best_score:.4f} at epoch {stopper.best_epoch})")
+            break
         bar = progress_bar(progress, n_rows, f"epoch {record.epoch + 1}/{planned}")
         order = epoch_order(seed, record.epoch, n_rows)
         start = min(record.epoch_position, order.size) if continue_training else 0

@@ -63,7 +63,7 @@ PRESETS = {s.name: s for s in [
     DatasetShape("eurlex-4k", 5_000, 3_993, 15_539, 3_809, 236.0, 5.3),
     # Amazon-like in its label/feature ratios; the built-in dataset, whose rows are few enough
     # for the README's main job to finish within three minutes on 2 cores (docs/data.md)
-    DatasetShape("demo", 20_000, 10_000, 13_000, 4_000, 40.0, 3.0),
+    DatasetShape("demo", 20_000, 10_000, 11_500, 4_000, 40.0, 3.0),
 ]}
 
 _SIGNATURE = 16       # features per label signature, strongest first

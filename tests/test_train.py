@@ -12,7 +12,8 @@ from slide import SlideClassifier, resources
 from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS, RARE_SHARE,
                           REFIT_ROWS, SAMPLED_DECAY, SlideConfig, checked_choice, idf_weighted,
                           positives_per_step, rare_share, resolve, sampled_width, touched_share)
-from slide.loop import PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate, validation_split
+from slide.loop import (MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate,
+                        validation_split)
 from slide.resources import model_memory_bytes
 from slide.selection import CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, WIDE_HIDDEN, choice_name, offered
 
@@ -100,6 +101,24 @@ def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
     assert rates == pytest.approx([1e-3] * 4 + [1e-3 * PLATEAU_FACTOR] * 2)
     assert m.early_stopping_.metric == "nDCG@5"  # a sampled output layer
     assert [h["best_epoch"] for h in m.history_] == [1, 2, 2, 2, 2, 2]
+
+
+def test_a_run_stops_once_its_rate_falls_below_a_hundredth_of_its_start(tiny_data):
+    # every third epoch a new best, two worse ones between: a plateau drop (x0.3) after each
+    # pair, never patience's stop; with the plan's halvings (20 planned epochs) the rate of the
+    # 11th epoch would be 0.25 x 0.3^3 = 0.0068 of the start, so the run ends after the 10th
+    X, Y = tiny_data[0][:400], tiny_data[1][:400]
+    m = _Scripted(hidden=(8,), sparsity=0.5, epochs=20, n_iter_no_change=4, seed=0, lr=1e-3,
+                  refit=False, tfidf=False)
+    m.script = [0.1, 0.05, 0.05, 0.2, 0.1, 0.1, 0.3, 0.1, 0.1, 0.4] + [0.5] * 10
+    m.fit(X, Y)
+    assert m.epoch_ == 10 and m.stopping_["kept_epoch"] == 10
+    assert m.stopping_["reason"].startswith(f"the learning rate fell below {MIN_RATE_SHARE:g}")
+    rates = [h["learning_rate"] for h in m.history_]
+    assert rates[-1] >= MIN_RATE_SHARE * 1e-3 > epoch_learning_rate(1e-3, 10, 20, lowered=3)
+    # without early stopping the plan runs whole, however low its rate
+    assert SlideClassifier(hidden=(8,), sparsity=0.5, epochs=3, early_stopping=False,
+                           seed=0).fit(X, Y).epoch_ == 3
 
 
 def test_held_out_rows_are_not_trained_on(tiny_data):
