@@ -19,7 +19,8 @@ def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
 @pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
 def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     Xtr, Ytr, Xte, Yte = tiny_data
-    h = _trainer(policy, epochs=6, min_speed=0.0).fit(Xtr, Ytr, validation=(Xte, Yte))
+    h = _trainer(policy, cls=_PacedWorkers, epochs=6, min_speed=0.0).fit(Xtr, Ytr,
+                                                                        validation=(Xte, Yte))
     seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
     np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
     rec = h.model.history_[-1]
@@ -33,32 +34,45 @@ def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
 
 
 class _VirtualTime:
-    """A clock of its own for each worker thread, advanced by its paced steps: a discrete-event
+    """A clock of its own for each worker, advanced by its paced steps: a discrete-event
     schedule over the real threads. A worker whose step ends at virtual time t goes on (to take
-    its next chunk of the stream) only once no other active worker can end a step before t, so
-    the workers take the stream's chunks in the order their paces say, however loaded the
-    machine is and however long the real steps take."""
+    its next chunk of the stream) only once no other worker of the pass can end a step before t,
+    so the workers take the stream's chunks in the order their paces say, however loaded the
+    machine is and however long the real steps take. Each pass starts every worker it expects
+    at time 0; a worker not expected (the GPU worker waiting for the engine's first step) joins
+    at 0 with its first step."""
 
     def __init__(self):
         self._cond = threading.Condition()
-        self._now = {}  # thread id: virtual time (of its last step's end, or the one it waits at)
+        self._now = {}  # worker: virtual time of its last step's end (0 before its first)
+        self._done = {}  # worker: its time when it left the pass
+        self._names = {}  # thread id: worker
+
+    def expect(self, names) -> None:
+        with self._cond:
+            self._now, self._done = {name: 0.0 for name in names}, {}
+            self._cond.notify_all()
 
     def clock(self) -> float:
+        """The calling worker's time; outside a worker of the pass, the pass's end so far."""
         with self._cond:
-            return self._now.get(threading.get_ident(), 0.0)
+            name = self._names.get(threading.get_ident())
+            if name in self._now:
+                return self._now[name]
+            return max(self._done.values(), default=0.0)
 
-    def spend(self, seconds: float) -> None:
-        me = threading.get_ident()
+    def spend(self, name: str, seconds: float) -> None:
         with self._cond:
-            # each worker's time starts at 0 with its first step of a pass
-            self._now[me] = self._now.get(me, 0.0) + seconds
+            self._names[threading.get_ident()] = name
+            self._now[name] = self._now.get(name, 0.0) + seconds
             self._cond.notify_all()
-            self._cond.wait_for(lambda: all((t, o) > (self._now[me], me)
-                                            for o, t in self._now.items() if o != me))
+            self._cond.wait_for(lambda: all((t, o) > (self._now[name], name)
+                                            for o, t in self._now.items() if o != name))
 
-    def leave(self) -> None:
+    def leave(self, name: str) -> None:
         with self._cond:
-            self._now.pop(threading.get_ident(), None)
+            if name in self._now:
+                self._done[name] = self._now.pop(name)
             self._cond.notify_all()
 
 
@@ -72,18 +86,25 @@ class _PacedWorkers(HeteroTrainer):
         self.time = _VirtualTime()
         super().__init__(*args, clock=self.time.clock, **kwargs)
 
+    def _run(self, X, Y, order):
+        # the GPU worker of a pass starts with the CPU's, unless it waits for the engine's
+        # first step (the model's first pass) or has retired
+        gpu = self._engine_ready.is_set() and not self.policy_.retired
+        self.time.expect(["cpu", "gpu"] if gpu else ["cpu"])
+        return super()._run(X, Y, order)
+
     def _cpu_step(self, X, Y, idx):
         loss = super()._cpu_step(X, Y, idx)
-        self.time.spend(self.cpu_pace * idx.size)
+        self.time.spend("cpu", self.cpu_pace * idx.size)
         return loss
 
     def _gpu_step(self, X, Y, idx):
         loss = super()._gpu_step(X, Y, idx)
-        self.time.spend(self.gpu_pace * idx.size)
+        self.time.spend("gpu", self.gpu_pace * idx.size)
         return loss
 
     def _worker_done(self, name):
-        self.time.leave()
+        self.time.leave(name)
 
 
 class _SlowGPU(_PacedWorkers):
@@ -192,7 +213,7 @@ def test_engine_steps_on_the_calling_thread(tiny_data):
     assert h.cpu_threads_seen == {threading.get_ident()}
 
 
-class _FailingGPU(HeteroTrainer):
+class _FailingGPU(_PacedWorkers):
     def _gpu_step(self, X, Y, idx):
         if self.model.epoch_ >= 1:
             raise MemoryError("device out of memory (injected)")
