@@ -47,11 +47,6 @@ class Server:
         self._built = {}  # name: (state version, object)
         self._tables_version = None
 
-    def __getstate__(self):
-        # a copy rebuilds its int8 copies and serving tables from its own weights
-        return {"state": self.state, "tables": None, "candidates": self.candidates,
-                "_built": {}, "_tables_version": None}
-
     def current(self) -> None:
         """Bring the training tables (and serving tables) up to the weights, once."""
         s = self.state

@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import pickle
 import threading
 
 import numpy as np
@@ -375,6 +376,23 @@ def test_a_copy_trains_weights_of_its_own(tiny_data):
         assert np.array_equal(m.params_[k], before[k])
         assert not np.array_equal(c.params_[k], before[k])
         assert _part_of_block(c.params_[k], blocks[k], 0)
+
+
+def test_a_copy_serves_as_its_original_does(tiny_data):
+    """A copy of a served model keeps its serving tables' settings and answers as it does; once
+    the copy trains, its serving follows its own weights, and the original's stays."""
+    X, Y = tiny_data[0][:400], tiny_data[1][:400]
+    m = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, seed=0, epochs=1,
+                        early_stopping=False).fit(X, Y).set_serving(tables=7, candidates=30)
+    ids = m.predict_topk(X[:20], 5, mode="lsh")[0]
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert c.serving_tables_.config.L == 7 and c.serving_candidates_ == 30
+        np.testing.assert_array_equal(c.predict_topk(X[:20], 5, mode="lsh")[0], ids)
+    c.partial_fit(X[:64], Y[:64])
+    c.predict_topk(X[:20], 5, mode="lsh")  # the serving tables follow at the next query
+    np.testing.assert_allclose(c.serving_tables_.offset, c.params_["W"].mean(0), atol=1e-6)
+    np.testing.assert_array_equal(m.predict_topk(X[:20], 5, mode="lsh")[0], ids)
+    assert np.abs(m.serving_tables_.offset - c.serving_tables_.offset).max() > 1e-5
 
 
 def test_serving_from_several_threads_at_once(tiny_data, run_threads):
