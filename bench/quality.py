@@ -97,12 +97,21 @@ def _run_network(engine, spec, args, queue):
     else:
         from gpu_ref import DenseClassifier
         model = DenseClassifier(seed=args.seed, device="cpu")
+    # P@1 on the test rows after every epoch, against the training seconds so far (every run
+    # the model trains counted, the first batch's kernel compile not): when it passes a peer
+    curve, spent = [], [0.0]
+
+    def on_epoch(m, entry):
+        spent[0] += entry["train_seconds"] - entry.get("first_batch_seconds", 0.0)
+        p1 = _scores(m.predict_topk(Xte, 5)[0], Ytr, Yte, name)["P@1"]
+        curve.append([spent[0], p1, entry.get("choice", "refit" if entry.get("refit") else "")])
+
     t0 = time.perf_counter()
-    model.fit(Xtr, Ytr)
+    model.fit(Xtr, Ytr, on_epoch=on_epoch)
     seconds = time.perf_counter() - t0
     top, _ = model.predict_topk(Xte, 5)
     queue.put({"dataset": name, "engine": engine, **_scores(top, Ytr, Yte, name),
-               "train_seconds": seconds, "peak_rss_mb": peak_rss_mb(),
+               "train_seconds": seconds, "peak_rss_mb": peak_rss_mb(), "curve": curve,
                "epochs": sum(1 for h in model.history_ if not h.get("refit")),
                "kept_epoch": model.stopping_["kept_epoch"], "refit": "refit" in model.stopping_,
                "choice": model.stopping_.get("choice", {}).get("chosen"),
@@ -150,8 +159,41 @@ def _run_knn(spec, args, queue):
                "train_seconds": time.perf_counter() - t0, "peak_rss_mb": peak_rss_mb()})
 
 
+def seconds_to_pass(curve, p1: float):
+    """The training seconds of the first point of ``curve`` ([seconds, P@1, run] after each
+    epoch) whose P@1 is above ``p1``; None where none is."""
+    return next((t for t, p, *_ in curve if p > p1), None)
+
+
+def passing_table(rows, engines) -> list:
+    """Lines of a markdown table: per dataset, the training seconds at which the engine's test
+    P@1 first passed each peer's, beside the peer's own training seconds and their ratio."""
+    compared = [e for e in peers.WORKERS if e in engines]
+    by = {(r["dataset"], r["engine"]): r for r in rows}
+    sets = [s for s in dict.fromkeys(r["dataset"] for r in rows)
+            if by.get((s, "slide"), {}).get("curve") and any((s, e) in by for e in compared)]
+    if not sets:
+        return []
+    head = "| dataset | " + " | ".join(f"slide s to pass {peers.NAMES[e]} | {peers.NAMES[e]} s"
+                                       for e in compared) + " |"
+    lines = ["", head, "|" + "---|" * (head.count("|") - 1)]
+    for s in sets:
+        cells = []
+        for e in compared:
+            peer = by.get((s, e))
+            if peer is None:
+                cells += ["–", "–"]
+                continue
+            t = seconds_to_pass(by[(s, "slide")]["curve"], peer["P@1"])
+            ratio = f" ({t / max(peer['train_seconds'], 1e-9):.1f}×)" if t is not None else ""
+            cells += ["never" if t is None else f"{t:.1f}{ratio}", f"{peer['train_seconds']:.1f}"]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def table(rows, engines) -> str:
-    """A markdown table: one row per dataset, P@1 of each engine, then the details."""
+    """A markdown table: one row per dataset, P@1 of each engine, then the details, then when
+    the engine passed each peer (:func:`passing_table`)."""
     sets = list(dict.fromkeys(r["dataset"] for r in rows))
     by = {(r["dataset"], r["engine"]): r for r in rows}
     head = "| dataset | " + " | ".join(f"{e} P@1" for e in engines)
@@ -176,6 +218,7 @@ def table(rows, engines) -> str:
         lines.append(f"| {r['dataset']} | {r['engine']} | {r['P@1']:.3f} | {r['P@3']:.3f} | "
                      f"{r['P@5']:.3f} | {r['PSP@5']:.3f} | {r['train_seconds']:.1f} | "
                      f"{r['peak_rss_mb']:.0f} | {extra} |")
+    lines += passing_table(rows, engines)
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,12 @@ def test_quality_table_in_process(tmp_path):
     assert any("XR-Linear skipped" in n for n in doc["notes"])
     for r in rows.values():
         assert 0 <= r["P@5"] <= r["P@1"] <= 1 and r["train_seconds"] >= 0
+    # the engine's test P@1 after each epoch against its training seconds so far: the last
+    # point is the model as fitted (the refit, where it ran), the seconds only grow
+    curve = rows["slide"]["curve"]
+    assert len(curve) == len(doc["rows"][0]["curve"]) > 1
+    assert all(a[0] <= b[0] for a, b in zip(curve, curve[1:]))
+    assert curve[-1][1] == pytest.approx(rows["slide"]["P@1"])
     assert "eurlex-4k" in (tmp_path / "q.md").read_text()
     assert json.loads((tmp_path / "q.json").read_text())["table"] == doc["table"]
 
@@ -95,3 +101,19 @@ def test_specs_for_a_shape_and_a_folder_made_multi_class(tmp_path):
     assert Xtr.toarray().tolist() == [[1, 0, 2], [4, 0, 0]]
     assert Ytr.toarray().tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
     assert (Yte != Ytr).nnz == 0 and Ytr.dtype == np.float32
+
+
+def test_seconds_to_pass_each_peer():
+    curve = [[1.0, 0.2, "rule"], [2.5, 0.5, "rule"], [4.0, 0.7, "tf-idf"]]
+    assert quality.seconds_to_pass(curve, 0.1) == 1.0
+    assert quality.seconds_to_pass(curve, 0.5) == 4.0  # passed: above, not level with
+    assert quality.seconds_to_pass(curve, 0.7) is None
+    rows = [{"dataset": "d", "engine": "slide", "P@1": 0.7, "curve": curve},
+            {"dataset": "d", "engine": "xr-linear", "P@1": 0.45, "train_seconds": 1.25},
+            {"dataset": "d", "engine": "parabel", "P@1": 0.75, "train_seconds": 2.0},
+            {"dataset": "e", "engine": "slide", "P@1": 0.3, "curve": curve}]
+    lines = quality.passing_table(rows, ["slide", "xr-linear", "parabel"])
+    assert lines[1] == "| dataset | slide s to pass XR-Linear | XR-Linear s | slide s to pass Parabel | Parabel s |"
+    assert lines[3] == "| d | 2.5 (2.0×) | 1.2 | never | 2.0 |"
+    assert len(lines) == 4  # e: no peer scored there
+    assert quality.passing_table(rows, ["slide"]) == []
