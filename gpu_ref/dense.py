@@ -22,8 +22,8 @@ from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
                           parameter_shapes, resolve)
 from slide.data import take_rows
-from slide.estimator import record_from_checkpoint
 from slide.fitting import fit_model
+from slide.loop import FitRecord
 from slide.metrics import check_k, topk
 from slide.resources import check_fits, model_memory_bytes
 from slide.sampling import draw_key, shared_negatives
@@ -442,19 +442,14 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     # -- persistence ---------------------------------------------------------------------------
     def save(self, path):
         pre_arrays, pre_meta = self.preprocessor_.get_state()
+        best, record = self.record_.to_checkpoint(host=self._host)
         arrays = {**self.host_params(), **{f"adam.{k}": self._host(v) for k, v in self.moments_.items()},
-                  **{f"pre.{k}": v for k, v in pre_arrays.items()}}
-        r = self.record_
-        if r.best_params is not None:
-            arrays.update({f"best.{k}": self._host(v) for k, v in r.best_params.items()})
+                  **{f"pre.{k}": v for k, v in pre_arrays.items()}, **best}
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "rare_share": self.rare_share_, "choice": self.choice_,
                 "labels_per_row": self.labels_per_row_,
-                "step": self.step_, "epoch": r.epoch, "epoch_position": r.epoch_position,
-                "learning_rate": self.learning_rate_,
-                "history": r.history, "stopping": r.stopping, "single_label": bool(r.single_label),
-                "early_stopping": r.early_stopping.to_json() if r.early_stopping else None,
+                "step": self.step_, "learning_rate": self.learning_rate_, **record,
                 "dense": {"negatives": self.negatives, "precision": self.precision}}
         write_checkpoint(path, arrays, meta, self.step_)
 
@@ -472,7 +467,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)
         model._set_arrays(ck.arrays_like(shapes),
                           ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))
-        model.record_ = record_from_checkpoint(ck, model.resolved_["hidden"])
+        model.record_ = FitRecord.from_checkpoint(ck, shapes)
         if model.record_.best_params:
             model.record_.best_params = {k: model._xp.asarray(v)
                                          for k, v in model.record_.best_params.items()}

@@ -15,9 +15,9 @@ from sklearn.base import BaseEstimator
 
 from slide.base import TrainableMixin
 from slide.checkpoint import read_checkpoint, write_checkpoint
-from slide.config import FIXED_AFTER_FIT, SlideConfig, checked_setting, resolve
+from slide.config import FIXED_AFTER_FIT, SlideConfig, checked_setting, parameter_shapes, resolve
 from slide.fitting import fit_model
-from slide.loop import EarlyStopping, FitRecord
+from slide.loop import FitRecord
 from slide.metrics import check_k, topk
 from slide.resources import check_fits, model_memory_bytes
 from slide.runtime import set_num_threads
@@ -379,22 +379,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         epoch's copy): about a third of the size; such a model predicts, but cannot resume.
         """
         self._require_fitted()
-        r = self.record_
         pre_arrays, pre_meta = self.preprocessor_.get_state()
+        best, record = self.record_.to_checkpoint()
         arrays = {**self.params_, **{f"pre.{k}": v for k, v in pre_arrays.items()}}
         if not inference_only:
-            arrays.update({f"adam.{k}": v for k, v in self.moments_.items()})
-            if r.best_params is not None:
-                arrays.update({f"best.{k}": v for k, v in r.best_params.items()})
+            arrays.update({f"adam.{k}": v for k, v in self.moments_.items()}, **best)
         meta = {
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
             "rare_share": self.rare_share_, "choice": self.choice_,
-            "labels_per_row": self.labels_per_row_, **self.state_.counters(),
-            "epoch": r.epoch, "epoch_position": r.epoch_position, "history": r.history,
-            "early_stopping": r.early_stopping.to_json() if r.early_stopping else None,
-            "stopping": r.stopping, "inference_only": bool(inference_only),
-            "single_label": bool(r.single_label),
+            "labels_per_row": self.labels_per_row_, **self.state_.counters(), **record,
+            "inference_only": bool(inference_only),
         }
         write_checkpoint(path, arrays, meta, self.step_)
 
@@ -412,18 +407,6 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         model.preprocessor_ = ck.preprocessor(model.n_features_in_)
         model.state_ = TrainingState.from_checkpoint(ck, model.config_, model.resolved_)
         model.server_ = Server(model.state_)
-        model.record_ = record_from_checkpoint(ck, model.resolved_["hidden"])
+        model.record_ = FitRecord.from_checkpoint(
+            ck, parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels))
         return model
-
-
-def record_from_checkpoint(ck, hidden) -> FitRecord:
-    """The :class:`slide.loop.FitRecord` a checkpoint holds (the dense reference's too)."""
-    from slide.config import parameter_shapes
-    shapes = parameter_shapes(hidden, ck.n_features, ck.n_labels)
-    best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
-    return FitRecord(epoch=ck.epoch,
-                     epoch_position=ck.int("epoch_position", 0, minimum=0, maximum=ck.n_train),
-                     history=ck.records("history"),
-                     early_stopping=ck.parsed("early_stopping", EarlyStopping.from_json),
-                     best_params=best or None, stopping=ck.object("stopping"),
-                     single_label=bool(ck.meta.get("single_label", False)))

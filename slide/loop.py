@@ -154,6 +154,29 @@ class FitRecord:
     stopping: dict | None = None
     single_label: bool = False
 
+    def to_checkpoint(self, host=None) -> tuple[dict, dict]:
+        """``(arrays, meta)`` for a checkpoint: the best weights as ``best.*`` arrays (through
+        ``host``, which brings device arrays home), the rest as JSON."""
+        best = self.best_params or {}
+        arrays = {f"best.{k}": v if host is None else host(v) for k, v in best.items()}
+        meta = {"epoch": self.epoch, "epoch_position": self.epoch_position,
+                "history": self.history, "stopping": self.stopping,
+                "single_label": bool(self.single_label),
+                "early_stopping": self.early_stopping.to_json() if self.early_stopping else None}
+        return arrays, meta
+
+    @classmethod
+    def from_checkpoint(cls, ck, shapes: dict) -> "FitRecord":
+        """The record a :class:`slide.checkpoint.Checkpoint` holds; ``shapes``: the parameters'
+        shapes, which its best weights are checked against."""
+        best = ck.arrays_like(shapes, prefix="best.", missing_ok=True)
+        return cls(epoch=ck.epoch,
+                   epoch_position=ck.int("epoch_position", 0, minimum=0, maximum=ck.n_train),
+                   history=ck.records("history"),
+                   early_stopping=ck.parsed("early_stopping", EarlyStopping.from_json),
+                   best_params=best or None, stopping=ck.object("stopping"),
+                   single_label=bool(ck.meta.get("single_label", False)))
+
 
 def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (train, validation) row ids: a seeded random ``fraction`` of the n rows held out
