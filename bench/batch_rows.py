@@ -34,6 +34,7 @@ def main(argv=None):
     X, Y, _, _ = dataset(args.preset, args.n_train, 10)
     model = SlideClassifier(threads=args.threads, early_stopping=False, seed=0)
     model.initialize(X, Y)
+    Y = model.targets(X, Y)  # over the output rows
     B = model.batch_size_
     if (args.warm_steps + args.steps) * B > X.shape[0]:
         p.error(f"--warm-steps + --steps batches need {(args.warm_steps + args.steps) * B} rows")

@@ -337,6 +337,7 @@ def warmed_model(preset: str, n_train: int, threads: int, config: dict, warm_ste
     X, Y, _, _ = dataset(preset, n_train, 10)
     model = SlideClassifier(threads=threads, early_stopping=False, seed=0, **config)
     model.initialize(X, Y)
+    Y = model.targets(X, Y)  # over the output rows
     B = model.batch_size_
     if X.shape[0] < B:
         raise ValueError(f"--n-train must hold a batch of {B} rows, got {X.shape[0]}")

@@ -133,6 +133,7 @@ def main(argv=None):
                   "answers differing", flush=True)
     write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
                                     "n_labels": model.n_labels_,
+                                    "n_outputs": model.n_outputs_,
                                     "training_tables": model.tables_.config.L,
                                     "bucket_size": model.tables_.config.bucket_size, "rows": rows})
 

@@ -92,11 +92,13 @@ def main(argv=None):
     finally:
         sys.path.remove(str(where))
     X, Y, _, _ = dataset(args.preset, args.n_train, 10)
-    models, rows_of = {}, {}
+    models, rows_of, targets_of = {}, {}, {}
     for name, cls in ((args.rev, previous), ("working tree", SlideClassifier)):
         m = cls(threads=args.threads, early_stopping=False, seed=0)
         m.initialize(X, Y)
         models[name], rows_of[name] = m, m.preprocess(X)
+        # over the output rows where the code keeps rows for the labels with positives only
+        targets_of[name] = m.targets(X, Y) if hasattr(m, "targets") else Y
     B = models["working tree"].batch_size_
     need = (args.warm_steps + args.steps) * B
     if need > X.shape[0]:
@@ -107,20 +109,19 @@ def main(argv=None):
     steppers = {name: getattr(m, "state_", m) for name, m in models.items()}
     timings = {name: "timings" if hasattr(m, "state_") else "timings_" for name, m in models.items()}
     for name, m in steppers.items():
-        m.train_rows(rows_of[name], Y, order[:args.warm_steps * B])
+        m.train_rows(rows_of[name], targets_of[name], order[:args.warm_steps * B])
     steps = {n: [] for n in models}
     rehash = {n: [] for n in models}
     phases = {n: {} for n in models}
     with engine_threads(args.threads):
         for k in range(args.warm_steps, args.warm_steps + args.steps):
             batch = order[k * B:(k + 1) * B]
-            Yb = Y[batch]
             for name in (list(models) if k % 2 else list(models)[::-1]):
                 m = steppers[name]
                 Xb = rows_of[name][batch]
                 setattr(m, timings[name], {})
                 t0 = time.perf_counter()
-                m.train_step(Xb, Yb)
+                m.train_step(Xb, targets_of[name][batch])
                 dt = time.perf_counter() - t0
                 steps[name].append(dt)
                 spent = getattr(m, timings[name])

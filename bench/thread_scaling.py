@@ -60,9 +60,9 @@ def _measure(layer, args, queue):
         model = SlideClassifier(hidden=(128,), sparsity=args.sparsity, batch_size=128,
                                 threads=threads, seed=0)
         model.partial_fit(Xtr[:1024], Ytr[:1024])  # initialise, compile, fill the tables
-        Xp = model.preprocess(Xtr)
+        Xp, Yr = model.preprocess(Xtr), model.targets(Xtr, Ytr)
         clock = _Clock(128 * args.window)
-        model.train_epoch(Xp, Ytr, np.random.default_rng(0).permutation(Xtr.shape[0]), progress=clock)
+        model.train_epoch(Xp, Yr, np.random.default_rng(0).permutation(Xtr.shape[0]), progress=clock)
         rates = clock.rates[1:]  # the first window holds the epoch's opening rehash
         model.predict_topk(Xte, 5)  # compile (or load the cached kernels)
         seconds = []

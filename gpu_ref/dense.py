@@ -231,7 +231,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     # -- the step API --------------------------------------------------------------------------
     def _resolve(self, config):
         """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
-        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_, self.rare_share_,
+        return resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
+                       self.rare_share_,
                        self.choice_, self.labels_per_row_)
 
     def initialize(self, X, Y, choice: dict | None = None, distributed=None) -> None:
@@ -242,12 +243,13 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.choice_ = choice
         self.fit_data(X, Y)
         self.resolved_ = self._resolve(self.config_)
-        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_, 1,
+        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_outputs_, 1,
                                       compact_gradients=False),
                    f"a dense model of {self.n_features_in_} features, hidden "
-                   f"{self.resolved_['hidden']} and {self.n_labels_} labels")
+                   f"{self.resolved_['hidden']} and {self.n_outputs_} labels with training "
+                   f"positives")
         self._xp = None
-        params = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_labels_,
+        params = init_parameters(self.resolved_["hidden"], self.n_features_in_, self.n_outputs_,
                                  self.config_.seed, self.preprocessor_.seen_features(),
                                  self.resolved_["input_init"])
         self._set_arrays(params, None)
@@ -277,7 +279,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         """
         xp = self._xp
         key = self._sample_key(self.step_ + 1) if key is None else key
-        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, self.n_labels_, self.negatives, key)
+        in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, self.n_outputs_, self.negatives, key)
         targets = uniform_targets(Yl)
         if xp is np:
             return {"in_rows": in_rows, "X": Xl, "out_rows": out_rows, "targets": targets,
@@ -385,11 +387,11 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
 
     def partial_fit(self, X, Y):
         if self._is_fitted():
-            X, Y = self.check_data(X, Y, where="partial_fit")
+            X, Y = self.check_data(X, Y, where="partial_fit", grow=True)
         else:
             X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
             self.initialize(X, Y)
-        self.train_epoch(self.preprocess(X), Y, np.arange(X.shape[0]))
+        self.train_epoch(self.preprocess(X), self.targets(X, Y), np.arange(X.shape[0]))
         return self
 
     def synchronize(self):
@@ -405,15 +407,37 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self._use_device()
         Xp = self.preprocess(X)
         xp = self._xp
-        block = block or max(1, min(4096, (1 << 26) // self.n_labels_))
+        block = block or max(1, min(4096, (1 << 26) // self.n_outputs_))
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
-            Xd = Xp[lo:hi] if xp is np else self._sparse.csr_matrix(Xp[lo:hi])
             with ops.matmul_precision(xp, self.precision):
-                S = forward(xp, Xd, self.params_, self._blocks,
-                            self.resolved_["activation"] == "relu")[-1] @ self.params_["W"].T
+                S = self._last_hidden(Xp[lo:hi]) @ self.params_["W"].T
             S += self.params_["b"]
             yield lo, hi, S
+
+    def _last_hidden(self, Xp):
+        """The last hidden layer of preprocessed rows ``Xp`` (a device array)."""
+        xp = self._xp
+        Xd = Xp if xp is np else self._sparse.csr_matrix(Xp)
+        return forward(xp, Xd, self.params_, self._blocks,
+                       self.resolved_["activation"] == "relu")[-1]
+
+    def embed(self, X) -> np.ndarray:
+        """Last hidden layer activations, float32 [n, hidden[-1]] (host)."""
+        self._require_fitted()
+        self._use_device()
+        X = self.preprocess(self.check_data(X, where="embed"))
+        with ops.matmul_precision(self._xp, self.precision):
+            return np.ascontiguousarray(self._host(self._last_hidden(X)), np.float32)
+
+    def add_output_rows(self, W_new, b_new) -> None:
+        """Append output rows (:meth:`add_labels`) with zero moments."""
+        xp, p, m = self._xp, self.params_, self.moments_
+        for k, v in (("W", W_new), ("b", b_new)):
+            v = xp.asarray(v, xp.float32)
+            p[k] = xp.concatenate((p[k], v))
+            for s in "mv":
+                m[f"{k}.{s}"] = xp.concatenate((m[f"{k}.{s}"], xp.zeros_like(v)))
 
     def block_topk(self, S, k):
         """Top-k ``(ids, scores)`` (host arrays) of device score rows ``S``."""
@@ -434,7 +458,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         scores = np.empty((X.shape[0], k), np.float32)
         for lo, hi, S in self.score_blocks(X, block):
             ids[lo:hi], scores[lo:hi] = self.block_topk(S, k)
-        return ids, scores
+        return self.labels_.to_labels(ids), scores
 
     def host_params(self) -> dict:
         return {k: self._host(v) for k, v in self.params_.items()}
@@ -444,11 +468,12 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         pre_arrays, pre_meta = self.preprocessor_.get_state()
         best, record = self.record_.to_checkpoint(host=self._host)
         arrays = {**self.host_params(), **{f"adam.{k}": self._host(v) for k, v in self.moments_.items()},
-                  **{f"pre.{k}": v for k, v in pre_arrays.items()}, **best}
+                  **{f"pre.{k}": v for k, v in pre_arrays.items()}, **best,
+                  "labels": self.labels_.ids}
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "rare_share": self.rare_share_, "choice": self.choice_,
-                "labels_per_row": self.labels_per_row_,
+                "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
                 "step": self.step_, "learning_rate": self.learning_rate_, **record,
                 "dense": {"negatives": self.negatives, "precision": self.precision}}
         write_checkpoint(path, arrays, meta, self.step_)
@@ -463,8 +488,9 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
         model.rare_share_, model.choice_ = ck.rare_share, ck.choice
         model.labels_per_row_ = ck.labels_per_row
+        model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
         model.resolved_ = model._resolve(model.config_)
-        shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels)
+        shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size)
         model._set_arrays(ck.arrays_like(shapes),
                           ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))
         model.record_ = FitRecord.from_checkpoint(ck, shapes)

@@ -1,10 +1,11 @@
 """What every estimator of the project shares: the engine's and the dense reference's
 scikit-learn face over their own training states.
 
-:class:`TrainableMixin` supplies data checks, preprocessing, the fitted record's attributes,
-evaluation and the probability outputs. A subclass provides ``_config()`` (its settings as a
-:class:`slide.config.SlideConfig`), ``initialize``, ``train_epoch``, ``snapshot`` /
-``restore``, ``score_blocks``, ``block_topk`` and ``predict_topk``.
+:class:`TrainableMixin` supplies data checks, preprocessing, the labels a model trains
+(:mod:`slide.labels`), the fitted record's attributes, evaluation and the probability outputs.
+A subclass provides ``_config()`` (its settings as a :class:`slide.config.SlideConfig`),
+``initialize``, ``train_epoch``, ``snapshot`` / ``restore``, ``score_blocks``, ``block_topk``,
+``predict_topk`` and ``add_output_rows``.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from sklearn.utils import ClassifierTags
 
 from slide.config import idf_weighted, rare_share
 from slide.data import check_xy
+from slide.labels import LabelMap, labels_present
 from slide.loop import FitRecord
 from slide.preprocess import Preprocessor
 
-__all__ = ["TrainableMixin", "softmax_loss", "array_module"]
+__all__ = ["TrainableMixin", "new_rows", "softmax_loss", "array_module"]
 
 
 def _from_record(field: str, doc: str):
@@ -69,11 +71,18 @@ class TrainableMixin:
         return {"early_stopping": c.early_stopping, "validation_fraction": c.validation_fraction,
                 "n_iter_no_change": c.n_iter_no_change, "refit": c.refit, "seed": c.seed}
 
-    def check_data(self, X, Y=None, where="input", fitted=True):
+    def check_data(self, X, Y=None, where="input", fitted=True, grow=False):
         """Validated float32 CSR ``X`` (and CSR indicator ``Y``), against the fitted shapes
-        when ``fitted`` and the model is fitted."""
+        when ``fitted`` and the model is fitted; with ``grow``, ``Y`` may have more labels than
+        the model (training adds them: :meth:`targets`)."""
         if not (fitted and self._is_fitted()):
             return check_xy(X, Y, where=where, require_labels=Y is not None)
+        if grow and Y is not None:
+            X, Y = check_xy(X, Y, n_features=self.n_features_in_, where=where,
+                            owner=type(self).__name__)
+            if Y.shape[1] < self.n_labels_:
+                Y = sp.csr_matrix((Y.data, Y.indices, Y.indptr), shape=(Y.shape[0], self.n_labels_))
+            return X, Y
         return check_xy(X, Y, n_features=self.n_features_in_,
                         n_labels=self.n_labels_ if Y is not None else None, where=where,
                         owner=type(self).__name__)
@@ -81,14 +90,21 @@ class TrainableMixin:
     def fit_data(self, X, Y, distributed=None) -> None:
         """Learn what the defaults rule reads from the training rows (``initialize``'s first
         step, after ``config_`` and ``choice_`` are set): ``n_features_in_``, ``n_labels_``,
-        ``n_train_``, the preprocessing ``preprocessor_`` (``config_.norm``, and idf weighting
-        as :func:`slide.config.idf_weighted` says) fitted on ``X``, ``rare_share_``
+        ``n_train_``, ``labels_`` (a :class:`slide.labels.LabelMap` of the labels with a
+        positive in ``Y``: the output rows) and ``n_outputs_fitted_`` (their count, which the
+        defaults rule reads), the preprocessing ``preprocessor_`` (``config_.norm``, and idf
+        weighting as :func:`slide.config.idf_weighted` says) fitted on ``X``, ``rare_share_``
         (:func:`slide.config.rare_share`) and ``labels_per_row_``. With ``distributed``, ``X``,
-        ``Y`` are this rank's shard and the counts and feature statistics are the whole
+        ``Y`` are this rank's shard and the counts, labels and feature statistics are the whole
         data's. Starts a fresh ``record_``."""
         n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
         n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
+        present = labels_present(Y)
+        if distributed is not None:
+            present = distributed.allreduce(present.view(np.uint8), "bor").view(bool)
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
+        self.labels_ = LabelMap.of(present)
+        self.n_outputs_fitted_ = self.labels_.size
         self.preprocessor_ = Preprocessor(self.config_.norm,
                                           idf_weighted(self.config_, self.choice_)).fit(X)
         if distributed is not None:
@@ -96,6 +112,64 @@ class TrainableMixin:
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
         self.labels_per_row_ = n_positives / max(n_train, 1)
         self.record_ = FitRecord()
+
+    @property
+    def n_outputs_(self) -> int:
+        """Output rows: the labels with a row (``labels_.ids``)."""
+        return self.labels_.size
+
+    def targets(self, X, Y, grow: bool = True):
+        """``Y`` (checked CSR over the label space, its rows those of ``X``) over the output
+        rows, for training: labels of ``Y`` without a row get one first (:meth:`add_labels`).
+        Without ``grow`` (data parallelism: every rank must hold the same rows) such labels
+        are an error."""
+        missing = self.labels_.missing(Y) if Y.shape[1] <= self.n_labels_ else None
+        if not grow and (missing is None or missing.size):
+            raise ValueError(
+                "these rows have labels without a training positive when the model was "
+                "initialised; with data parallelism every rank must hold the same output rows: "
+                "initialise the model from rows that hold every label")
+        if missing is None:
+            self.add_labels(Y.shape[1] - self.n_labels_)
+            missing = self.labels_.missing(Y)
+        if missing.size:
+            self._give_rows(missing, X, Y)
+        return self.labels_.to_rows(Y)
+
+    def add_labels(self, n: int = 0, X=None, Y=None):
+        """Grow the label space by ``n`` labels (ids ``n_labels_`` onwards) and give a row to
+        every label with a positive in ``Y`` that has none, initialised from the hidden
+        representations of its rows of ``X`` (:func:`new_rows`). A label without a positive
+        gets its row with its first one (:meth:`targets`: ``partial_fit``, a warm-started
+        ``fit``). The other rows, the optimizer state and the record are kept; the training
+        tables and serving follow. Returns the model."""
+        self._require_fitted()
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        if n:
+            self.labels_ = LabelMap(self.labels_.ids, self.n_labels_ + int(n))
+            self.n_labels_ += int(n)
+        if Y is not None:
+            X, Y = self.check_data(X, Y, where="add_labels")
+            missing = self.labels_.missing(Y)
+            if missing.size:
+                self._give_rows(missing, X, Y)
+        return self
+
+    def _give_rows(self, ids, X, Y) -> None:
+        """Rows for labels ``ids`` (sorted, without rows), from their rows of ``X`` / ``Y``."""
+        host = self.host_params()
+        W, b = host["W"], host["b"]
+        positives = Y[:, ids].T.tocsr()  # [len(ids), n]: each new label's rows
+        H = self.embed(X) if positives.nnz else np.zeros((X.shape[0], W.shape[1]), np.float32)
+        W_new, b_new = new_rows(W, b, positives, H, seed=self.labels_.size)
+        self.add_output_rows(W_new, b_new)
+        best = self.record_.best_params
+        if best is not None:  # the best epoch's weights gain the rows as they are now
+            xp = array_module(best["W"])
+            best["W"] = xp.concatenate((best["W"], xp.asarray(W_new)))
+            best["b"] = xp.concatenate((best["b"], xp.asarray(b_new)))
+        self.labels_ = self.labels_.extend(ids)
 
     def preprocess(self, X):
         """The model's fitted preprocessing of CSR ``X`` (float32 CSR, same shape)."""
@@ -121,9 +195,10 @@ class TrainableMixin:
             return evaluate_topk(Y, self.predict_topk(X, k, **predict_kw)[0], k)
         top = np.empty((X.shape[0], k), np.int64)
         total, rows = 0.0, 0
+        Yr = self.labels_.to_rows(Y)  # labels without a row have no score to take a loss of
         for lo, hi, S in self.score_blocks(X):
-            top[lo:hi] = self.block_topk(S, k)[0]
-            s, n = softmax_loss(S, Y[lo:hi])
+            top[lo:hi] = self.labels_.to_labels(self.block_topk(S, k)[0])
+            s, n = softmax_loss(S, Yr[lo:hi])
             total, rows = total + s, rows + n
         return {**evaluate_topk(Y, top, k), "loss": total / max(rows, 1)}
 
@@ -156,7 +231,7 @@ class TrainableMixin:
         out = np.empty((X.shape[0], self.n_labels_), np.float32)
         for lo, hi, S in self.score_blocks(X):
             xp = array_module(S)
-            P = xp.exp(S - _logsumexp_rows(S)[:, None])
+            P = self.labels_.scatter(xp.exp(S - _logsumexp_rows(S)[:, None]), 0.0)
             out[lo:hi] = P if xp is np else P.get()
         return out
 
@@ -168,10 +243,35 @@ class TrainableMixin:
         probs = np.empty((X.shape[0], k), np.float32)
         for lo, hi, S in self.score_blocks(X):
             lse = _logsumexp_rows(S)
-            ids[lo:hi], top = self.block_topk(S, k)
+            rows, top = self.block_topk(S, k)
+            ids[lo:hi] = self.labels_.to_labels(rows)
             lse = lse if isinstance(lse, np.ndarray) else lse.get()
             probs[lo:hi] = np.exp(top - lse[:, None])
         return ids, probs
+
+
+def new_rows(W, b, positives, H, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Output rows for new labels: ``(W_new, b_new)`` float32 host arrays.
+
+    ``W``, ``b``: the output layer's rows and biases now; ``positives`` CSR [m, n]: each new
+    label's rows among ``n`` rows whose last hidden layer is ``H`` [n, hidden]. A label with
+    positives starts at the mean of their hidden vectors, scaled to the median norm of the
+    trained rows, with the median bias: its rows then score it as a typical label scores its
+    own (docs/labels.md). One without starts as a fresh row does, with the median bias.
+    """
+    W, b = np.asarray(W), np.asarray(b)
+    m, width = positives.shape[0], W.shape[1]
+    rng = np.random.default_rng(seed)
+    W_new = rng.standard_normal((m, width), np.float32) * np.float32(1.0 / np.sqrt(width))
+    counts = np.diff(positives.indptr)
+    if counts.any():
+        mean = (positives @ H) / np.maximum(counts, 1)[:, None]
+        norms = np.linalg.norm(mean, axis=1, keepdims=True)
+        scale = np.float32(np.median(np.linalg.norm(W, axis=1))) if W.size else np.float32(1)
+        take = (counts > 0) & (norms[:, 0] > 0)
+        W_new[take] = (mean[take] / norms[take] * scale).astype(np.float32)
+    b_new = np.full(m, np.median(b) if b.size else 0.0, np.float32)
+    return np.ascontiguousarray(W_new, np.float32), b_new
 
 
 def softmax_loss(S, Y) -> tuple[float, int]:

@@ -18,6 +18,7 @@ would hold beside that memory).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import numbers
 import os
@@ -27,6 +28,7 @@ import numpy as np
 
 from slide.runtime import aligned_empty, aligned_zeros
 from slide.config import checked_choice
+from slide.labels import LabelMap
 
 __all__ = ["CheckpointError", "Checkpoint", "write_checkpoint", "read_checkpoint", "FORMAT_VERSION"]
 
@@ -177,6 +179,27 @@ class Checkpoint:
         # checkpoints written before the activation was a setting were trained with ReLU
         saved = {"activation": "relu", **self.meta["config"]}
         return {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in names}
+
+    @functools.cached_property
+    def labels(self) -> LabelMap:
+        """The label of each output row (array ``labels``; a checkpoint written before models
+        kept rows only for the labels with a training positive has one for every label)."""
+        if "labels" not in self:
+            return LabelMap.identity(self.n_labels)
+        kind, shape = self._members["labels"][3], self._members["labels"][1]
+        if len(shape) != 1 or not np.issubdtype(kind, np.integer) or not shape[0]:
+            raise CheckpointError(f"{self.npz_path}: array 'labels' must be a non-empty 1-D "
+                                  f"integer array, got {kind} {shape}")
+        ids = self.array("labels")
+        if ids.min() < 0 or ids.max() >= self.n_labels or np.unique(ids).size != ids.size:
+            raise CheckpointError(f"{self.npz_path}: array 'labels' must hold distinct label ids "
+                                  f"in 0..{self.n_labels - 1} ('n_labels' in {self._where})")
+        return LabelMap(ids, self.n_labels)
+
+    @property
+    def n_outputs_fitted(self) -> int:
+        """The output rows the model was initialised with (what the defaults rule read)."""
+        return self.int("n_outputs_fitted", self.labels.size, minimum=1, maximum=self.n_labels)
 
     def __contains__(self, key: str) -> bool:
         return key in self._members

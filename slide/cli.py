@@ -9,6 +9,7 @@ import traceback
 import numpy as np
 
 from slide.distributed import DEFAULT_EVERY
+from slide.labels import labels_present
 
 
 def _hidden(text):
@@ -308,7 +309,8 @@ def _cmd_train(a):
     if a.mode == "hetero":
         from gpu_ref.hetero import HeteroConfig, HeteroTrainer
         runner = HeteroTrainer(model, HeteroConfig(policy=a.policy, device=a.device))
-    log(f"train: {n_rows} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels; "
+    used = "" if dp is not None else f" ({int(labels_present(Ytr).sum())} with a training positive)"
+    log(f"train: {n_rows} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels{used}; "
         f"engine={a.engine}, mode={a.mode}"
         + (f"; {dp.size} ranks, {dp!r}, {Xtr.shape[0]} rows on rank 0" if dp is not None else ""))
     doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs,

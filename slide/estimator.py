@@ -42,7 +42,8 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
     training data by :func:`slide.config.resolve`).
 
     Fitted attributes: ``config_`` (the validated settings), ``resolved_`` (the concrete
-    ones), ``n_features_in_``, ``n_labels_``, ``preprocessor_``, ``state_`` (the training
+    ones), ``n_features_in_``, ``n_labels_`` (the label space), ``labels_`` (the labels with an
+    output row, :class:`slide.labels.LabelMap`), ``preprocessor_``, ``state_`` (the training
     state: ``params_``, ``moments_``, ``step_``, ``learning_rate_``, ``tables_`` and
     ``timings_`` read from it), ``server_`` (top-k queries), ``record_`` (the run's record:
     ``epoch_``, ``history_``, ``stopping_`` read from it; ``stopping_["choice"]`` where
@@ -133,7 +134,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         return self.resolved_["batch_size"]
 
     def _resolve(self, config):
-        return resolve(config, self.n_features_in_, self.n_labels_, self.n_train_,
+        return resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
                        self.rare_share_, self.choice_, self.labels_per_row_)
 
     def _refresh_config(self):
@@ -190,12 +191,13 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         with self._training(distributed):
             if self._is_fitted():
                 self._refresh_config()
-                X, Y = self.check_data(X, Y, where="partial_fit")
+                X, Y = self.check_data(X, Y, where="partial_fit", grow=distributed is None)
             else:
                 X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
                 if distributed is not None:
                     X, Y = distributed.agree_shapes(X, Y)
                 self.initialize(X, Y, distributed=distributed)
+            Y = self.targets(X, Y, grow=distributed is None)
             order = np.arange(X.shape[0])
             if distributed is not None:
                 if distributed.started is not self.state_:
@@ -220,15 +222,29 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.choice_ = choice
         self.fit_data(X, Y, distributed)
         self.resolved_ = self._resolve(self.config_)
-        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_labels_,
+        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_outputs_,
                                       self.config_.threads or numba.config.NUMBA_NUM_THREADS),
                    f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "
-                   f"and {self.n_labels_} labels")
+                   f"and {self.n_outputs_} labels with training positives")
         # a previous fit's arrays go before the new ones are made
         self.__dict__.pop("state_", None), self.__dict__.pop("server_", None)
         self.state_ = TrainingState.fresh(self.config_, self.resolved_, self.n_features_in_,
-                                          self.n_labels_, self.preprocessor_.seen_features())
+                                          self.n_outputs_, self.preprocessor_.seen_features())
         self.server_ = Server(self.state_)
+
+    def add_output_rows(self, W_new, b_new) -> None:
+        """Append output rows (:meth:`add_labels`): the training state grows, and serving
+        starts again over it with the same settings."""
+        if self.state_.distributed is not None:
+            raise ValueError("labels cannot be added while training with data parallelism: "
+                             "every rank must hold the same rows (give every label a positive "
+                             "in the data fit starts from)")
+        self.state_.add_outputs(W_new, b_new)
+        self.server_ = self.server_.restarted()
+
+    def host_params(self) -> dict:
+        """The parameters (host arrays)."""
+        return self.params_
 
     def join(self, distributed) -> None:
         """Train with ``distributed`` from here on, this replica made rank 0's (parameters,
@@ -324,7 +340,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         """Yields ``(lo, hi, h)``: the last hidden layer of rows lo..hi of the (checked, raw)
         CSR ``X``, block by block (about 64 MB of scores a block by default)."""
         Xp = self.preprocess(X)
-        block = block or max(1, min(4096, (1 << 24) // self.n_labels_))
+        block = block or max(1, min(4096, (1 << 24) // self.n_outputs_))
         # the model's threads, a single row's query too: each kernel splits the work
         self._query_threads()
         n = Xp.shape[0]
@@ -335,8 +351,9 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             yield lo, hi, self.state_.last(self.state_.forward(rows))
 
     def score_blocks(self, X, block: int | None = None):
-        """Exact scores of every label, block by block: yields ``(lo, hi, S)`` with ``S``
-        float32 [hi - lo, n_labels] for rows lo..hi of the (checked, raw) CSR ``X``."""
+        """Exact scores of every output row, block by block: yields ``(lo, hi, S)`` with ``S``
+        float32 [hi - lo, n_outputs] (column r: label ``labels_.ids[r]``) for rows lo..hi of
+        the (checked, raw) CSR ``X``."""
         self._require_current()
         W, b = self.params_["W"], self.params_["b"]
         for lo, hi, h in self._hidden_blocks(X, block):
@@ -363,13 +380,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         k = check_k(k)
         if mode not in ("exact", "lsh"):
             raise ValueError(f"mode must be 'exact' or 'lsh', got {mode!r}")
-        return self.server_.topk(lambda b: self._hidden_blocks(X, b), X.shape[0], k, mode, block)
+        rows, scores = self.server_.topk(lambda b: self._hidden_blocks(X, b), X.shape[0], k,
+                                         mode, block)
+        return self.labels_.to_labels(rows), scores
 
     def decision_function(self, X) -> np.ndarray:
-        """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers)."""
+        """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers);
+        -inf for a label without an output row (no training positive)."""
         self._require_current()
         X = self.preprocess(self.check_data(X, where="decision_function"))
-        return self.state_.last(self.state_.forward(X)) @ self.params_["W"].T + self.params_["b"]
+        S = self.state_.last(self.state_.forward(X)) @ self.params_["W"].T + self.params_["b"]
+        return self.labels_.scatter(S, -np.inf)
 
     # -- persistence -----------------------------------------------------------------------------
     def save(self, path, inference_only: bool = False) -> None:
@@ -381,14 +402,16 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self._require_fitted()
         pre_arrays, pre_meta = self.preprocessor_.get_state()
         best, record = self.record_.to_checkpoint()
-        arrays = {**self.params_, **{f"pre.{k}": v for k, v in pre_arrays.items()}}
+        arrays = {**self.params_, **{f"pre.{k}": v for k, v in pre_arrays.items()},
+                  "labels": self.labels_.ids}
         if not inference_only:
             arrays.update({f"adam.{k}": v for k, v in self.moments_.items()}, **best)
         meta = {
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
             "rare_share": self.rare_share_, "choice": self.choice_,
-            "labels_per_row": self.labels_per_row_, **self.state_.counters(), **record,
+            "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
+            **self.state_.counters(), **record,
             "inference_only": bool(inference_only),
         }
         write_checkpoint(path, arrays, meta, self.step_)
@@ -402,11 +425,12 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
         model.rare_share_, model.choice_ = ck.rare_share, ck.choice
         model.labels_per_row_ = ck.labels_per_row
+        model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
         model.resolved_ = model._resolve(model.config_)
         model.inference_only_ = bool(ck.meta.get("inference_only", False))
         model.preprocessor_ = ck.preprocessor(model.n_features_in_)
         model.state_ = TrainingState.from_checkpoint(ck, model.config_, model.resolved_)
         model.server_ = Server(model.state_)
         model.record_ = FitRecord.from_checkpoint(
-            ck, parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.n_labels))
+            ck, parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size))
         return model

@@ -54,7 +54,8 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
     if Y is None:
         raise ValueError(f"{type(model).__name__} requires y to be passed, but the target y is None")
     single_label = _is_label_vector(Y)
-    X, Y = model.check_data(X, Y, where="fit", fitted=continue_training)
+    X, Y = model.check_data(X, Y, where="fit", fitted=continue_training,
+                            grow=distributed is None)
     if distributed is not None:
         if s.get("refit"):
             raise ValueError("refit=True needs every row in one process; distributed training "
@@ -69,6 +70,8 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
     if not continue_training:
         model.initialize(X, Y, distributed=distributed)
         model.record_.single_label = single_label
+    # over the output rows: the labels with a training positive
+    Yr = model.targets(X, Y, grow=distributed is None)
     alone = not continue_training and distributed is None
     refit = held_out and model.resolved_["refit"] and alone
     if not refit:
@@ -84,10 +87,11 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
                progress=progress, eval_k=eval_k, save_every=save_every, on_save=on_save,
                distributed=distributed, held_out=held_out, patience=s["n_iter_no_change"],
                early_stopping=s["early_stopping"])
-    candidates = offered(model.config_, model.resolved_, X.shape[1], Y.shape[1], model.n_train_) \
+    candidates = offered(model.config_, model.resolved_, X.shape[1], model.n_outputs_fitted_,
+                         model.n_train_) \
         if validation is not None and alone else []
     if not candidates:
-        record = _run(model, X, Y, on_epoch=on_epoch, continue_training=continue_training, **run)
+        record = _run(model, X, Yr, on_epoch=on_epoch, continue_training=continue_training, **run)
         if refit and record.early_stopping.scores:
             record = _refit(model, *every_row, record, s["seed"], progress, on_epoch, runner)
         return record
@@ -96,9 +100,9 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
         name = choice_name(choice)
         shown = None if on_epoch is None else \
             (lambda m, entry: on_epoch(m, {**entry, "choice": name}))
-        model.initialize(X, Y, choice=choice)
+        model.initialize(X, Y, choice=choice)  # the same labels: Yr holds
         model.record_.single_label = single_label
-        return _run(model, X, Y, on_epoch=shown, **run).early_stopping.best_score
+        return _run(model, X, Yr, on_epoch=shown, **run).early_stopping.best_score
 
     # with a refit the chosen run's record is enough (the refit trains it again); without, the
     # whole run is held while later runs train (two models in memory)
@@ -147,7 +151,8 @@ def _refit(model, X, Y, kept: FitRecord, seed, progress, on_epoch, runner,
     t0 = time.perf_counter()
     model.initialize(X, Y, choice=choice)
     record = model.record_
-    loss, _ = refit_epochs(model, model.preprocess(X), Y, rates, seed=seed, runner=runner,
+    loss, _ = refit_epochs(model, model.preprocess(X), model.targets(X, Y), rates, seed=seed,
+                           runner=runner,
                            progress=progress)
     seconds = time.perf_counter() - t0
     entry = {"epoch": record.epoch, "refit": True, "train_seconds": seconds,

@@ -47,6 +47,14 @@ class Server:
         self._built = {}  # name: (state version, object)
         self._tables_version = None
 
+    def restarted(self) -> "Server":
+        """A server over the state as it is now (its output rows changed), with this one's
+        serving settings."""
+        out = Server(self.state)
+        if self.tables is not None:
+            out.configure(self.tables.config.L, self.candidates, self.tables.center)
+        return out
+
     def current(self) -> None:
         """Bring the training tables (and serving tables) up to the weights, once."""
         s = self.state

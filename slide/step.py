@@ -107,7 +107,7 @@ class TrainingState:
         checkpoint with moments was saved to train on: its ``W`` and ``W0`` are read straight
         into their row blocks (read whole and then copied, they would be held beside their
         blocks, above the peak of training itself)."""
-        shapes = parameter_shapes(resolved["hidden"], ck.n_features, ck.n_labels)
+        shapes = parameter_shapes(resolved["hidden"], ck.n_features, ck.labels.size)
         blocked = [k for k in BLOCKED if f"adam.{k}.m" in ck and f"adam.{k}.v" in ck]
         rest = {k: v for k, v in shapes.items() if k not in blocked}
         params = ck.arrays_like(rest)
@@ -128,10 +128,31 @@ class TrainingState:
                     "next_rehash": ck.int("next_rehash", r["rehash_every"], minimum=0),
                     "rehash_interval": ck.float("rehash_interval", r["rehash_every"], positive=True),
                     "next_rebuild": ck.int("next_rebuild", r["rebuild_every"], minimum=0)}
-        state = cls(config, resolved, ck.n_features, ck.n_labels, params, moments, counters)
+        state = cls(config, resolved, ck.n_features, ck.labels.size, params, moments, counters)
         state.blocks = blocks
         state.refresh_tables()
         return state
+
+    def add_outputs(self, W_new: np.ndarray, b_new: np.ndarray) -> None:
+        """Append output rows ``W_new`` [m, H] with biases ``b_new`` [m] (zero moments): the
+        output layer's row block is made again (a copy of the layer), its tables and the step's
+        scratch are sized for the new count, and the rows are hashed in."""
+        p, m = self.params, self.moments
+        grown = {"W": np.concatenate((p["W"], W_new.astype(np.float32))),
+                 "b": np.concatenate((p["b"], b_new.astype(np.float32)))}
+        zeros = {f"{k}.{s}": np.concatenate((m[f"{k}.{s}"], np.zeros(v.shape, np.float32)))
+                 for k, v in (("W", W_new), ("b", b_new)) for s in "mv"}
+        # the new arrays replace the block's views; the next row_blocks() copies them into one
+        p.update(grown), m.update(zeros)
+        self.n_labels += int(b_new.size)
+        self.row_blocks()
+        if self.tables is not None:
+            self.tables = HashTables(self.tables.dim, self.n_labels, self.tables.config,
+                                     seed=self.hash_seed)
+        w = self.work
+        self.work = StepWorkspace(p, self.n_labels, w.lsh_cap, w.pool, w.tables_config, w.widest)
+        self.params_changed()
+        self.refresh_tables()
 
     def counters(self) -> dict:
         """What a checkpoint keeps besides the arrays (:meth:`from_checkpoint` reads it)."""

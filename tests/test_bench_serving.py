@@ -12,7 +12,7 @@ def test_serving_bench_reports_each_setting(tmp_path):
     rows = report["rows"]
     # exact, then the default tables (as many as training's) and 6, at each number of candidates
     # (the default: four times what training's bounded tables could return, at most every label)
-    L, bucket, n_labels = report["training_tables"], report["bucket_size"], report["n_labels"]
+    L, bucket, n_labels = report["training_tables"], report["bucket_size"], report["n_outputs"]
     assert [(r["mode"], r["tables"], r["candidates"]) for r in rows] == [
         ("exact", None, None), ("lsh", L, min(4 * L * bucket, n_labels)), ("lsh", L, 16),
         ("lsh", 6, min(4 * L * bucket, n_labels)), ("lsh", 6, 16)]

@@ -76,6 +76,7 @@ def test_prefetching_epoch_equals_step_by_step(tiny_data):
     b = DenseClassifier(hidden=(8,), batch_size=32, seed=2, device="cpu", negatives=50)
     for mdl in (a, b):
         mdl.initialize(*mdl.check_data(X, Y, fitted=False))
+    Y = a.targets(X, Y)
     Xp, order = a.preprocess(X), np.random.default_rng(0).permutation(300)
     rec = a.train_epoch(Xp, Y, order)
     losses = [b.train_step(Xp[np.sort(order[lo:lo + 32])], Y[np.sort(order[lo:lo + 32])])

@@ -174,7 +174,7 @@ def test_round_rows_are_gathered_and_merged_in_the_row_blocks_alone(tiny_data):
     p = model.params_
     assert not p["W"].flags.c_contiguous  # a view into its row block
     before = {k: np.array(v) for k, v in {**p, **{f"m_{k}": v for k, v in model.moments_.items()}}.items()}
-    out_ids = np.array([0, 3, 7, Ytr.shape[1] - 1], np.int32)
+    out_ids = np.array([0, 3, 7, model.n_outputs_ - 1], np.int32)
     in_ids = np.array([1, 2, Xtr.shape[1] - 1], np.int32)
     parts = _Parts(p, out_ids, in_ids, lambda n: np.empty(n, np.float32))
     parts.gather()

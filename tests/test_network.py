@@ -33,8 +33,10 @@ def test_one_step_with_every_neuron_active_equals_dense_reference(tiny_data, hid
     # weight decay on: both decay exactly the rows a step touches
     eng.partial_fit(X, Y)
     ref.partial_fit(X, Y)
+    # Adam's first step moves a weight by about lr whatever its gradient's size, so a gradient
+    # at float32's noise (|g| near eps) may move it by a different share of lr
     for k, v in ref.params_.items():
-        np.testing.assert_allclose(eng.params_[k], v, atol=2e-6, rtol=1e-4, err_msg=k)
+        np.testing.assert_allclose(eng.params_[k], v, atol=5e-5, rtol=1e-4, err_msg=k)
     # and after a few more steps, still the same model
     for _ in range(3):
         eng.partial_fit(X, Y)
@@ -66,7 +68,7 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data, activation):
     for k in before:  # nothing was updated
         assert np.array_equal(before[k], eng.params_[k])
     params = {k: v.astype(np.float64) for k, v in eng.params_.items()}
-    Xp, T = eng.preprocess(X), uniform_targets(Y)
+    Xp, T = eng.preprocess(X), uniform_targets(eng.labels_.to_rows(Y))
     blocks = hidden_blocks(eng.resolved_["hidden"])
 
     def loss():
@@ -195,7 +197,7 @@ def test_bad_inputs_give_clear_errors(tiny_data):
     with pytest.raises(DataFormatError, match="NaN"):
         m.partial_fit(bad, Y)
     with pytest.raises(DataFormatError, match="out of range"):
-        m.partial_fit(X[:2], [[0], [Y.shape[1] + 5]])
+        m.evaluate(X[:2], [[0], [Y.shape[1] + 5]])
     with pytest.raises(DataFormatError, match="rows"):
         m.partial_fit(X[:3], Y[:2])
     with pytest.raises(NotFittedError, match="not fitted"):

@@ -249,7 +249,7 @@ def test_refit_trains_again_on_every_row_for_the_kept_epochs(tiny_data):
     ref = SlideClassifier(early_stopping=False, **kw)
     X, Y = ref.check_data(X, Y, where="fit", fitted=False)
     ref.initialize(X, Y)
-    Xp = ref.preprocess(X)
+    Xp, Y = ref.preprocess(X), ref.targets(X, Y)
     for e, rate in enumerate(rates):
         ref.train_epoch(Xp, Y, np.random.default_rng([3, 2, e]).permutation(600), learning_rate=rate)
     for k in ref.params_:
@@ -480,7 +480,7 @@ def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
     chosen = runs[c["chosen"]]
     assert m.stopping_["kept_epoch"] == chosen.stopping_["kept_epoch"]
     assert [r["loss"] for r in m.history_[:-1]] == pytest.approx([r["loss"] for r in chosen.history_], rel=1e-6)
-    assert m.resolved_ == resolve(SlideConfig(**kw), X.shape[1], Y.shape[1], 1000 - va.size,
+    assert m.resolved_ == resolve(SlideConfig(**kw), X.shape[1], m.n_outputs_fitted_, 1000 - va.size,
                                   m.rare_share_, m.choice_, m.labels_per_row_)
     assert m.stopping_["refit"]["rows"] == 1000
     assert m.history_[-1]["refit"] and len(m.history_) == m.stopping_["kept_epoch"] + 1
