@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from slide.distributed import DEFAULT_EVERY
 from slide.labels import labels_present
+from slide.signals import EXIT_STATUS, TrainingStopped, stop_on_signals
 
 
 def _hidden(text):
@@ -313,11 +315,21 @@ def _cmd_train(a):
     log(f"train: {n_rows} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels{used}; "
         f"engine={a.engine}, mode={a.mode}"
         + (f"; {dp.size} ranks, {dp!r}, {Xtr.shape[0]} rows on rank 0" if dp is not None else ""))
-    doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs,
-                       metrics_json=a.metrics_json if lead else None,
-                       checkpoint_dir=a.save if lead else None,
-                       progress=lead and not a.no_progress, resume=a.resume,
-                       save_every=a.save_every, log=log, distributed=dp, runner=runner)
+    try:
+        with stop_on_signals(log=log):
+            doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs,
+                               metrics_json=a.metrics_json if lead else None,
+                               checkpoint_dir=a.save if lead else None,
+                               progress=lead and not a.no_progress, resume=a.resume,
+                               save_every=a.save_every, log=log, distributed=dp, runner=runner)
+    except TrainingStopped as e:
+        epoch, position = e.position or (0, 0)
+        where = f"after epoch {epoch}" + (f", {position:,} samples into the next" if position else "")
+        kept = (f"checkpoint of this position saved to {a.save} (--resume continues from it)"
+                if e.saved else f"the last complete checkpoint in {a.save} is kept" if a.save
+                else "nothing saved (no --save)")
+        log(f"slide train: stopped by {signal.Signals(e.signum).name} {where}; {kept}")
+        return EXIT_STATUS[e.signum]
     if not lead:
         return 0
     stop = doc["stopping"]
@@ -453,6 +465,9 @@ def main(argv=None) -> int:
         print(f"slide: error: {e}", file=sys.stderr)
         _end_other_ranks(args)
         return 2
+    except KeyboardInterrupt:  # before training started (it stops at a batch boundary)
+        print("slide: interrupted", file=sys.stderr)
+        return EXIT_STATUS[signal.SIGINT]
     except Exception:
         if getattr(args, "distributed", None):
             traceback.print_exc()

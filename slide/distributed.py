@@ -47,6 +47,7 @@ import numpy as np
 from numba import njit, prange
 
 from slide.runtime import copy_into, leading_rows
+from slide.signals import TrainingStopped
 
 __all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank"]
 
@@ -217,6 +218,7 @@ class DataParallel:
         #: training threads of a model whose ``threads`` is None: the host's cores over its ranks
         self.threads = cores_per_rank(self.comm)
         self._model, self._round = None, None
+        self._stop_round = None  # agree_stop's allreduce in flight
         self._storage = {}
         self.reset_counters()
 
@@ -275,12 +277,37 @@ class DataParallel:
         if buf is not a:
             a[...] = buf
 
+    def agree_stop(self, signum: int) -> int:
+        """The stop request the ranks agree on at this batch boundary (a signal number, 0 for
+        none), every rank calling once per batch. Each call starts a non-blocking allreduce
+        (max) of this rank's request and reads the one the previous call started, which has
+        had a batch's time to arrive: the ranks learn of a request one batch late, and all at
+        the same batch."""
+        agreed = 0
+        if self._stop_round is not None:
+            request, _, got = self._stop_round
+            self._wait(request, "the ranks' agreement on a stop")
+            self._stop_round, agreed = None, int(got[0])
+        if not agreed:
+            sent, got = np.array([signum], np.int64), np.zeros(1, np.int64)
+            self._stop_round = (self.comm.Iallreduce(sent, got, op=self._MPI.MAX), sent, got)
+        return agreed
+
+    def settle_stop(self) -> None:
+        """Complete the stop agreement in flight (the end of an epoch: no request is left
+        pending at the end of a run)."""
+        if self._stop_round is not None:
+            self._wait(self._stop_round[0], "the ranks' agreement on a stop")
+            self._stop_round = None
+
     @contextlib.contextmanager
     def guard(self):
         """Inside the block, an exception on this rank aborts the job (printing it), so that no
         other rank waits on it; with one rank it propagates as usual."""
         try:
             yield
+        except TrainingStopped:
+            raise  # every rank stops after the same batch (agree_stop): none is left waiting
         except Exception:
             if self.size > 1:
                 self.abort("training failed:\n" + traceback.format_exc())
@@ -437,6 +464,7 @@ class DataParallel:
         """End of an epoch (or of ``partial_fit``): complete any average in flight and average
         every row changed since, so that all replicas are equal (evaluation, early stopping
         and checkpoints see one model)."""
+        self.settle_stop()
         if self.mode == "sync" or self.size == 1:
             return
         if self._round is not None:

@@ -59,7 +59,7 @@ class LabelMap:
     def rows(self) -> np.ndarray:
         """int64 [n_labels]: each label's row, -1 for a label without one."""
         if self._row is None:
-            row = np.full(self.n_labels, -1, np.int64)
+            row = np.full(self.n_labels, -1, np.int32 if self.n_labels < 2**31 else np.int64)
             row[self.ids] = np.arange(self.size)
             self._row = row
         return self._row

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+from slide import signals
+
 __all__ = ["Trainable", "EpochRunner", "FitRecord", "EarlyStopping", "run_epochs",
            "refit_epochs", "epoch_learning_rate", "epoch_order", "validation_split",
            "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS", "MIN_RATE_SHARE"]
@@ -246,9 +248,9 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
         order = order[start:]  # a checkpoint taken inside this epoch already holds these rows
         if distributed is not None:
             order = distributed.epoch_order(order, model.batch_size_)
-        sink = bar
-        if save_every and on_save is not None:
-            sink = _SavingProgress(model, record, bar, start, save_every * model.batch_size_, on_save)
+        sink = _EpochProgress(model, record, bar, start, distributed,
+                              save_every * model.batch_size_ if save_every and on_save else None,
+                              on_save)
         t0 = time.perf_counter()
         entry = runner.train_epoch(Xp, Y, order, sink, learning_rate=rate)
         seconds = time.perf_counter() - t0
@@ -297,30 +299,39 @@ def refit_epochs(model: Trainable, Xp, Y, rates: list, *, seed: int, runner=None
     for rate in rates:
         bar = progress_bar(progress, Xp.shape[0], f"refit {record.epoch + 1}/{len(rates)}")
         order = epoch_order(seed, record.epoch, Xp.shape[0])
-        loss = runner.train_epoch(Xp, Y, order, bar, learning_rate=rate)["loss"]
+        sink = _EpochProgress(model, record, bar, 0, None, None, None)
+        try:
+            loss = runner.train_epoch(Xp, Y, order, sink, learning_rate=rate)["loss"]
+        except signals.TrainingStopped as e:
+            raise signals.TrainingStopped(e.signum, resumable=False) from None
         if bar is not None:
             bar.close()
         record.epoch += 1
     return loss, time.perf_counter() - t0
 
 
-class _SavingProgress:
-    """The epoch's progress sink (a tqdm bar or None) that also saves every ``every`` samples."""
+class _EpochProgress:
+    """The epoch's progress sink, told of every batch: it moves the bar (a tqdm bar or None),
+    keeps ``record.epoch_position``, saves every ``every`` samples where that is set, and ends
+    the epoch with :class:`slide.signals.TrainingStopped` at a stop request (the position then
+    holds the batches done, for a checkpoint of it)."""
 
-    def __init__(self, model, record, bar, start, every, on_save):
+    def __init__(self, model, record, bar, start, distributed, every, on_save):
         self.model, self.record, self.bar = model, record, bar
         self.done, self.every, self.on_save = start, every, on_save
-        self.next = start + every
+        self.distributed = distributed
+        self.next = start + every if every else None
         self.total = bar.total if bar is not None else None
 
     def update(self, n):
         self.done += n
         if self.bar is not None:
             self.bar.update(n)
-        if self.done >= self.next:
-            self.record.epoch_position = self.done
+        self.record.epoch_position = self.done
+        if self.next is not None and self.done >= self.next:
             self.on_save(self.model)
             self.next = self.done + self.every
+        signals.check(self.distributed)
 
     def reset(self, total=None):
         if self.bar is not None:

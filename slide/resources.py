@@ -82,10 +82,10 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
     parts["hash_tables"] = tables
     # per-thread query sets (slots and positions for two to four times the largest union, and
     # its ids and hit counts: at most 40 bytes an id), the step's maps of the labels (a row's
-    # owners, uint8; its place in the shared pool, int32), and exact scoring blocks
+    # owners, uint8; its place in the shared pool, int32), and a block of exact scores (64 MB)
     out = resolved.get("tables")
     union = out["L"] * out["bucket_size"] if out else 0
-    parts["scratch"] = 40 * max(1, threads) * union + 5 * n_labels + (1 << 28)
+    parts["scratch"] = 40 * max(1, threads) * union + 5 * n_labels + (1 << 26)
     parts["total"] = sum(parts.values())
     return parts
 

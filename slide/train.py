@@ -8,6 +8,7 @@ import time
 from slide.data import DataFormatError, read_dataset, shuffle_rows
 from slide.loop import MAX_VALIDATION_ROWS
 from slide.resources import peak_rss_mb
+from slide.signals import TrainingStopped
 from slide.synthetic import PRESETS, load_default
 
 __all__ = ["run_training", "load_train_test"]
@@ -103,12 +104,20 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
             m.save(checkpoint_dir)
 
     t0 = time.perf_counter()
-    model.train(Xtr, Ytr, until_epoch=epochs if epochs is not None else
-                (model.resolved_["epochs"] if resume else None),
-                progress=progress, on_epoch=on_epoch, continue_training=resume,
-                save_every=save_every if checkpoint_dir else None,
-                on_save=lambda m: m.save(checkpoint_dir), distributed=distributed,
-                runner=runner)
+    try:
+        model.train(Xtr, Ytr, until_epoch=epochs if epochs is not None else
+                    (model.resolved_["epochs"] if resume else None),
+                    progress=progress, on_epoch=on_epoch, continue_training=resume,
+                    save_every=save_every if checkpoint_dir else None,
+                    on_save=lambda m: m.save(checkpoint_dir), distributed=distributed,
+                    runner=runner)
+    except TrainingStopped as e:
+        # stopped at a batch boundary (slide.signals): the model is whole there
+        e.saved = bool(checkpoint_dir and e.resumable and model._is_fitted())
+        if e.saved:
+            model.save(checkpoint_dir)
+        e.position = (model.epoch_, model.epoch_position_) if model._is_fitted() else (0, 0)
+        raise
     doc["wall_seconds"] = time.perf_counter() - t0
     doc["stopping"] = model.stopping_
     if test is not None:
