@@ -153,9 +153,15 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("metrics", help="a file written by train --metrics-json")
     pl.add_argument("--output", "-o", default=None, help="image file (default: METRICS with .png)")
 
-    x = sub.add_parser("export", help="write a model for inference only (without optimizer state)")
+    x = sub.add_parser("export", help="write a model for inference only (without optimizer "
+                                      "state), or with --embeddings its vectors for other tools")
     x.add_argument("model", help="model directory (written by train --save)")
-    x.add_argument("out", help="new model directory")
+    x.add_argument("out", help="new directory")
+    x.add_argument("--embeddings", action="store_true",
+                   help="write label vectors (output rows with the bias) as labels.npy, their "
+                        "label ids, and an inner-product index for hnswlib / FAISS where installed")
+    x.add_argument("--queries", default=None, metavar="FILE",
+                   help="with --embeddings, also the query vectors of FILE's rows (queries.npy)")
 
     d = sub.add_parser("data", help="dataset utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -423,6 +429,18 @@ def _cmd_export(a):
     if os.path.exists(a.out):
         raise ValueError(f"{a.out}: already exists")
     model = _load_model(a.model)
+    if a.embeddings:
+        from slide.export import export_embeddings
+        from slide.data import read_dataset
+        X = None
+        if a.queries:
+            X, _ = read_dataset(a.queries, n_features=model.n_features_in_, n_labels=model.n_labels_)
+        record = export_embeddings(model, a.out, X)
+        print(f"wrote {a.out}: {', '.join(record['files'].values())} ({record['rows']} labels "
+              f"of dimension {record['dim']})")
+        return 0
+    if a.queries:
+        raise ValueError("--queries applies with --embeddings")
     model.save(a.out, inference_only=True)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(a.out) for f in fs)
     print(f"wrote {a.out}: {size / 2 ** 20:.1f} MiB, for inference only")

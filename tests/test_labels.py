@@ -154,3 +154,33 @@ def test_a_ten_million_label_header_trains_what_its_rows_use(tmp_path, capsys):
     assert m.n_labels_ == 10_000_000 and m.labels_.ids.tolist() == [1, 7, 9999999]
     assert m.params_["W"].shape[0] == 3
     assert os.path.getsize(next((tmp_path / "m").glob("*.npz"))) < 1 << 20
+
+
+def test_embeddings_export_scores_as_the_model(tmp_path, tiny_data):
+    from slide.cli import main
+    from slide.data import write_xmc
+    X, Y, Xte, Yte = tiny_data
+    m = SlideClassifier(hidden=(8,), epochs=1, threads=1, seed=0, early_stopping=False).fit(X[:300], Y[:300])
+    m.save(tmp_path / "m")
+    write_xmc(tmp_path / "q.txt", Xte[:20], Yte[:20])
+    assert main(["export", str(tmp_path / "m"), str(tmp_path / "e"), "--embeddings",
+                 "--queries", str(tmp_path / "q.txt")]) == 0
+    L = np.load(tmp_path / "e" / "labels.npy")
+    ids = np.load(tmp_path / "e" / "label_ids.npy")
+    Q = np.load(tmp_path / "e" / "queries.npy")
+    assert L.shape == (m.n_outputs_, 9) and Q.shape == (20, 9)
+    S = Q @ L.T  # the model's scores, by row
+    top = ids[np.argsort(-S, axis=1)[:, :5]]
+    want, scores = m.predict_topk(Xte[:20], 5)
+    assert top.tolist() == want.tolist()
+    np.testing.assert_allclose(np.sort(S, axis=1)[:, ::-1][:, :5], scores, rtol=1e-4, atol=1e-5)
+    record = json.loads((tmp_path / "e" / "embeddings.json").read_text())
+    if "hnswlib" in record["files"]:
+        import hnswlib
+        index = hnswlib.Index(space="ip", dim=9)
+        index.load_index(str(tmp_path / "e" / "labels.hnsw"))
+        assert index.get_current_count() == m.n_outputs_
+    if "faiss" in record["files"]:
+        import faiss
+        _, I = faiss.read_index(str(tmp_path / "e" / "labels.faiss")).search(Q, 5)
+        assert ids[I].tolist() == want.tolist()
