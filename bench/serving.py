@@ -12,7 +12,11 @@ for LSH the memory it holds beside the model (its tables and the int8 copy by la
 ``--clients 1,2,4``, single rows also come from that many Python threads at once, as a
 recommender's pool of workers sends them: queries/s over the run, p50 and p99 latency, and how
 many answers differ from the same rows answered in one call (none: each query borrows its own
-scratch). Writes ``OUT.json`` and prints a table.
+scratch). With ``--ann-backends hnswlib,faiss --ann-ef 32,64,128``, the same for
+``mode="ann"`` (an HNSW index of the label vectors from each library at each query beam ef),
+with the index's build seconds and size. ``--data TRAIN --test TEST`` reads files instead of
+a preset; ``--save-model DIR`` keeps the trained model for ``--model``. Writes ``OUT.json`` and
+prints a table.
 """
 from __future__ import annotations
 
@@ -72,6 +76,11 @@ def main(argv=None):
     p.add_argument("--n-train", type=int, default=None)
     p.add_argument("--n-test", type=int, default=2000)
     p.add_argument("--model", default=None, help="a saved model instead of training one")
+    p.add_argument("--save-model", default=None, help="save the trained model here")
+    p.add_argument("--data", default=None, metavar="TRAIN", help="a training file (not a preset)")
+    p.add_argument("--test", default=None, metavar="TEST", help="its test file")
+    p.add_argument("--ann-backends", default="", help="mode='ann' backends to try: hnswlib,faiss")
+    p.add_argument("--ann-ef", default="32,64,128,256", help="mode='ann' query beams to try")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the model's rule)")
     p.add_argument("--tables", default="0,24,48,96", help="serving tables to try (0: the default)")
     p.add_argument("--candidates", default="0",
@@ -86,11 +95,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     from slide.metrics import evaluate
     from slide.estimator import SlideClassifier
-    Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_test, 0)
+    if args.data:
+        from slide.data import read_dataset, shuffle_rows
+        Xtr, Ytr = read_dataset(args.data)
+        Xte, Yte = read_dataset(args.test, n_features=Xtr.shape[1], n_labels=Ytr.shape[1])
+        Xte, Yte = shuffle_rows(Xte, Yte, seed=0, n=min(args.n_test, Xte.shape[0]))
+    else:
+        Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_test, 0)
     if args.model:
         model = SlideClassifier.load(args.model).set_params(threads=args.threads)
     else:
         model = SlideClassifier(threads=args.threads, seed=0, epochs=args.epochs).fit(Xtr, Ytr)
+        if args.save_model:
+            model.save(args.save_model)
     k = args.k
     exact_ids = model.predict_topk(Xte, k)[0]
     rows = []
@@ -98,10 +115,22 @@ def main(argv=None):
     tables_tried = [int(t) for t in args.tables.split(",")]
     candidates_tried = [int(c) for c in args.candidates.split(",")]
     clients_tried = [int(c) for c in args.clients.split(",") if c]
-    settings = [("exact", None, None)] + [("lsh", t, c) for t in tables_tried for c in candidates_tried]
+    settings = [("exact", None, None)] + [("lsh", t, c) for t in tables_tried for c in candidates_tried
+                                          if model.tables_ is not None]
+    settings += [("ann", b, int(ef)) for b in args.ann_backends.split(",") if b
+                 for ef in args.ann_ef.split(",")]
+    built = {}
     for mode, tables, candidates in settings:
         if mode == "lsh":
             model.set_serving(tables or None, candidates or None)
+        if mode == "ann":  # tables: the backend, candidates: ef
+            if built.get("backend") != tables:
+                model.set_ann(backend=tables, ef=candidates)
+                t0 = time.perf_counter()
+                model.predict_topk(Xte[:1], k, mode="ann")
+                built = {"backend": tables, "seconds": time.perf_counter() - t0,
+                         "mib": model.server_.label_index().nbytes / 2**20}
+            model.server_.label_index().ef = candidates  # the same graph, another beam
         predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
         ids = predict(Xte)[0]  # also the warm-up
         hits = [np.intersect1d(a[a >= 0], b).size for a, b in zip(ids, exact_ids)]
@@ -113,20 +142,31 @@ def main(argv=None):
         # (slide.screen.Int8Labels: a byte a weight and 16 a label)
         W = model.params_["W"]
         extra = model.serving_tables_.nbytes + W.shape[0] * (W.shape[1] + 16) if lsh else None
+        ann = mode == "ann"
         row = {"mode": mode, "tables": model.serving_tables_.config.L if lsh else None,
                "candidates": model.serving_candidates_ if lsh else None,
-               "serving_mib": extra / 2**20 if lsh else None,
+               "serving_mib": extra / 2**20 if lsh else built["mib"] if ann else None,
+               "backend": tables if ann else None, "ef": candidates if ann else None,
+               "build_seconds": built["seconds"] if ann else None,
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
                "single_p50_ms": single[0], "single_p99_ms": single[1],
                "batch128_p50_ms": batch[0], "batch128_p99_ms": batch[1]}
         row["clients"] = [_clients(predict, Xte, c, args.single_reps, rng, ids)
                           for c in clients_tried]
         rows.append(row)
-        print(f"{mode:5s} tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}  "
+        if rows:
+            row["single_speedup"] = rows[0]["single_p50_ms"] / single[0]
+            row["batch_speedup"] = rows[0]["batch128_p50_ms"] / batch[0]
+        setting = (f"{tables} ef={candidates}" if ann else
+                   f"tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}")
+        print(f"{mode:5s} {setting}  "
               f"recall@{k} {row[f'recall@{k}']:.3f}  "
               f"P@1 {row['P@1']:.3f}  single p50 {single[0]:.2f} ms p99 {single[1]:.2f} ms  "
               f"batch of 128 p50 {batch[0]:.1f} ms p99 {batch[1]:.1f} ms"
-              + (f"  {row['serving_mib']:.0f} MiB" if lsh else ""), flush=True)
+              + (f"  {row['serving_mib']:.0f} MiB" if lsh or ann else "")
+              + (f"  built in {built['seconds']:.1f} s" if ann else "")
+              + (f"  ({row['single_speedup']:.1f}x / {row['batch_speedup']:.1f}x exact)"
+                 if rows else ""), flush=True)
         for c in row["clients"]:
             print(f"      {c['clients']} clients: {c['queries_per_s']:.0f} queries/s, p50 "
                   f"{c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms, {c['answers_differing']} "
@@ -134,8 +174,9 @@ def main(argv=None):
     write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
                                     "n_labels": model.n_labels_,
                                     "n_outputs": model.n_outputs_,
-                                    "training_tables": model.tables_.config.L,
-                                    "bucket_size": model.tables_.config.bucket_size, "rows": rows})
+                                    "training_tables": model.tables_.config.L if model.tables_ else None,
+                                    "bucket_size": model.tables_.config.bucket_size if model.tables_ else None,
+                                    "rows": rows})
 
 
 if __name__ == "__main__":

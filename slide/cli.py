@@ -127,9 +127,9 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("test", help="labelled file in the model's feature and label space")
     e.add_argument("--k", type=_positive, default=5,
                    help="report P@j and nDCG@j at j = 1, 3, 5 (up to k) and at k (default: 5)")
-    e.add_argument("--mode", choices=["exact", "lsh"], default="exact",
+    e.add_argument("--mode", choices=["exact", "lsh", "ann"], default="exact",
                    help="exact: score every label; lsh: only the hash tables' candidates (faster, "
-                        "lower recall)")
+                        "lower recall); ann: an HNSW index of the labels (the ann extra)")
     e.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads (default: the model's setting, all cores where it has none)")
 
@@ -139,8 +139,9 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("model", help="model directory (written by train --save)")
     pr.add_argument("input", help="file of rows to label (its label fields, if any, are ignored)")
     pr.add_argument("--top-k", type=_positive, default=5, help="labels per row (default: 5)")
-    pr.add_argument("--mode", choices=["exact", "lsh"], default="exact",
-                    help="exact: score every label; lsh: only the hash tables' candidates")
+    pr.add_argument("--mode", choices=["exact", "lsh", "ann"], default="exact",
+                    help="exact: score every label; lsh: only the hash tables' candidates; ann: an "
+                         "HNSW index of the labels (the ann extra)")
     pr.add_argument("--threads", type=_positive, default=None,
                     help="CPU threads (default: the model's setting, all cores where it has none)")
     pr.add_argument("--proba", action="store_true",

@@ -13,6 +13,7 @@ import numba
 import numpy as np
 from sklearn.base import BaseEstimator
 
+from slide.ann import DEFAULT_EF, DEFAULT_M, EF_CONSTRUCTION
 from slide.base import TrainableMixin
 from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import FIXED_AFTER_FIT, SlideConfig, checked_setting, parameter_shapes, resolve
@@ -319,6 +320,17 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         self.server_.configure(tables, candidates, center)
         return self
 
+    def set_ann(self, backend: str | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
+                ef_construction: int = EF_CONSTRUCTION):
+        """The index of ``predict_topk(mode="ann")``: an HNSW graph over the label vectors
+        (output rows with their biases) from hnswlib, else FAISS (the ``ann`` extra;
+        :mod:`slide.ann`). ``ef``: the query beam (more finds more of the exact top-k, slower);
+        ``M``, ``ef_construction``: the graph's degree and build beam. Built at the first such
+        query, and again at the first after the weights change; not saved with the model."""
+        self._require_fitted()
+        self.server_.configure_ann(backend=backend, ef=ef, M=M, ef_construction=ef_construction)
+        return self
+
     def _query_threads(self) -> int:
         """numba's threads for a query from the ``threads`` parameter as it is now:
         ``set_params(threads=N)`` on a fitted model takes effect at its next query."""
@@ -374,12 +386,13 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         (:func:`slide.screen.screened_topk`), else :func:`slide.metrics.topk_product`.
         ``mode="lsh"`` scores only each row's candidates from the serving tables
         (:meth:`set_serving`; rows with fewer than k candidates are padded with id -1).
+        ``mode="ann"`` asks a nearest-neighbour library's graph index (:meth:`set_ann`).
         """
         self._require_current()
         X = self.check_data(X, where="predict")
         k = check_k(k)
-        if mode not in ("exact", "lsh"):
-            raise ValueError(f"mode must be 'exact' or 'lsh', got {mode!r}")
+        if mode not in ("exact", "lsh", "ann"):
+            raise ValueError(f"mode must be 'exact', 'lsh' or 'ann', got {mode!r}")
         rows, scores = self.server_.topk(lambda b: self._hidden_blocks(X, b), X.shape[0], k,
                                          mode, block)
         return self.labels_.to_labels(rows), scores

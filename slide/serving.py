@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from lsh import CompactTables
+from slide.ann import LabelIndex
 from slide.metrics import topk_product
 from slide.screen import (SCREEN_MIN_LABELS, has_int8_dot, quantize_labels, quantize_rows,
                           screened_candidates, screened_topk)
@@ -46,6 +47,7 @@ class Server:
         self.candidates = None
         self._built = {}  # name: (state version, object)
         self._tables_version = None
+        self.ann = {}  # LabelIndex's settings for mode="ann" (configure_ann)
 
     def restarted(self) -> "Server":
         """A server over the state as it is now (its output rows changed), with this one's
@@ -53,6 +55,7 @@ class Server:
         out = Server(self.state)
         if self.tables is not None:
             out.configure(self.tables.config.L, self.candidates, self.tables.center)
+        out.ann = dict(self.ann)
         return out
 
     def current(self) -> None:
@@ -115,6 +118,21 @@ class Server:
         self._tables_version = version
         self.tables = serving
 
+    def configure_ann(self, **settings) -> None:
+        """Settings of mode="ann"'s index (:class:`slide.ann.LabelIndex`), checked now; the
+        index is built at the next such query."""
+        LabelIndex(**settings)  # checks them, and that a backend is installed
+        self.ann = dict(settings)
+        self._built.pop("ann", None)
+
+    def label_index(self) -> LabelIndex:
+        """mode="ann"'s index of the output layer: built at the first such query, and again at
+        the first after the weights move (a new graph; hnswlib's updates of moved points cost
+        about as much as inserting them)."""
+        s = self.state
+        return self._once("ann", lambda: LabelIndex(**self.ann).build(s.params["W"], s.params["b"],
+                                                                      numba.get_num_threads()))
+
     def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None):
         """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of the rows whose last hidden
         layer ``hidden_blocks(block)`` yields as ``(lo, hi, h)``."""
@@ -122,6 +140,11 @@ class Server:
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
         W, b = s.params["W"], s.params["b"]
+        if mode == "ann":
+            index = self.label_index()
+            for lo, hi, h in hidden_blocks(block or EXACT_BLOCK_ROWS):
+                ids[lo:hi], scores[lo:hi] = index.query(h, k, numba.get_num_threads())
+            return ids, scores
         if mode == "exact" or s.tables is None:
             # the fused kernels never form a block's score matrix, so blocks can be larger
             screen = self.exact_screen()
