@@ -83,13 +83,16 @@ def main(argv=None):
         model.save(args.save)
     p1 = model.evaluate(Xte, Yte)["P@1"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # a selection without a refit holds its best run while the next trains
+    runs = 2 if (model.stopping_ or {}).get("choice") and not model.stopping_.get("refit") else 1
     estimate = model_memory_bytes(model.resolved_, X.shape[1], model.n_outputs_,
-                                  args.threads or numba.config.NUMBA_NUM_THREADS)["total"]
+                                  args.threads or numba.config.NUMBA_NUM_THREADS,
+                                  features_per_row=model.features_per_row_, runs=runs)["total"]
     doc = {"machine": machine(), "args": vars(args), "n_train": X.shape[0],
            "peak_rss_bytes": peak, "rss_after_data_bytes": rss_data, "data_bytes": data_bytes,
            "model_estimate_bytes": estimate, "model_peak_bytes": peak - rss_data,
            "estimate_ratio": estimate / max(peak - rss_data, 1), "n_labels": Y.shape[1],
-           "n_outputs": model.n_outputs_, "generate_seconds": gen, "fit_seconds": fit,
+           "n_outputs": model.n_outputs_, "runs_held": runs, "generate_seconds": gen, "fit_seconds": fit,
            "test_P@1": p1, "samples_per_second": model.history_[-1]["samples_per_second"]}
     print(f"{args.data or args.preset}, {X.shape[0]} train rows, {Y.shape[1]} labels "
           f"({model.n_outputs_} with rows){', resumed' if args.resume else ''}: "

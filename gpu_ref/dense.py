@@ -235,13 +235,14 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                        self.rare_share_,
                        self.choice_, self.labels_per_row_)
 
-    def initialize(self, X, Y, choice: dict | None = None, distributed=None) -> None:
+    def initialize(self, X, Y, choice: dict | None = None, distributed=None,
+                   stream: bool = False) -> None:
         """As :meth:`slide.SlideClassifier.initialize` (one process only)."""
         if distributed is not None:
             raise ValueError("the dense reference trains in one process")
         self.config_ = self._config()
         self.choice_ = choice
-        self.fit_data(X, Y)
+        self.fit_data(X, Y, stream=stream)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_outputs_, 1,
                                       compact_gradients=False),
@@ -390,7 +391,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
             X, Y = self.check_data(X, Y, where="partial_fit", grow=True)
         else:
             X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
-            self.initialize(X, Y)
+            self.initialize(X, Y, stream=True)
         self.train_epoch(self.preprocess(X), self.targets(X, Y), np.arange(X.shape[0]))
         return self
 
@@ -474,6 +475,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "rare_share": self.rare_share_, "choice": self.choice_,
                 "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
+                "features_per_row": self.features_per_row_,
                 "step": self.step_, "learning_rate": self.learning_rate_, **record,
                 "dense": {"negatives": self.negatives, "precision": self.precision}}
         write_checkpoint(path, arrays, meta, self.step_)
@@ -489,6 +491,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model.rare_share_, model.choice_ = ck.rare_share, ck.choice
         model.labels_per_row_ = ck.labels_per_row
         model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
+        model.features_per_row_ = ck.features_per_row
         model.resolved_ = model._resolve(model.config_)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size)
         model._set_arrays(ck.arrays_like(shapes),

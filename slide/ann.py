@@ -19,7 +19,7 @@ BACKENDS = ("hnswlib", "faiss")
 #: graph degree and build-time beam width: hnswlib's recommended starting point for high recall
 DEFAULT_M, EF_CONSTRUCTION = 16, 200
 #: the query beam width, at least the k asked for (docs/serving.md: recall@10 against ef)
-DEFAULT_EF = 128
+DEFAULT_EF = 64
 
 
 def available_backend(backend: str | None = None) -> str:

@@ -87,24 +87,26 @@ class TrainableMixin:
                         n_labels=self.n_labels_ if Y is not None else None, where=where,
                         owner=type(self).__name__)
 
-    def fit_data(self, X, Y, distributed=None) -> None:
+    def fit_data(self, X, Y, distributed=None, stream: bool = False) -> None:
         """Learn what the defaults rule reads from the training rows (``initialize``'s first
         step, after ``config_`` and ``choice_`` are set): ``n_features_in_``, ``n_labels_``,
         ``n_train_``, ``labels_`` (a :class:`slide.labels.LabelMap` of the labels with a
-        positive in ``Y``: the output rows) and ``n_outputs_fitted_`` (their count, which the
-        defaults rule reads), the preprocessing ``preprocessor_`` (``config_.norm``, and idf
+        positive in ``Y``: the output rows; with ``stream``, ``X``, ``Y`` are a stream's first
+        batch, which cannot know the labels to come, and every label of ``Y`` gets a row) and
+        ``n_outputs_fitted_`` (their count, which the defaults rule reads), the preprocessing ``preprocessor_`` (``config_.norm``, and idf
         weighting as :func:`slide.config.idf_weighted` says) fitted on ``X``, ``rare_share_``
-        (:func:`slide.config.rare_share`) and ``labels_per_row_``. With ``distributed``, ``X``,
+        (:func:`slide.config.rare_share`), ``labels_per_row_`` and ``features_per_row_``. With ``distributed``, ``X``,
         ``Y`` are this rank's shard and the counts, labels and feature statistics are the whole
         data's. Starts a fresh ``record_``."""
         n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
         n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
-        present = labels_present(Y)
-        if distributed is not None:
+        present = np.ones(Y.shape[1], bool) if stream else labels_present(Y)
+        if distributed is not None and not stream:
             present = distributed.allreduce(present.view(np.uint8), "bor").view(bool)
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
         self.labels_ = LabelMap.of(present)
         self.n_outputs_fitted_ = self.labels_.size
+        self.features_per_row_ = X.nnz / max(X.shape[0], 1)
         self.preprocessor_ = Preprocessor(self.config_.norm,
                                           idf_weighted(self.config_, self.choice_)).fit(X)
         if distributed is not None:

@@ -197,6 +197,16 @@ class Checkpoint:
         return LabelMap(ids, self.n_labels)
 
     @property
+    def features_per_row(self) -> float | None:
+        """The training rows' mean non-zeros (None in checkpoints written before it was kept)."""
+        if self.meta.get("features_per_row") is None:
+            return None
+        v = self.float("features_per_row")
+        if not v >= 0:
+            self._fail(f"'features_per_row' must be at least 0, got {v}")
+        return v
+
+    @property
     def n_outputs_fitted(self) -> int:
         """The output rows the model was initialised with (what the defaults rule read)."""
         return self.int("n_outputs_fitted", self.labels.size, minimum=1, maximum=self.n_labels)

@@ -13,16 +13,14 @@ import numba
 import numpy as np
 from sklearn.base import BaseEstimator
 
-from slide.ann import DEFAULT_EF, DEFAULT_M, EF_CONSTRUCTION
 from slide.base import TrainableMixin
 from slide.checkpoint import read_checkpoint, write_checkpoint
-from slide.config import FIXED_AFTER_FIT, SlideConfig, checked_setting, parameter_shapes, resolve
+from slide.config import FIXED_AFTER_FIT, SlideConfig, parameter_shapes, resolve
 from slide.fitting import fit_model
 from slide.loop import FitRecord
 from slide.metrics import check_k, topk
 from slide.resources import check_fits, model_memory_bytes
-from slide.runtime import set_num_threads
-from slide.serving import Server
+from slide.serving import Server, ServingSettings
 from slide.step import TrainingState
 
 __all__ = ["SlideClassifier"]
@@ -36,7 +34,7 @@ def _from_state(name: str, doc: str):
     return property(lambda self: getattr(self.state_, name), doc=doc)
 
 
-class SlideClassifier(TrainableMixin, BaseEstimator):
+class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
     """Extreme multi-label classifier trained sparsely on CPU threads.
 
     Parameters are those of :class:`slide.config.SlideConfig` (``None``: derived from the
@@ -197,7 +195,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 X, Y = self.check_data(X, Y, where="partial_fit", fitted=False)
                 if distributed is not None:
                     X, Y = distributed.agree_shapes(X, Y)
-                self.initialize(X, Y, distributed=distributed)
+                self.initialize(X, Y, distributed=distributed, stream=True)
             Y = self.targets(X, Y, grow=distributed is None)
             order = np.arange(X.shape[0])
             if distributed is not None:
@@ -215,16 +213,19 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                 self.state_.distributed = None
         return self if runner is None else out
 
-    def initialize(self, X, Y, distributed=None, choice: dict | None = None) -> None:
+    def initialize(self, X, Y, distributed=None, choice: dict | None = None,
+                   stream: bool = False) -> None:
         """Fresh preprocessing (fitted on X), training state, server and record. With
         ``distributed``, X is this rank's shard (counts and feature statistics are the whole
-        data's). ``choice``: settings chosen on a held-out slice (:mod:`slide.selection`)."""
+        data's). ``choice``: settings chosen on a held-out slice (:mod:`slide.selection`).
+        ``stream``: X, Y are a stream's first batch (a row for every label of Y)."""
         self.config_ = self._config()
         self.choice_ = choice
-        self.fit_data(X, Y, distributed)
+        self.fit_data(X, Y, distributed, stream=stream)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_outputs_,
-                                      self.config_.threads or numba.config.NUMBA_NUM_THREADS),
+                                      self.config_.threads or numba.config.NUMBA_NUM_THREADS,
+                                      features_per_row=self.features_per_row_),
                    f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "
                    f"and {self.n_outputs_} labels with training positives")
         # a previous fit's arrays go before the new ones are made
@@ -302,46 +303,6 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
                     self._trainer = None
 
     # -- serving ---------------------------------------------------------------------------------
-    def set_serving(self, tables: int | None = None, candidates: int | None = None,
-                    center: bool = True):
-        """The hash tables of ``predict_topk(mode="lsh")``, apart from training's.
-
-        ``tables``: how many tables to query (default: as many as training's), with training's
-        hash family, K and buckets; they store every label, at ``tables × n_labels × 4`` bytes.
-        More tables find more of the exact top-k at a higher cost per query. ``candidates``:
-        the most labels scored a row, those found in the most tables (default: four times the
-        most training's bounded tables could return, tables × bucket size; at most every
-        label). ``center``: hash the output rows less their mean row, which ranks the labels as
-        the rows do while the large mean that trained rows share no longer gives most of them
-        the same codes (docs/serving.md). Built at the first LSH query where this was not
-        called, and rehashed as the weights move; not saved with the model.
-        """
-        self._require_current()
-        self.server_.configure(tables, candidates, center)
-        return self
-
-    def set_ann(self, backend: str | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
-                ef_construction: int = EF_CONSTRUCTION):
-        """The index of ``predict_topk(mode="ann")``: an HNSW graph over the label vectors
-        (output rows with their biases) from hnswlib, else FAISS (the ``ann`` extra;
-        :mod:`slide.ann`). ``ef``: the query beam (more finds more of the exact top-k, slower);
-        ``M``, ``ef_construction``: the graph's degree and build beam. Built at the first such
-        query, and again at the first after the weights change; not saved with the model."""
-        self._require_fitted()
-        self.server_.configure_ann(backend=backend, ef=ef, M=M, ef_construction=ef_construction)
-        return self
-
-    def _query_threads(self) -> int:
-        """numba's threads for a query from the ``threads`` parameter as it is now:
-        ``set_params(threads=N)`` on a fitted model takes effect at its next query."""
-        return set_num_threads(checked_setting("threads", self.threads))
-
-    def _require_current(self):
-        """Serving starts here: the model exists, and its tables reflect its weights."""
-        self._require_fitted()
-        self._query_threads()
-        self.server_.current()
-
     def embed(self, X) -> np.ndarray:
         """Last hidden layer activations, float32 [n, hidden[-1]]."""
         self._require_current()
@@ -424,6 +385,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
             "rare_share": self.rare_share_, "choice": self.choice_,
             "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
+            "features_per_row": self.features_per_row_,
             **self.state_.counters(), **record,
             "inference_only": bool(inference_only),
         }
@@ -439,6 +401,7 @@ class SlideClassifier(TrainableMixin, BaseEstimator):
         model.rare_share_, model.choice_ = ck.rare_share, ck.choice
         model.labels_per_row_ = ck.labels_per_row
         model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
+        model.features_per_row_ = ck.features_per_row
         model.resolved_ = model._resolve(model.config_)
         model.inference_only_ = bool(ck.meta.get("inference_only", False))
         model.preprocessor_ = ck.preprocessor(model.n_features_in_)

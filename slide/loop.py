@@ -65,7 +65,8 @@ class Trainable(EpochRunner, Protocol):
 
     def check_data(self, X, Y=None, where: str = "input", fitted: bool = True): ...
 
-    def initialize(self, X, Y, choice: dict | None = None, distributed=None) -> None:
+    def initialize(self, X, Y, choice: dict | None = None, distributed=None,
+                   stream: bool = False) -> None:
         """Fresh preprocessing fitted on X, fresh parameters and a fresh ``record_``."""
 
     def preprocess(self, X): ...

@@ -6,6 +6,7 @@ size, the parts that make it up and the settings that shrink it.
 """
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -56,14 +57,18 @@ def available_memory_bytes() -> int | None:
 
 
 def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: int,
-                       compact_gradients: bool = True) -> dict:
-    """Bytes a model needs, by part, for :func:`slide.config.resolve`'s settings ``resolved``.
+                       compact_gradients: bool = True, features_per_row: float | None = None,
+                       runs: int = 1) -> dict:
+    """Bytes a model needs, by part, for :func:`slide.config.resolve`'s settings ``resolved``
+    over ``n_labels`` output rows.
 
     Per parameter, float32 weights and two Adam moments, and one more for the best weights kept
     by early stopping; LSH tables and per-thread scratch. Gradients: with ``compact_gradients``
     (the engine's), a row for each output row one step can add gradients to (the batch's LSH
-    candidates and labels and the shared pool, at most every label) and for each input row
-    (at most every feature); otherwise (the dense reference) a full array per parameter.
+    candidates and labels and the shared pool, at most every label) and for each input row (a
+    batch's non-zeros at ``features_per_row``, at most every feature); otherwise (the dense
+    reference) a full array per parameter. ``runs``: models held at once (fit holds the best
+    run of its selection while the next trains, where no refit follows: 2).
     """
     hidden = [int(h) for h in resolved["hidden"]]
     n_params = n_features * hidden[0] + sum(a * b for a, b in zip(hidden[:-1], hidden[1:])) \
@@ -73,19 +78,25 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
         out_rows = min(n_labels,
                        resolved["batch_size"] * (resolved["lsh_cap"] + 1) + resolved["pool"])
         gradients -= (n_labels - out_rows) * (hidden[-1] + 1)
-    parts = {"parameters": 4 * n_params, "adam_moments": 8 * n_params, "gradients": 4 * gradients}
-    parts["best_weights"] = 4 * n_params
+        if features_per_row is not None:
+            in_rows = min(n_features, math.ceil(resolved["batch_size"] * features_per_row))
+            gradients -= (n_features - in_rows) * hidden[0]
+    runs = max(1, int(runs))
+    parts = {"parameters": 4 * n_params * runs, "adam_moments": 8 * n_params * runs,
+             "gradients": 4 * gradients, "best_weights": 4 * n_params * runs}
     tables = 0
     for t in [resolved.get("tables")] + [l["tables"] for l in resolved.get("hidden_layers", []) if l]:
         if t:
             tables += 4 * t["L"] * (1 << t["range_pow"]) * (t["bucket_size"] + 1)
-    parts["hash_tables"] = tables
+    parts["hash_tables"] = tables * runs
     # per-thread query sets (slots and positions for two to four times the largest union, and
     # its ids and hit counts: at most 40 bytes an id), the step's maps of the labels (a row's
-    # owners, uint8; its place in the shared pool, int32), and a block of exact scores (64 MB)
+    # owners, uint8; its place in the shared pool, int32), and where the output is whole a
+    # block of exact scores for the validation loss (64 MB; a sampled output is scored top-k)
     out = resolved.get("tables")
     union = out["L"] * out["bucket_size"] if out else 0
-    parts["scratch"] = 40 * max(1, threads) * union + 5 * n_labels + (1 << 26)
+    parts["scratch"] = 40 * max(1, threads) * union + 5 * n_labels + \
+        (0 if resolved.get("sampled") else 1 << 26)
     parts["total"] = sum(parts.values())
     return parts
 

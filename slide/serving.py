@@ -15,12 +15,14 @@ import numba
 import numpy as np
 
 from lsh import CompactTables
-from slide.ann import LabelIndex
+from slide.ann import DEFAULT_EF, DEFAULT_M, EF_CONSTRUCTION, LabelIndex
+from slide.config import checked_setting
+from slide.runtime import set_num_threads
 from slide.metrics import topk_product
 from slide.screen import (SCREEN_MIN_LABELS, has_int8_dot, quantize_labels, quantize_rows,
                           screened_candidates, screened_topk)
 
-__all__ = ["Server", "EXACT_BLOCK_ROWS", "CANDIDATES_PER_SLOT"]
+__all__ = ["Server", "ServingSettings", "EXACT_BLOCK_ROWS", "CANDIDATES_PER_SLOT"]
 
 #: rows per block of exact top-k (its kernel holds a tile of scores, not a block's matrix)
 EXACT_BLOCK_ROWS = 1024
@@ -167,3 +169,48 @@ class Server:
             screened_candidates(h, s.weight_rows("W"), b, screen, cand, n_c, parts,
                                 ids[lo:hi], scores[lo:hi])
         return ids, scores
+
+
+class ServingSettings:
+    """The estimator's serving settings and the checks every query starts with, over its
+    ``server_`` (a :class:`Server`) and its ``threads`` parameter."""
+
+    def set_serving(self, tables: int | None = None, candidates: int | None = None,
+                    center: bool = True):
+        """The hash tables of ``predict_topk(mode="lsh")``, apart from training's.
+
+        ``tables``: how many tables to query (default: as many as training's), with training's
+        hash family, K and buckets; they store every label, at ``tables × n_labels × 4`` bytes.
+        More tables find more of the exact top-k at a higher cost per query. ``candidates``:
+        the most labels scored a row, those found in the most tables (default: four times the
+        most training's bounded tables could return, tables × bucket size; at most every
+        label). ``center``: hash the output rows less their mean row, which ranks the labels as
+        the rows do while the large mean that trained rows share no longer gives most of them
+        the same codes (docs/serving.md). Built at the first LSH query where this was not
+        called, and rehashed as the weights move; not saved with the model.
+        """
+        self._require_current()
+        self.server_.configure(tables, candidates, center)
+        return self
+
+    def set_ann(self, backend: str | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
+                ef_construction: int = EF_CONSTRUCTION):
+        """The index of ``predict_topk(mode="ann")``: an HNSW graph over the label vectors
+        (output rows with their biases) from hnswlib, else FAISS (the ``ann`` extra;
+        :mod:`slide.ann`). ``ef``: the query beam (more finds more of the exact top-k, slower);
+        ``M``, ``ef_construction``: the graph's degree and build beam. Built at the first such
+        query, and again at the first after the weights change; not saved with the model."""
+        self._require_fitted()
+        self.server_.configure_ann(backend=backend, ef=ef, M=M, ef_construction=ef_construction)
+        return self
+
+    def _query_threads(self) -> int:
+        """numba's threads for a query from the ``threads`` parameter as it is now:
+        ``set_params(threads=N)`` on a fitted model takes effect at its next query."""
+        return set_num_threads(checked_setting("threads", self.threads))
+
+    def _require_current(self):
+        """Serving starts here: the model exists, and its tables reflect its weights."""
+        self._require_fitted()
+        self._query_threads()
+        self.server_.current()
