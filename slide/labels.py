@@ -57,7 +57,7 @@ class LabelMap:
         return int(self.ids.size)
 
     def rows(self) -> np.ndarray:
-        """int64 [n_labels]: each label's row, -1 for a label without one."""
+        """[n_labels] (int32 below 2**31 labels): each label's row, -1 for a label without one."""
         if self._row is None:
             row = np.full(self.n_labels, -1, np.int32 if self.n_labels < 2**31 else np.int64)
             row[self.ids] = np.arange(self.size)
@@ -104,7 +104,11 @@ class LabelMap:
         n_labels], ``fill`` where a label has no row."""
         if self.is_identity:
             return S
-        xp = np if isinstance(S, np.ndarray) else __import__("cupy").get_array_module(S)
+        if isinstance(S, np.ndarray):
+            xp = np
+        else:  # a device array: cupy is imported only when one is passed
+            import cupy
+            xp = cupy.get_array_module(S)
         out = xp.full((S.shape[0], self.n_labels), fill, S.dtype)
         out[:, xp.asarray(self.ids)] = S
         return out
