@@ -409,11 +409,15 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         Xp = self.preprocess(X)
         xp = self._xp
         block = block or max(1, min(4096, (1 << 26) // self.n_outputs_))
+        shift = self.prior_shift()
+        shift = None if shift is None else xp.asarray(shift)
         for lo in range(0, Xp.shape[0], block):
             hi = min(lo + block, Xp.shape[0])
             with ops.matmul_precision(xp, self.precision):
                 S = self._last_hidden(Xp[lo:hi]) @ self.params_["W"].T
             S += self.params_["b"]
+            if shift is not None:  # the prior correction, as the engine's queries
+                S += shift
             yield lo, hi, S
 
     def _last_hidden(self, Xp):
@@ -471,6 +475,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         arrays = {**self.host_params(), **{f"adam.{k}": self._host(v) for k, v in self.moments_.items()},
                   **{f"pre.{k}": v for k, v in pre_arrays.items()}, **best,
                   "labels": self.labels_.ids}
+        if self.log_prior_ is not None:
+            arrays["log_prior"] = self.log_prior_
         meta = {"engine": "dense", "config": self.config_.to_json(), "preprocessing": pre_meta,
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "rare_share": self.rare_share_, "choice": self.choice_,
@@ -492,6 +498,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         model.labels_per_row_ = ck.labels_per_row
         model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
         model.features_per_row_ = ck.features_per_row
+        model.log_prior_ = ck.log_prior
         model.resolved_ = model._resolve(model.config_)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size)
         model._set_arrays(ck.arrays_like(shapes),

@@ -20,7 +20,8 @@ from slide.labels import LabelMap, labels_present
 from slide.loop import FitRecord
 from slide.preprocess import Preprocessor
 
-__all__ = ["TrainableMixin", "new_rows", "softmax_loss", "array_module"]
+__all__ = ["TrainableMixin", "new_rows", "log_prior", "PRIOR_CORRECTION", "softmax_loss",
+           "array_module"]
 
 
 def _from_record(field: str, doc: str):
@@ -113,7 +114,28 @@ class TrainableMixin:
             distributed.merge_preprocessor(self.preprocessor_)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
         self.labels_per_row_ = n_positives / max(n_train, 1)
+        # each output row's training prior, for the prediction's prior correction (a stream's
+        # first batch tells too little of it: none)
+        counts = np.bincount(Y.indices, minlength=Y.shape[1])
+        if distributed is not None:
+            counts = distributed.allreduce(counts.astype(np.int64), "sum")
+        self.log_prior_ = None if stream else \
+            log_prior(counts[self.labels_.ids], n_positives, self.labels_.size)
         self.record_ = FitRecord()
+
+    def prior_shift(self):
+        """What prediction adds to each output row's logit: ``-PRIOR_CORRECTION · log prior``
+        where the output layer is computed whole (docs/prior-correction.md), else None."""
+        if self.log_prior_ is None or self.resolved_["sampled"]:
+            return None
+        return (-PRIOR_CORRECTION * self.log_prior_).astype(np.float32)
+
+    def serving_bias(self) -> np.ndarray:
+        """The biases predictions rank by (host float32 [n_outputs]): the trained ones plus
+        :meth:`prior_shift` where there is one."""
+        b = np.asarray(self.host_params()["b"], np.float32)
+        shift = self.prior_shift()
+        return b if shift is None else b + shift
 
     @property
     def n_outputs_(self) -> int:
@@ -165,6 +187,9 @@ class TrainableMixin:
         positives = Y[:, ids].T.tocsr()  # [len(ids), n]: each new label's rows
         H = self.embed(X) if positives.nnz else np.zeros((X.shape[0], W.shape[1]), np.float32)
         W_new, b_new = new_rows(W, b, positives, H, seed=self.labels_.size)
+        if self.log_prior_ is not None:
+            self.log_prior_ = np.concatenate((self.log_prior_, log_prior(
+                np.diff(positives.indptr), self.labels_per_row_ * self.n_train_, self.n_outputs_)))
         self.add_output_rows(W_new, b_new)
         best = self.record_.best_params
         if best is not None:  # the best epoch's weights gain the rows as they are now
@@ -198,8 +223,11 @@ class TrainableMixin:
         top = np.empty((X.shape[0], k), np.int64)
         total, rows = 0.0, 0
         Yr = self.labels_.to_rows(Y)  # labels without a row have no score to take a loss of
+        shift = self.prior_shift()
         for lo, hi, S in self.score_blocks(X):
             top[lo:hi] = self.labels_.to_labels(self.block_topk(S, k)[0])
+            if shift is not None:  # the loss is training's: of the logits as trained
+                S -= array_module(S).asarray(shift)
             s, n = softmax_loss(S, Yr[lo:hi])
             total, rows = total + s, rows + n
         return {**evaluate_topk(Y, top, k), "loss": total / max(rows, 1)}
@@ -250,6 +278,17 @@ class TrainableMixin:
             lse = lse if isinstance(lse, np.ndarray) else lse.get()
             probs[lo:hi] = np.exp(top - lse[:, None])
         return ids, probs
+
+
+#: where the output layer is computed whole, prediction ranks by the logits less this share of
+#: each label's log training prior (docs/prior-correction.md)
+PRIOR_CORRECTION = 0.2
+
+
+def log_prior(counts, positives: float, n_labels: int) -> np.ndarray:
+    """float32 log of the labels' training priors, ``(count + 1) / (positives + n_labels)``
+    (``n_labels``: the labels with an output row)."""
+    return np.log((np.asarray(counts, np.float64) + 1.0) / (positives + n_labels)).astype(np.float32)
 
 
 def new_rows(W, b, positives, H, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -197,6 +197,22 @@ class Checkpoint:
         return LabelMap(ids, self.n_labels)
 
     @property
+    def log_prior(self) -> np.ndarray | None:
+        """The output rows' log training priors (array ``log_prior``; None in checkpoints
+        written before the prior correction, which predict as they did)."""
+        if "log_prior" not in self:
+            return None
+        _, shape, _, dtype = self._members["log_prior"]
+        if shape != (self.labels.size,) or dtype != np.float32:
+            raise CheckpointError(f"{self.npz_path}: array 'log_prior' is {dtype} {shape}, the "
+                                  f"model has {self.labels.size} output rows (float32)")
+        a = self.array("log_prior")
+        if not np.all(np.isfinite(a)) or np.any(a > 0):
+            raise CheckpointError(f"{self.npz_path}: array 'log_prior' must hold finite log "
+                                  "probabilities (at most 0)")
+        return a
+
+    @property
     def features_per_row(self) -> float | None:
         """The training rows' mean non-zeros (None in checkpoints written before it was kept)."""
         if self.meta.get("features_per_row") is None:

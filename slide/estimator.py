@@ -232,6 +232,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         self.__dict__.pop("state_", None), self.__dict__.pop("server_", None)
         self.state_ = TrainingState.fresh(self.config_, self.resolved_, self.n_features_in_,
                                           self.n_outputs_, self.preprocessor_.seen_features())
+        self.state_.bias_shift = self.prior_shift()
         self.server_ = Server(self.state_)
 
     def add_output_rows(self, W_new, b_new) -> None:
@@ -242,6 +243,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
                              "every rank must hold the same rows (give every label a positive "
                              "in the data fit starts from)")
         self.state_.add_outputs(W_new, b_new)
+        self.state_.bias_shift = self.prior_shift()
         self.server_ = self.server_.restarted()
 
     def host_params(self) -> dict:
@@ -328,7 +330,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         float32 [hi - lo, n_outputs] (column r: label ``labels_.ids[r]``) for rows lo..hi of
         the (checked, raw) CSR ``X``."""
         self._require_current()
-        W, b = self.params_["W"], self.params_["b"]
+        W, b = self.params_["W"], self.server_.bias()
         for lo, hi, h in self._hidden_blocks(X, block):
             s = h @ W.T
             s += b
@@ -359,11 +361,12 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         return self.labels_.to_labels(rows), scores
 
     def decision_function(self, X) -> np.ndarray:
-        """All output logits, float32 [n, n_labels] (dense: mind the memory on wide layers);
-        -inf for a label without an output row (no training positive)."""
+        """The scores predictions rank by, float32 [n, n_labels] (dense: mind the memory on wide
+        layers): the output logits, less the prior correction where the output layer is
+        computed whole (:meth:`prior_shift`); -inf for a label without an output row."""
         self._require_current()
         X = self.preprocess(self.check_data(X, where="decision_function"))
-        S = self.state_.last(self.state_.forward(X)) @ self.params_["W"].T + self.params_["b"]
+        S = self.state_.last(self.state_.forward(X)) @ self.params_["W"].T + self.server_.bias()
         return self.labels_.scatter(S, -np.inf)
 
     # -- persistence -----------------------------------------------------------------------------
@@ -378,6 +381,8 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         best, record = self.record_.to_checkpoint()
         arrays = {**self.params_, **{f"pre.{k}": v for k, v in pre_arrays.items()},
                   "labels": self.labels_.ids}
+        if self.log_prior_ is not None:
+            arrays["log_prior"] = self.log_prior_
         if not inference_only:
             arrays.update({f"adam.{k}": v for k, v in self.moments_.items()}, **best)
         meta = {
@@ -405,7 +410,9 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         model.resolved_ = model._resolve(model.config_)
         model.inference_only_ = bool(ck.meta.get("inference_only", False))
         model.preprocessor_ = ck.preprocessor(model.n_features_in_)
+        model.log_prior_ = ck.log_prior
         model.state_ = TrainingState.from_checkpoint(ck, model.config_, model.resolved_)
+        model.state_.bias_shift = model.prior_shift()
         model.server_ = Server(model.state_)
         model.record_ = FitRecord.from_checkpoint(
             ck, parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size))

@@ -17,10 +17,9 @@ __all__ = ["export_embeddings", "label_vectors", "query_vectors"]
 
 
 def label_vectors(model) -> np.ndarray:
-    """float32 [n_outputs, hidden + 1]: each output row with its bias (row r is label
-    ``model.labels_.ids[r]``)."""
-    host = model.host_params()
-    W, b = np.asarray(host["W"], np.float32), np.asarray(host["b"], np.float32)
+    """float32 [n_outputs, hidden + 1]: each output row with the bias predictions rank by
+    (:meth:`slide.base.TrainableMixin.serving_bias`; row r is label ``model.labels_.ids[r]``)."""
+    W, b = np.asarray(model.host_params()["W"], np.float32), model.serving_bias()
     return np.ascontiguousarray(np.hstack((W, b[:, None])))
 
 

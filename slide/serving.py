@@ -83,6 +83,14 @@ class Server:
                     self._built[name] = held
         return held[1]
 
+    def bias(self) -> np.ndarray:
+        """The biases queries score with: the state's, plus its ``bias_shift`` (the prior
+        correction) where it has one."""
+        s = self.state
+        if s.bias_shift is None:
+            return s.params["b"]
+        return self._once("bias", lambda: (s.params["b"] + s.bias_shift).astype(np.float32))
+
     def exact_screen(self):
         """The int8 copy of the output layer for exact top-k (:mod:`slide.screen`), or None
         where the float32 kernel is as fast (fewer than ``SCREEN_MIN_LABELS`` labels) or the
@@ -90,13 +98,13 @@ class Server:
         s = self.state
         if s.n_labels < SCREEN_MIN_LABELS or not has_int8_dot():
             return None
-        return self._once("rows", lambda: quantize_rows(s.params["W"], s.params["b"]))
+        return self._once("rows", lambda: quantize_rows(s.params["W"], self.bias()))
 
     def candidate_screen(self):
         """The int8 copy of the output layer by label that LSH serving scores its candidates
         from (:func:`slide.screen.screened_candidates`)."""
         s = self.state
-        return self._once("labels", lambda: quantize_labels(s.params["W"], s.params["b"]))
+        return self._once("labels", lambda: quantize_labels(s.params["W"], self.bias()))
 
     def configure(self, tables: int | None = None, candidates: int | None = None,
                   center: bool = True) -> None:
@@ -132,7 +140,7 @@ class Server:
         the first after the weights move (a new graph; hnswlib's updates of moved points cost
         about as much as inserting them)."""
         s = self.state
-        return self._once("ann", lambda: LabelIndex(**self.ann).build(s.params["W"], s.params["b"],
+        return self._once("ann", lambda: LabelIndex(**self.ann).build(s.params["W"], self.bias(),
                                                                       numba.get_num_threads()))
 
     def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None):
@@ -141,7 +149,7 @@ class Server:
         s = self.state
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
-        W, b = s.params["W"], s.params["b"]
+        W, b = s.params["W"], self.bias()
         if mode == "ann":
             index = self.label_index()
             for lo, hi, h in hidden_blocks(block or EXACT_BLOCK_ROWS):

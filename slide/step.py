@@ -64,6 +64,8 @@ class TrainingState:
         self.distributed = None
         self.version = 0
         self.tables_stale = False
+        #: what prediction adds to the biases (the estimator's prior correction), or None
+        self.bias_shift = None
         sizes = np.array(r["hidden"], np.int64)
         self.sizes = sizes
         self.n_acts = int(sizes.sum())  # every hidden layer's activations side by side

@@ -112,7 +112,9 @@ def test_new_labels_get_rows_that_rank_them_and_leave_the_others_alone(tiny_data
     rows there were do not move until the step trains them."""
     X, Y, _, _ = tiny_data
     old = Y[:600]
-    m = SlideClassifier(hidden=(16,), epochs=3, threads=1, seed=0, early_stopping=False)
+    # a sampled output (no prior correction): the rows' scores alone rank the labels
+    m = SlideClassifier(hidden=(16,), sparsity=0.5, epochs=3, threads=1, seed=0,
+                        early_stopping=False)
     m.fit(X[:600], old)
     n_before, W_before = m.n_outputs_, np.array(m.params_["W"])
     p1_before = m.evaluate(X[:600], old)["P@1"]
