@@ -12,8 +12,8 @@ import importlib.util
 
 import numpy as np
 
-__all__ = ["LabelIndex", "BACKENDS", "available_backend", "DEFAULT_EF", "DEFAULT_M",
-           "EF_CONSTRUCTION"]
+__all__ = ["LabelIndex", "BACKENDS", "available_backend", "label_vectors", "query_vectors",
+           "DEFAULT_EF", "DEFAULT_M", "EF_CONSTRUCTION"]
 
 BACKENDS = ("hnswlib", "faiss")
 #: graph degree and build-time beam width: hnswlib's recommended starting point for high recall
@@ -35,9 +35,17 @@ def available_backend(backend: str | None = None) -> str:
                       f"(the ann extra); mode='lsh' is the engine's own sub-linear serving")
 
 
-def _label_vectors(W, b) -> np.ndarray:
+def label_vectors(W, b) -> np.ndarray:
+    """float32 [n, H + 1]: the rows of ``W`` [n, H] with their biases ``b`` [n] appended."""
     return np.ascontiguousarray(np.hstack((np.asarray(W, np.float32),
                                            np.asarray(b, np.float32)[:, None])))
+
+
+def query_vectors(H) -> np.ndarray:
+    """float32 [n, H + 1]: hidden vectors ``H`` with a 1 appended (their inner product with
+    :func:`label_vectors` is the score)."""
+    H = np.asarray(H, np.float32)
+    return np.ascontiguousarray(np.hstack((H, np.ones((H.shape[0], 1), np.float32))))
 
 
 class LabelIndex:
@@ -58,7 +66,7 @@ class LabelIndex:
 
     def build(self, W, b, threads: int = -1) -> "LabelIndex":
         """Index the rows of ``W`` [n, H] with biases ``b`` [n] (a new graph)."""
-        V = _label_vectors(W, b)
+        V = label_vectors(W, b)
         self.n, self.dim = V.shape
         if self.backend == "hnswlib":
             import hnswlib
@@ -74,6 +82,15 @@ class LabelIndex:
         self.index = index
         return self
 
+    def save(self, path: str) -> None:
+        """Write the graph in its library's own format (``hnswlib.Index.load_index`` /
+        ``faiss.read_index``)."""
+        if self.backend == "hnswlib":
+            self.index.save_index(path)
+        else:
+            import faiss
+            faiss.write_index(self.index, path)
+
     @property
     def nbytes(self) -> int:
         """About what the index holds: the vectors and the base layer's links."""
@@ -83,8 +100,7 @@ class LabelIndex:
         """Top-k ``(rows int64 [n, k], scores float32 [n, k])`` of hidden vectors ``H`` [n,
         H]; scores are inner products with ``[h, 1]``, best first."""
         k_found = min(k, self.n)
-        Q = np.ascontiguousarray(np.hstack((np.asarray(H, np.float32),
-                                            np.ones((H.shape[0], 1), np.float32))))
+        Q = query_vectors(H)
         ef = max(self.ef, k_found)
         if self.backend == "hnswlib":
             self.index.set_ef(ef)

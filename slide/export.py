@@ -13,20 +13,20 @@ import os
 
 import numpy as np
 
+from slide import ann
+
 __all__ = ["export_embeddings", "label_vectors", "query_vectors"]
 
 
 def label_vectors(model) -> np.ndarray:
     """float32 [n_outputs, hidden + 1]: each output row with the bias predictions rank by
     (:meth:`slide.base.TrainableMixin.serving_bias`; row r is label ``model.labels_.ids[r]``)."""
-    W, b = np.asarray(model.host_params()["W"], np.float32), model.serving_bias()
-    return np.ascontiguousarray(np.hstack((W, b[:, None])))
+    return ann.label_vectors(model.host_params()["W"], model.serving_bias())
 
 
 def query_vectors(model, X) -> np.ndarray:
     """float32 [n, hidden + 1]: each row's last hidden layer with a 1 appended."""
-    H = model.embed(X)
-    return np.ascontiguousarray(np.hstack((H, np.ones((H.shape[0], 1), np.float32))))
+    return ann.query_vectors(model.embed(X))
 
 
 def _write_npy(path, a) -> None:
@@ -52,12 +52,9 @@ def export_embeddings(model, out, X=None, indexes: bool = True) -> dict:
         _write_npy(os.path.join(out, "queries.npy"), query_vectors(model, X))
         files["queries"] = "queries.npy"
     if indexes and importlib.util.find_spec("hnswlib") is not None:
-        import hnswlib
-        index = hnswlib.Index(space="ip", dim=L.shape[1])
-        # ef_construction and M: hnswlib's recommended starting point for high recall
-        index.init_index(max_elements=L.shape[0], ef_construction=200, M=16)
-        index.add_items(L, np.arange(L.shape[0]))
-        index.save_index(os.path.join(out, "labels.hnsw"))
+        # mode="ann"'s graph, its label vectors being these
+        W, b = L[:, :-1], L[:, -1]
+        ann.LabelIndex(backend="hnswlib").build(W, b).save(os.path.join(out, "labels.hnsw"))
         files["hnswlib"] = "labels.hnsw"
     if indexes and importlib.util.find_spec("faiss") is not None:
         import faiss
