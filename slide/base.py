@@ -16,7 +16,7 @@ from sklearn.utils import ClassifierTags
 
 from slide.config import idf_weighted, rare_share
 from slide.data import check_xy
-from slide.labels import LabelMap, labels_present
+from slide.labels import LabelMap
 from slide.loop import FitRecord
 from slide.preprocess import Preprocessor
 
@@ -93,19 +93,21 @@ class TrainableMixin:
         step, after ``config_`` and ``choice_`` are set): ``n_features_in_``, ``n_labels_``,
         ``n_train_``, ``labels_`` (a :class:`slide.labels.LabelMap` of the labels with a
         positive in ``Y``: the output rows; with ``stream``, ``X``, ``Y`` are a stream's first
-        batch, which cannot know the labels to come, and every label of ``Y`` gets a row) and
-        ``n_outputs_fitted_`` (their count, which the defaults rule reads), the preprocessing ``preprocessor_`` (``config_.norm``, and idf
+        batch, which cannot know the labels to come, and every label of ``Y`` gets a row),
+        ``n_outputs_fitted_`` (their count, which the defaults rule reads), ``log_prior_``
+        (their training priors), the preprocessing ``preprocessor_`` (``config_.norm``, and idf
         weighting as :func:`slide.config.idf_weighted` says) fitted on ``X``, ``rare_share_``
-        (:func:`slide.config.rare_share`), ``labels_per_row_`` and ``features_per_row_``. With ``distributed``, ``X``,
-        ``Y`` are this rank's shard and the counts, labels and feature statistics are the whole
-        data's. Starts a fresh ``record_``."""
+        (:func:`slide.config.rare_share`), ``labels_per_row_`` and ``features_per_row_``. With
+        ``distributed``, ``X``, ``Y`` are this rank's shard and the counts, labels and feature
+        statistics are the whole data's. Starts a fresh ``record_``."""
         n_train = X.shape[0] if distributed is None else distributed.total(X.shape[0])
         n_positives = Y.nnz if distributed is None else distributed.total(Y.nnz)
-        present = np.ones(Y.shape[1], bool) if stream else labels_present(Y)
-        if distributed is not None and not stream:
-            present = distributed.allreduce(present.view(np.uint8), "bor").view(bool)
+        # each label's training positives: the output rows, and their priors
+        counts = np.bincount(Y.indices[Y.data != 0], minlength=Y.shape[1])
+        if distributed is not None:
+            counts = distributed.allreduce(counts.astype(np.int64), "sum")
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
-        self.labels_ = LabelMap.of(present)
+        self.labels_ = LabelMap.of(np.ones(Y.shape[1], bool) if stream else counts > 0)
         self.n_outputs_fitted_ = self.labels_.size
         self.features_per_row_ = X.nnz / max(X.shape[0], 1)
         self.preprocessor_ = Preprocessor(self.config_.norm,
@@ -114,11 +116,7 @@ class TrainableMixin:
             distributed.merge_preprocessor(self.preprocessor_)
         self.rare_share_ = rare_share(self.preprocessor_.document_frequency_)
         self.labels_per_row_ = n_positives / max(n_train, 1)
-        # each output row's training prior, for the prediction's prior correction (a stream's
-        # first batch tells too little of it: none)
-        counts = np.bincount(Y.indices, minlength=Y.shape[1])
-        if distributed is not None:
-            counts = distributed.allreduce(counts.astype(np.int64), "sum")
+        # the prior correction's priors (a stream's first batch tells too little of them: none)
         self.log_prior_ = None if stream else \
             log_prior(counts[self.labels_.ids], n_positives, self.labels_.size)
         self.record_ = FitRecord()
