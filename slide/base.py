@@ -105,7 +105,7 @@ class TrainableMixin:
         # each label's training positives: the output rows, and their priors
         counts = np.bincount(Y.indices[Y.data != 0], minlength=Y.shape[1])
         if distributed is not None:
-            counts = distributed.allreduce(counts.astype(np.int64), "sum")
+            counts = distributed.total(counts.astype(np.int64))
         self.n_features_in_, self.n_labels_, self.n_train_ = X.shape[1], Y.shape[1], n_train
         self.labels_ = LabelMap.of(np.ones(Y.shape[1], bool) if stream else counts > 0)
         self.n_outputs_fitted_ = self.labels_.size
@@ -119,6 +119,11 @@ class TrainableMixin:
         # the prior correction's priors (a stream's first batch tells too little of them: none)
         self.log_prior_ = None if stream else \
             log_prior(counts[self.labels_.ids], n_positives, self.labels_.size)
+        #: the label shards this rank's output rows are one of (slide.shards), or None
+        self.label_shards_ = None
+        if distributed is not None and distributed.label_shards > 1:
+            self.label_shards_ = distributed
+            self.labels_, self.log_prior_ = distributed.shard_labels(self.labels_, self.log_prior_)
         self.record_ = FitRecord()
 
     def prior_shift(self):
@@ -145,6 +150,8 @@ class TrainableMixin:
         rows, for training: labels of ``Y`` without a row get one first (:meth:`add_labels`).
         Without ``grow`` (data parallelism: every rank must hold the same rows) such labels
         are an error."""
+        if self.shards() is not None:
+            return self.shards().targets(self.labels_, Y)
         missing = self.labels_.missing(Y) if Y.shape[1] <= self.n_labels_ else None
         if not grow and (missing is None or missing.size):
             raise ValueError(
@@ -158,6 +165,11 @@ class TrainableMixin:
             self._give_rows(missing, X, Y)
         return self.labels_.to_rows(Y)
 
+    def shards(self):
+        """The :class:`slide.shards.LabelShards` this model's output rows are a shard of, or
+        None (the whole layer)."""
+        return vars(self).get("label_shards_")
+
     def add_labels(self, n: int = 0, X=None, Y=None):
         """Grow the label space by ``n`` labels (ids ``n_labels_`` onwards) and give a row to
         every label with a positive in ``Y`` that has none, initialised from the hidden
@@ -166,6 +178,8 @@ class TrainableMixin:
         ``fit``). The other rows, the optimizer state and the record are kept; the training
         tables and serving follow. Returns the model."""
         self._require_fitted()
+        if self.shards() is not None:
+            raise ValueError("a label-sharded model keeps the labels it was initialised with")
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be a non-negative integer, got {n!r}")
         if n:
@@ -196,6 +210,14 @@ class TrainableMixin:
             best["b"] = xp.concatenate((best["b"], xp.asarray(b_new)))
         self.labels_ = self.labels_.extend(ids)
 
+    def _whole_layer(self, what: str) -> None:
+        """Refuse ``what`` on a label shard: it needs every label's score in one process."""
+        if self.shards() is not None:
+            raise ValueError(f"{what} needs the whole output layer; this model is one of "
+                             f"{self.shards().size} label shards (predict_topk, predict and "
+                             "evaluate merge the shards; or load the sharded checkpoint into "
+                             "one process)")
+
     def preprocess(self, X):
         """The model's fitted preprocessing of CSR ``X`` (float32 CSR, same shape)."""
         return self.preprocessor_.transform(X)
@@ -215,6 +237,8 @@ class TrainableMixin:
         ``loss`` the mean cross-entropy against uniform targets over each row's labels (rows
         without labels are left out of it), from the same exact scores."""
         from slide.metrics import evaluate as evaluate_topk
+        if self.shards() is not None and not predict_kw:
+            return self.shards().evaluate(self, X, Y, k, loss)
         X, Y = self.check_data(X, Y, where="evaluate", fitted=True)
         if predict_kw or not loss:
             return evaluate_topk(Y, self.predict_topk(X, k, **predict_kw)[0], k)
@@ -255,6 +279,7 @@ class TrainableMixin:
         """Softmax probability of every label, float32 [n, n_labels] on the host (dense: n ×
         n_labels × 4 bytes; for wide layers use :meth:`predict_topk_proba`)."""
         self._require_fitted()
+        self._whole_layer("predict_proba")
         X = self.check_data(X, where="predict_proba", fitted=True)
         out = np.empty((X.shape[0], self.n_labels_), np.float32)
         for lo, hi, S in self.score_blocks(X):
@@ -266,6 +291,7 @@ class TrainableMixin:
     def predict_topk_proba(self, X, k: int = 5):
         """Exact top-k labels and their softmax probabilities (normalised over every label):
         ``(ids int64 [n, k], probabilities float32 [n, k])``, best first."""
+        self._whole_layer("predict_topk_proba")
         X = self.check_data(X, where="predict", fitted=True)
         ids = np.empty((X.shape[0], k), np.int64)
         probs = np.empty((X.shape[0], k), np.float32)

@@ -98,10 +98,15 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     t.add_argument("--seed", type=int, default=0,
                    help="fixes initialisation, validation slice and data order (one thread repeats exactly)")
-    t.add_argument("--distributed", choices=["sync", "local", "delayed"], default=None,
-                   help="data-parallel training under mpiexec: each rank reads its shard of TRAIN; "
+    t.add_argument("--distributed", choices=["sync", "local", "delayed", "labels"], default=None,
+                   help="training under mpiexec. Data-parallel: each rank reads its shard of TRAIN; "
                         "sync averages gradients every step, local averages weights every "
-                        "--average-every steps, delayed overlaps that average with --delay steps")
+                        "--average-every steps, delayed overlaps that average with --delay steps. "
+                        "labels: the output layer sharded by label, each rank holding its slice "
+                        "of the labels and reading all of TRAIN (models wider than one machine)")
+    t.add_argument("--memory-limit", default=None, metavar="BYTES",
+                   help="memory each process may use (e.g. 12G; default: what the machine has "
+                        "available); a model that needs more is refused up front")
     t.add_argument("--average-every", type=_positive, default=None, metavar="STEPS",
                    help=f"local/delayed: steps between weight averages (default: {DEFAULT_EVERY})")
     t.add_argument("--delay", type=_positive, default=None, metavar="STEPS",
@@ -205,7 +210,8 @@ def _check_outputs(a):
     if a.save:
         if os.path.exists(a.save) and not os.path.isdir(a.save):
             raise ValueError(f"--save {a.save}: exists and is not a directory")
-        has_model = os.path.exists(os.path.join(a.save, "config.json"))
+        from slide.shards import is_sharded
+        has_model = os.path.exists(os.path.join(a.save, "config.json")) or is_sharded(a.save)
         if a.resume and not has_model:
             raise ValueError(f"--resume: no model in {a.save}")
         if has_model and not (a.resume or a.overwrite):
@@ -259,6 +265,11 @@ def _distributed(a):
         raise ValueError("--distributed trains the slide engine on CPU ranks (--engine slide --mode cpu)")
     if a.train is None:
         raise ValueError("--distributed needs a TRAIN file: each rank reads its own shard of it")
+    if a.distributed == "labels":
+        if a.average_every or a.delay:
+            raise ValueError("--average-every and --delay need --distributed local or delayed")
+        from slide.shards import LabelShards
+        return LabelShards(timeout=a.mpi_timeout)
     from slide.distributed import DataParallel
     return DataParallel(mode=a.distributed, every=a.average_every, delay=a.delay, timeout=a.mpi_timeout)
 
@@ -281,17 +292,26 @@ def _cmd_train(a):
     from slide.train import load_train_test, run_training
     if a.mode == "hetero" and a.engine != "slide":
         raise ValueError("--mode hetero trains the slide engine together with a GPU worker")
+    if a.memory_limit is not None:
+        from slide.resources import MEMORY_LIMIT_ENV, parse_bytes
+        os.environ[MEMORY_LIMIT_ENV] = str(parse_bytes(a.memory_limit))
     dp = _distributed(a)
-    lead = dp is None or dp.rank == 0  # the rank that prints, scores the test file and writes
+    lead = dp is None or dp.rank == 0  # the rank that prints and writes the metrics
+    # label shards hold one model between them: every rank reads every row, scores the test
+    # file and writes its shard of the checkpoint
+    whole = dp is None or dp.label_shards > 1
     _check_outputs(a)
-    if dp is None:
+    if whole:
         Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
         n_rows = Xtr.shape[0]
     else:
         Xtr, Ytr, Xte, Yte, n_rows = _read_shards(a, dp)
     log = print if lead else (lambda *args, **kw: None)
     if a.resume:
-        if a.engine == "slide":
+        if a.engine == "slide" and dp is not None and dp.label_shards > 1:
+            from slide.estimator import SlideClassifier
+            model = dp.load(SlideClassifier, a.save)
+        elif a.engine == "slide":
             model = _load_model(a.save)
         else:
             from gpu_ref import DenseClassifier
@@ -326,7 +346,7 @@ def _cmd_train(a):
         with stop_on_signals(log=log):
             doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs,
                                metrics_json=a.metrics_json if lead else None,
-                               checkpoint_dir=a.save if lead else None,
+                               checkpoint_dir=a.save if lead or whole else None,
                                progress=lead and not a.no_progress, resume=a.resume,
                                save_every=a.save_every, log=log, distributed=dp, runner=runner)
     except TrainingStopped as e:

@@ -446,7 +446,7 @@ def parameter_shapes(hidden, n_features: int, n_labels: int) -> dict:
 
 
 def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_features,
-                    input_scale: float) -> dict:
+                    input_scale: float, first_row: int = 0) -> dict:
     """Initial float32 parameters (``W0, b0, Wh, bh, W, b``) for a seed; shared with gpu_ref.
     ``input_scale``: the standard deviation of the input layer's weights (``resolve``'s
     ``input_init``).
@@ -454,6 +454,10 @@ def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_feat
     ``seen_features`` (bool [n_features]) marks the features the training rows contain: the
     others' input rows start at zero. They would never be trained, and random rows would add
     noise to every test row holding such a feature (a tenth of the non-zeros on small sets).
+
+    ``first_row``: the output rows are rows ``first_row`` onwards of a larger layer's (a label
+    shard's, :mod:`slide.shards`): the rows before are drawn and dropped a block at a time, so
+    a shard starts exactly as its rows of the whole layer would.
     """
     rng = np.random.default_rng(seed)
     sizes = [int(h) for h in hidden]
@@ -468,6 +472,8 @@ def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_feat
               for l in range(1, len(sizes))]
     p["Wh"] = np.concatenate([b.ravel() for b in blocks]) if blocks else np.zeros(0, np.float32)
     p["bh"] = np.zeros(sum(sizes[1:]), np.float32)
+    for lo in range(0, first_row, 1 << 16):  # numpy draws the same numbers block by block
+        rng.standard_normal((min(1 << 16, first_row - lo), sizes[-1]), np.float32)
     p["W"] = rng.standard_normal((n_labels, sizes[-1]), np.float32) * np.float32(1.0 / math.sqrt(sizes[-1]))
     p["b"] = np.zeros(n_labels, np.float32)
     return p

@@ -326,8 +326,19 @@ class DataParallel:
             Y.resize((Y.shape[0], n_l))
         return X, Y
 
-    def total(self, n: int) -> int:
-        """Sum of ``n`` over the ranks."""
+    #: ranks the output layer is sharded over (slide.shards): none here, each holds it whole
+    label_shards = 1
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that train on different rows."""
+        return self.size
+
+    def total(self, n):
+        """Sum over the ranks of ``n`` (an int, or an int64 array summed entry by entry): the
+        whole data's count of what each rank counted in its rows."""
+        if isinstance(n, np.ndarray):
+            return self.allreduce(n.astype(np.int64))
         return int(self.allreduce(np.array([n], np.int64))[0])
 
     def steps_per_epoch(self, n_local: int, batch: int) -> int:

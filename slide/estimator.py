@@ -14,13 +14,13 @@ import numpy as np
 from sklearn.base import BaseEstimator
 
 from slide.base import TrainableMixin
-from slide.checkpoint import read_checkpoint, write_checkpoint
-from slide.config import FIXED_AFTER_FIT, SlideConfig, parameter_shapes, resolve
+from slide.config import FIXED_AFTER_FIT, SlideConfig, resolve
 from slide.fitting import fit_model
-from slide.loop import FitRecord
+from slide.persistence import Persistence
 from slide.metrics import check_k, topk
 from slide.resources import check_fits, model_memory_bytes
 from slide.serving import Server, ServingSettings
+from slide.shards import shard_settings
 from slide.step import TrainingState
 
 __all__ = ["SlideClassifier"]
@@ -34,7 +34,7 @@ def _from_state(name: str, doc: str):
     return property(lambda self: getattr(self.state_, name), doc=doc)
 
 
-class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
+class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimator):
     """Extreme multi-label classifier trained sparsely on CPU threads.
 
     Parameters are those of :class:`slide.config.SlideConfig` (``None``: derived from the
@@ -133,8 +133,10 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         return self.resolved_["batch_size"]
 
     def _resolve(self, config):
-        return resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
-                       self.rare_share_, self.choice_, self.labels_per_row_)
+        resolved = resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
+                           self.rare_share_, self.choice_, self.labels_per_row_)
+        shards = self.shards()
+        return resolved if shards is None else shard_settings(resolved, shards.size)
 
     def _refresh_config(self):
         """Settings that may change between calls on a fitted model (lr, threads, epochs...)."""
@@ -223,15 +225,29 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         self.choice_ = choice
         self.fit_data(X, Y, distributed, stream=stream)
         self.resolved_ = self._resolve(self.config_)
-        check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_outputs_,
-                                      self.config_.threads or numba.config.NUMBA_NUM_THREADS,
-                                      features_per_row=self.features_per_row_),
+        threads = self.config_.threads or (distributed.threads if distributed is not None
+                                           else numba.config.NUMBA_NUM_THREADS)
+        shards = self.shards()
+
+        def need(n_shards):  # one rank's bytes with the output rows over n_shards label shards
+            resolved = resolve(self.config_, self.n_features_in_, self.n_outputs_fitted_,
+                               self.n_train_, self.rare_share_, self.choice_,
+                               self.labels_per_row_)
+            return model_memory_bytes(shard_settings(resolved, n_shards), self.n_features_in_,
+                                      -(-self.n_outputs_fitted_ // n_shards), threads,
+                                      features_per_row=self.features_per_row_)
+
+        check_fits(need(1 if shards is None else shards.size),
                    f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "
-                   f"and {self.n_outputs_} labels with training positives")
+                   f"and {self.n_outputs_} labels with training positives"
+                   + ("" if shards is None else f" (one of {shards.size} label shards)"),
+                   per_shard=need)
         # a previous fit's arrays go before the new ones are made
         self.__dict__.pop("state_", None), self.__dict__.pop("server_", None)
+        first_row = 0 if shards is None else shards.bounds(self.n_outputs_fitted_)[0]
         self.state_ = TrainingState.fresh(self.config_, self.resolved_, self.n_features_in_,
-                                          self.n_outputs_, self.preprocessor_.seen_features())
+                                          self.n_outputs_, self.preprocessor_.seen_features(),
+                                          first_row)
         self.state_.bias_shift = self.prior_shift()
         self.server_ = Server(self.state_)
 
@@ -358,6 +374,8 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
             raise ValueError(f"mode must be 'exact', 'lsh' or 'ann', got {mode!r}")
         rows, scores = self.server_.topk(lambda b: self._hidden_blocks(X, b), X.shape[0], k,
                                          mode, block)
+        if self.shards() is not None:  # every shard's best, the same on every rank
+            return self.shards().merge_topk(self.labels_.to_labels(rows), scores, k)
         return self.labels_.to_labels(rows), scores
 
     def decision_function(self, X) -> np.ndarray:
@@ -365,55 +383,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, BaseEstimator):
         layers): the output logits, less the prior correction where the output layer is
         computed whole (:meth:`prior_shift`); -inf for a label without an output row."""
         self._require_current()
+        self._whole_layer("decision_function")
         X = self.preprocess(self.check_data(X, where="decision_function"))
         S = self.state_.last(self.state_.forward(X)) @ self.params_["W"].T + self.server_.bias()
         return self.labels_.scatter(S, -np.inf)
-
-    # -- persistence -----------------------------------------------------------------------------
-    def save(self, path, inference_only: bool = False) -> None:
-        """Write the model to directory ``path`` (npz + JSON, atomic; see :mod:`slide.checkpoint`).
-
-        ``inference_only`` leaves out what only training needs (the Adam moments and the best
-        epoch's copy): about a third of the size; such a model predicts, but cannot resume.
-        """
-        self._require_fitted()
-        pre_arrays, pre_meta = self.preprocessor_.get_state()
-        best, record = self.record_.to_checkpoint()
-        arrays = {**self.params_, **{f"pre.{k}": v for k, v in pre_arrays.items()},
-                  "labels": self.labels_.ids}
-        if self.log_prior_ is not None:
-            arrays["log_prior"] = self.log_prior_
-        if not inference_only:
-            arrays.update({f"adam.{k}": v for k, v in self.moments_.items()}, **best)
-        meta = {
-            "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
-            "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
-            "rare_share": self.rare_share_, "choice": self.choice_,
-            "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
-            "features_per_row": self.features_per_row_,
-            **self.state_.counters(), **record,
-            "inference_only": bool(inference_only),
-        }
-        write_checkpoint(path, arrays, meta, self.step_)
-
-    @classmethod
-    def load(cls, path) -> "SlideClassifier":
-        """Load a model saved by :meth:`save`, or by the dense reference (same format)."""
-        ck = read_checkpoint(path)
-        model = cls(**ck.config_params(cls))
-        model.config_ = model._config()
-        model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        model.rare_share_, model.choice_ = ck.rare_share, ck.choice
-        model.labels_per_row_ = ck.labels_per_row
-        model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
-        model.features_per_row_ = ck.features_per_row
-        model.resolved_ = model._resolve(model.config_)
-        model.inference_only_ = bool(ck.meta.get("inference_only", False))
-        model.preprocessor_ = ck.preprocessor(model.n_features_in_)
-        model.log_prior_ = ck.log_prior
-        model.state_ = TrainingState.from_checkpoint(ck, model.config_, model.resolved_)
-        model.state_.bias_shift = model.prior_shift()
-        model.server_ = Server(model.state_)
-        model.record_ = FitRecord.from_checkpoint(
-            ck, parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size))
-        return model

@@ -292,7 +292,8 @@ def _grad_row(owners, slots, i, own):
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
 def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, active, n_active,
-                n_threads, logits_buf, dH, losses, lr, beta1, beta2, eps, step, weight_decay):
+                n_threads, logits_buf, dH, losses, norm, lr, beta1, beta2, eps, step,
+                weight_decay):
     """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
 
     A sample's active set is its own neurons ``active[r, :n_active[r]]`` (its labels first, then
@@ -312,6 +313,12 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
     their ``slots`` (:func:`mark_rows`; Hogwild) for Adam after the batch. ``n_threads``
     threads claim the samples one at a time (see the module docstring), each with its row of
     scratch ``logits_buf`` float32 [n_threads, w].
+
+    ``norm`` float32 [n, 3] or [0, 3]: where given, the softmax's normaliser comes from outside
+    (an output layer sharded by label, :mod:`slide.shards`): row r holds the largest logit and
+    the sum of exp(logit - largest) over every shard's active set (:func:`logit_stats`
+    combined), and the weight of each of the sample's labels in the target (1 / its labels in
+    every shard); the loss is then this shard's share of the sample's.
     """
     n = y_indptr.size - 1
     scale = np.float32(1.0 / n)
@@ -349,20 +356,26 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                 logits[a] = s
                 zmax = max(zmax, s)
             zmax = max(zmax, fmax(zp, lanes))
+            n_lab = y_indptr[r + 1] - y_indptr[r]
+            y = np.float32(1.0 / max(n_lab, 1))  # the target of each label
+            if norm.shape[0] > 0:
+                zmax = norm[r, 0]
+                y = norm[r, 2]
             for a in range(k):
                 logits[a] = exp_nonpositive(logits[a] - zmax)
             for j in range(P):
                 zp[j] = exp_nonpositive(zp[j] - zmax)
-            inv = np.float32(1.0) / (fsum(logits[:k]) + fsum(zp))
-            n_lab = y_indptr[r + 1] - y_indptr[r]
+            if norm.shape[0] > 0:
+                inv = np.float32(1.0) / norm[r, 1]
+            else:
+                inv = np.float32(1.0) / (fsum(logits[:k]) + fsum(zp))
             loss = np.float32(0.0)
             for a in range(n_lab):  # labels are the first n_lab own neurons
                 loss -= np.log(max(logits[a] * inv, np.float32(1e-30)))
-            losses[r] = loss / max(n_lab, 1)
+            losses[r] = loss * y
             # g = p - y; the own set's share of dh here, the pool's share is a matrix product
             dh = dH[r]
             dh[:] = 0.0
-            y = np.float32(1.0 / max(n_lab, 1))
             for a in range(k):
                 # the rows this loop writes (a row's weights are in cache from the forward
                 # half: only its moments are asked for), and the next sample's first weights
@@ -602,6 +615,37 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_
 # logit columns and gradient rows stay in L2 from one operation on them to the next: the
 # gathered rows into their product, the logit gradients through two products and the column
 # sums, each gradient row into its Adam step (docs/runtime.md).
+@njit(cache=True, nogil=True, parallel=True)
+def logit_stats(acts, H, W, b, zpool, active, n_active, stats):
+    """Each sample's largest logit over its active set (own neurons ``active[r, :n_active[r]]``
+    and the pool's logits ``zpool`` [n, P], as :func:`output_step` takes them) and the sum of
+    exp(logit - largest), into ``stats`` float32 [n, 2]: one shard's part of the softmax's
+    normaliser (-inf and 0 for an empty set). ``W``: the output rows led by their ``H``
+    weights; the last hidden layer is ``acts``' last ``H`` columns."""
+    n, P = zpool.shape
+    lo_last = acts.shape[1] - H
+    for r in prange(n):
+        own = active[r]
+        k = n_active[r]
+        h = acts[r, lo_last:]
+        zp = zpool[r]
+        zmax = np.float32(-np.inf)
+        for j in range(P):
+            zmax = max(zmax, zp[j])
+        for a in range(k):
+            if a + AHEAD < k:
+                prefetch(W[own[a + AHEAD], :H])
+            zmax = max(zmax, b[own[a]] + dot(W[own[a], :H], h))
+        total = np.float32(0.0)
+        if zmax > -np.inf:
+            for a in range(k):
+                total += exp_nonpositive(b[own[a]] + dot(W[own[a], :H], h) - zmax)
+            for j in range(P):
+                total += exp_nonpositive(zp[j] - zmax)
+        stats[r, 0] = zmax
+        stats[r, 1] = total
+
+
 #: columns of the pool a thread takes at once (the kernels' ``chunk``)
 POOL_CHUNK = 256
 

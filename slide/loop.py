@@ -261,13 +261,13 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
         record.epoch_position = 0
         # the rate leaves out a first batch that compiled the kernels (recorded on its own)
         first_batch = entry.get("first_batch_seconds", 0.0)
-        ranks = 1 if distributed is None else distributed.size
+        ranks = 1 if distributed is None else distributed.replicas
         entry = {"epoch": record.epoch, "train_seconds": seconds,
                  "samples_per_second": ranks * order.size / max(seconds - first_batch, 1e-9),
                  **entry, "learning_rate": float(rate)}
         if distributed is not None:  # the ranks' mean loss; rates count every rank's rows
             entry = distributed.mean(entry, order.size)
-            entry["ranks"] = ranks
+            entry["ranks"] = distributed.size
         if validation is not None:
             t0 = time.perf_counter()
             # the full softmax's loss costs an exp per label and row: only where it is the score

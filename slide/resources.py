@@ -11,8 +11,8 @@ import os
 import resource
 import sys
 
-__all__ = ["peak_rss_mb", "available_memory_bytes", "model_memory_bytes", "check_fits",
-           "ModelTooLargeError"]
+__all__ = ["peak_rss_mb", "available_memory_bytes", "memory_limit_bytes", "parse_bytes",
+           "model_memory_bytes", "check_fits", "ModelTooLargeError", "MEMORY_LIMIT_ENV"]
 
 
 class ModelTooLargeError(MemoryError):
@@ -101,9 +101,44 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
     return parts
 
 
-def check_fits(parts: dict, what: str = "this model") -> None:
-    """Raise :class:`ModelTooLargeError` if ``parts["total"]`` exceeds the available memory."""
+#: environment variable holding a memory limit for each process (bytes, or with a K/M/G/T
+#: suffix): under mpiexec, each rank's share of a host
+MEMORY_LIMIT_ENV = "SLIDE_MEMORY_LIMIT"
+
+
+def parse_bytes(text: str) -> int:
+    """``"12G"``, ``"512M"``, ``"3.5e9"`` as bytes (binary suffixes K, M, G, T)."""
+    t = str(text).strip().upper().rstrip("B").rstrip("I")
+    scale = 1
+    if t and t[-1] in "KMGT":
+        scale = 1024 ** ("KMGT".index(t[-1]) + 1)
+        t = t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise ValueError(f"a memory size must be a number of bytes with an optional K, M, G or "
+                         f"T suffix, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def memory_limit_bytes() -> int | None:
+    """What this process may use: the available memory, or less where
+    ``SLIDE_MEMORY_LIMIT`` says so (None where neither is known)."""
     avail = available_memory_bytes()
+    limit = os.environ.get(MEMORY_LIMIT_ENV)
+    if limit:
+        limit = parse_bytes(limit)
+        avail = limit if avail is None else min(avail, limit)
+    return avail
+
+
+def check_fits(parts: dict, what: str = "this model", per_shard=None) -> None:
+    """Raise :class:`ModelTooLargeError` if ``parts["total"]`` exceeds the memory this process
+    may use (:func:`memory_limit_bytes`). ``per_shard(n)``: one rank's parts with the output
+    layer over n label shards (:mod:`slide.shards`); the error then says how many would fit."""
+    avail = memory_limit_bytes()
     if avail is None or parts["total"] <= avail:
         return
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
@@ -113,4 +148,18 @@ def check_fits(parts: dict, what: str = "this model") -> None:
         f"{what} needs about {gib(parts['total'])} ({detail}) but {gib(avail)} is available. "
         f"A smaller hidden layer (hidden) shrinks every weight matrix; fewer or smaller hash "
         f"tables (L, bucket_size) shrink the tables; for an output layer this wide, check that "
-        f"the data's declared label count is what you meant")
+        f"the data's declared label count is what you meant" + _shards_advice(per_shard, avail))
+
+
+def _shards_advice(per_shard, avail: int) -> str:
+    """The fewest label shards whose ranks each fit in ``avail`` bytes, as advice."""
+    if per_shard is None:
+        return ""
+    n = 2
+    while n <= 1 << 16:
+        if per_shard(n)["total"] <= avail:
+            return (f". Sharded by label over {n} MPI ranks with this much memory each, it "
+                    f"would fit: mpiexec -n {n} slide train ... --distributed labels "
+                    f"(SlideClassifier.fit(..., distributed=slide.shards.LabelShards()))")
+        n *= 2
+    return ". Even 65,536 label shards would not fit: the hidden layers alone are too large"

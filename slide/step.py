@@ -89,10 +89,13 @@ class TrainingState:
 
     # -- making one ----------------------------------------------------------------------------
     @classmethod
-    def fresh(cls, config, resolved: dict, n_features: int, n_labels: int, seen_features):
-        """Initial parameters for ``config.seed``, zero moments, the tables hashed from them."""
+    def fresh(cls, config, resolved: dict, n_features: int, n_labels: int, seen_features,
+              first_row: int = 0):
+        """Initial parameters for ``config.seed``, zero moments, the tables hashed from them
+        (``first_row``: the output rows are a label shard's, from that row of the whole
+        layer's, :func:`slide.config.init_parameters`)."""
         params = init_parameters(resolved["hidden"], n_features, n_labels, config.seed,
-                                 seen_features, resolved["input_init"])
+                                 seen_features, resolved["input_init"], first_row)
         # np.zeros maps zero pages lazily: the moments take no memory before the row blocks
         # copy them (np.zeros_like writes every page)
         moments = {f"{k}.{s}": np.zeros(v.shape, v.dtype) for k, v in params.items() for s in "mv"}
@@ -310,6 +313,14 @@ class TrainingState:
                               qs.cand, qs.hits, qs.hist, self.resolved["lsh_cap"], pool,
                               w.pool_pos, w.pool_bits, z_pool, w.active, w.n_active, n_threads)
         dp = self.distributed
+        norm = w.no_norm
+        if dp is not None and dp.label_shards > 1:  # the softmax is normalised over every shard
+            stats = w.stats[:n]
+            kernels.logit_stats(acts, h.shape[1], blocks["W"], p["b"], z_pool, w.active,
+                                w.n_active, stats)
+            t0 = self._tick("select+output", t0)
+            norm = dp.normaliser(stats, Yb)
+            t0 = self._tick("exchange", t0)
         # a row whose whole gradient one kernel computes gets its Adam step there
         in_place = self.updates_in_place()
         n_touched, n_shared = kernels.mark_rows(pool, w.active[:n], w.n_active[:n], w.owners,
@@ -319,12 +330,15 @@ class TrainingState:
         m = self.moments
         loss = kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"],
                                    m["b.v"], w.owners, w.slots, z_pool, w.active, w.n_active,
-                                   n_threads, w.logits, dH, losses, *hyper)
+                                   n_threads, w.logits, dH, losses, norm, *hyper)
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, blocks["W"], p["b"], g["W"],
                                g["b"], m["b.m"], m["b.v"], w.owners, w.slots, g_pool, pool_vec,
                                dH_parts, pool_bounds, kernels.POOL_CHUNK, *hyper)
         t0 = self._tick("pool_matmul", t0)
+        if norm.shape[0]:  # every shard's share of the hidden gradient, and of the loss
+            loss = dp.sum_shards(dH, loss)
+            t0 = self._tick("exchange", t0)
         # the batch's input rows: a feature in one sample's row only (most of them) gets its
         # Adam step in that sample's backward pass
         in_touched, in_rows, in_alone = w.in_lists[:, :Xb.indices.size]

@@ -4,6 +4,7 @@
 its checks pass. A failing check raises, which ends the job through ``DataParallel.guard``.
 """
 import os
+import shutil
 import signal
 import sys
 import time
@@ -138,8 +139,84 @@ def rank_fails(how="raises"):
     raise AssertionError("training went on after a rank failed")
 
 
+def _shard_rows(model):
+    """This rank's rows of the whole layer's ``W``, ``b`` (the shards split the output rows of
+    the single process's map, in order)."""
+    lo, hi = model.label_shards_.bounds(model.n_outputs_fitted_)
+    return lo, hi
+
+
+def labels_equal_one_process():
+    """2 label shards with every output active and one thread compute what one process does:
+    the same output rows (each rank its slice), the same hidden layers on every rank, the same
+    loss, predictions and validation loss; a sharded checkpoint loads whole into one process
+    and resumes on 2 ranks."""
+    import tempfile
+
+    from slide.shards import LabelShards
+    X, Y = _data(256, n_labels=11)
+    Xv, Yv = _data(64, n_labels=11, seed=5)
+    dp = LabelShards()
+    settings = dict(hidden=(16,), epochs=3, batch_size=16, lr=3e-3)
+    m = _model(**settings).fit(X, Y, validation=(Xv, Yv), distributed=dp)
+    lo, hi = _shard_rows(m)
+    hidden = {k: m.params_[k] for k in ("W0", "b0", "Wh", "bh")}
+    assert _same_on_all_ranks(hidden), "the hidden layers differ between the shards"
+    assert _same_on_all_ranks({k: m.moments_[k] for k in ("W0.m", "W0.v")})
+    ids, scores = m.predict_topk(Xv, 3)
+    ev = m.evaluate(Xv, Yv, k=3, loss=True)
+    one = _model(**settings).fit(X, Y, validation=(Xv, Yv))
+    diffs = {"W": np.abs(m.params_["W"] - one.params_["W"][lo:hi]).max(),
+             "b": np.abs(m.params_["b"] - one.params_["b"][lo:hi]).max(),
+             "W.v": np.abs(m.moments_["W.v"] - one.moments_["W.v"][lo:hi]).max(),
+             **{k: np.abs(hidden[k] - one.params_[k]).max(initial=0.0) for k in hidden}}
+    worst = max(float(v) for v in diffs.values())
+    assert worst < 1e-5, f"label shards differ from one process: {diffs}"
+    losses = [(a["loss"], b["loss"], a["val_loss"], b["val_loss"])
+              for a, b in zip(m.history_, one.history_)]
+    for a, b, va, vb in losses:
+        assert abs(a - b) < 1e-5 and abs(va - vb) < 1e-5, losses
+    one_ids, one_scores = one.predict_topk(Xv, 3)
+    assert np.array_equal(ids, one_ids) and np.allclose(scores, one_scores, atol=1e-5)
+    ev_one = one.evaluate(Xv, Yv, k=3, loss=True)
+    assert all(abs(ev[k] - ev_one[k]) < 1e-5 for k in ev), (ev, ev_one)
+    # a sharded checkpoint: whole into one process, and resumed on the same ranks
+    path = COMM.bcast(tempfile.mkdtemp() if RANK == 0 else None)
+    m.save(path)
+    if RANK == 0:
+        whole = SlideClassifier.load(path)
+        assert np.array_equal(whole.predict_topk(Xv, 3)[0], ids)
+        assert whole.labels_.size == one.labels_.size and whole.shards() is None
+        assert np.array_equal(whole.params_["W"], np.concatenate(COMM.gather(m.params_["W"])))
+    else:
+        COMM.gather(m.params_["W"])
+    back = dp.load(SlideClassifier, path)
+    assert np.array_equal(back.params_["W"], m.params_["W"]) and back.epoch_ == m.epoch_
+    back.set_params(warm_start=True, epochs=1).fit(X, Y, validation=(Xv, Yv), distributed=dp)
+    assert back.epoch_ == m.epoch_ + 1
+    if RANK == 0:
+        shutil.rmtree(path)
+        print(f"OK labels_equal_one_process max|diff|={worst:.2e} P@1={ev['P@1']:.3f}")
+
+
+def labels_learn_like_one_process():
+    """Sampled output layer (LSH candidates and the pool split over 2 shards): the test P@1 of
+    one process within 0.03."""
+    from slide.shards import LabelShards
+    X, Y = _data(3000, n_labels=40, n_features=200, seed=1)
+    Xte, Yte = _data(1000, n_labels=40, n_features=200, seed=2)
+    settings = dict(hidden=(32,), sparsity=0.3, batch_size=16, epochs=6, lr=3e-3)
+    m = _model(**settings).fit(X, Y, distributed=LabelShards())
+    p_dist = m.evaluate(Xte, Yte)["P@1"]
+    if RANK == 0:
+        p_one = _model(**settings).fit(X, Y).evaluate(Xte, Yte)["P@1"]
+        assert p_dist >= p_one - 0.03, f"2 label shards: P@1 {p_dist:.3f}, one process {p_one:.3f}"
+        print(f"OK labels_learn P@1 {p_dist:.3f} (one process {p_one:.3f})")
+
+
 CASES = {f.__name__: f for f in (sync_equals_union, local_every_step_is_the_mean_of_local_steps,
-                                          delayed_learns_like_one_process, rank_fails)}
+                                 delayed_learns_like_one_process, rank_fails,
+                                 labels_equal_one_process, labels_learn_like_one_process)}
 
 if __name__ == "__main__":
     CASES[sys.argv[1]](*sys.argv[2:])

@@ -110,6 +110,44 @@ def test_cli_two_ranks_checkpoint_loads_and_resumes_in_one_process(tmp_path):
 
 
 @needs_mpi
+def test_label_shards_compute_what_one_process_does():
+    """Every output active, one thread: 2 label shards equal one process (rows, hidden layers,
+    losses, predictions, validation loss); the sharded checkpoint loads whole and resumes."""
+    _case("labels_equal_one_process")
+
+
+@needs_mpi
+def test_label_shards_learn_like_one_process():
+    _case("labels_learn_like_one_process")
+
+
+@needs_mpi
+def test_cli_label_shards_train_save_and_evaluate_in_one_process(tmp_path):
+    train, test, model = tmp_path / "train.txt", tmp_path / "test.txt", tmp_path / "model"
+    _write_set(train, 801, 0)
+    _write_set(test, 300, 1)
+    metrics = tmp_path / "m.json"
+    out, _ = _mpiexec("-m", "slide.cli", "train", str(train), "--test", str(test), "--distributed",
+                      "labels", "--epochs", "2", "--save", str(model), "--metrics-json",
+                      str(metrics), "--no-progress", "--hidden", "16")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("train: 801 samples") == 1
+    doc = json.loads(metrics.read_text())
+    assert [r["ranks"] for r in doc["epochs"]] == [2, 2]
+    assert "shards.json" in os.listdir(model)
+    whole = SlideClassifier.load(model)
+    Xte, Yte = read_dataset(test)
+    assert whole.epoch_ == 2 and whole.n_outputs_ == 12
+    assert abs(whole.evaluate(Xte, Yte)["P@1"] - doc["test"]["P@1"]) < 1e-6
+    out, _ = _mpiexec("-m", "slide.cli", "train", str(train), "--distributed", "labels",
+                      "--resume", "--save", str(model), "--epochs", "3", "--no-progress")
+    assert out.returncode == 0 and "resuming from" in out.stdout, out.stdout + out.stderr
+    assert SlideClassifier.load(model).epoch_ == 3
+    steps = [d for d in os.listdir(model) if d.startswith("step-")]
+    assert len(steps) == 1  # the earlier steps' shards are gone once the manifest moved on
+
+
+@needs_mpi
 def test_cli_distributed_flag_errors(tmp_path, capsys):
     from slide.cli import main
     assert main(["train", "--distributed", "sync"]) == 2

@@ -1,0 +1,346 @@
+"""The output layer sharded by label over MPI ranks (mpi4py): models wider than one machine.
+
+Every rank reads the same training rows and holds the same hidden layers; rank r of N holds
+only its contiguous slice of the output rows (the labels with a training positive, in id
+order), with their Adam moments and their LSH tables. A step runs on every rank over the same
+batch:
+
+1. each rank computes the hidden layers (equal on every rank) and its shard's active set:
+   the sample's labels that are its own, its own LSH candidates and its share of the shared
+   pool (the resolved ``lsh_cap`` and ``pool`` divided by N);
+2. each rank's largest logit and sum of exponentials per sample are combined into the softmax's
+   normaliser over every shard (two allreduces of ``batch`` floats);
+3. each rank updates its own output rows and computes its share of the gradient with respect
+   to the last hidden layer; the shares are summed (one allreduce of ``batch × hidden``
+   floats, the loss riding along);
+4. every rank back-propagates the same gradient through the same hidden layers, which stay
+   equal without further traffic (checked at the end of every epoch).
+
+None of the traffic grows with the labels: the output rows and their Adam state never travel.
+With every output active and one thread, the ranks together compute what one process does,
+up to the order of floating-point sums (``tests/test_distributed.py``). Predictions and
+evaluation merge the shards' top-k (one allgather of ``rows × k`` pairs); the validation loss
+combines the shards' normalisers as training does.
+
+Checkpoints: every rank writes its own model directory ``step-S/shard-RRRR`` under the
+checkpoint directory (as one process's, atomically), then rank 0 replaces ``shards.json`` with
+one naming them: the commit point, so that the manifest always names a complete set of one
+step. It resumes on the same number
+of ranks (:meth:`LabelShards.load`) and loads into one process where the model fits
+(``SlideClassifier.load`` concatenates the shards).
+
+docs/label-shards.md gives the traffic model and the measurements.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import NamedTuple
+
+import numpy as np
+
+from slide.distributed import DEFAULT_TIMEOUT, DataParallel
+from slide.labels import LabelMap
+
+__all__ = ["LabelShards", "ShardPlace", "MANIFEST", "shard_bounds", "shard_settings", "is_sharded",
+           "read_manifest"]
+
+#: the file that makes a directory of shard checkpoints complete
+MANIFEST = "shards.json"
+
+
+def shard_bounds(n_rows: int, n_shards: int, index: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of shard ``index`` of ``n_shards`` contiguous, near-equal shards."""
+    return index * n_rows // n_shards, (index + 1) * n_rows // n_shards
+
+
+def shard_settings(resolved: dict, n_shards: int) -> dict:
+    """The resolved settings of one of ``n_shards`` label shards: each takes its share of the
+    LSH candidates and of the shared pool, so that the shards together sample as one layer."""
+    if n_shards <= 1:
+        return resolved
+    out = dict(resolved)
+    out["lsh_cap"] = -(-int(resolved["lsh_cap"]) // n_shards)
+    out["pool"] = -(-int(resolved["pool"]) // n_shards)
+    return out
+
+
+def is_sharded(path) -> bool:
+    """Whether directory ``path`` holds a label-sharded checkpoint."""
+    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST))
+
+
+def read_manifest(path) -> dict:
+    """The manifest of a sharded checkpoint: ``shards`` (directory names, in rank order)
+    and ``rows`` (each shard's first output row, then the total)."""
+    from slide.checkpoint import CheckpointError
+    where = os.path.join(os.fspath(path), MANIFEST)
+    try:
+        with open(where) as fh:
+            manifest = json.load(fh)
+        shards, rows = list(manifest["shards"]), [int(r) for r in manifest["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{where}: not a shard manifest ({e})") from None
+    if not shards or len(rows) != len(shards) + 1 or any(a > b for a, b in zip(rows, rows[1:])):
+        raise CheckpointError(f"{where}: the shards and their rows do not match")
+    for name in shards:
+        parts = str(name).split("/")
+        if len(parts) != 2 or any(p in ("", ".", "..") for p in parts) or \
+                not os.path.isdir(os.path.join(os.fspath(path), *parts)):
+            raise CheckpointError(f"{where}: shard {name!r} is missing")
+    return {"shards": shards, "rows": rows}
+
+
+class ShardPlace(NamedTuple):
+    """Which shard a model is (``rank`` of ``size``), where no job runs them: one process
+    reading a sharded checkpoint's files."""
+    rank: int
+    size: int
+
+
+class LabelShards(DataParallel):
+    """Shards a model's output layer by label over the ranks of an MPI communicator.
+
+    Pass it as ``distributed`` to ``SlideClassifier.fit`` (or ``slide train --distributed
+    labels`` under ``mpiexec``): every rank calls with the same rows. The fitted model on each
+    rank holds its shard (``labels_``: the shard's labels; ``label_shards_``: this object);
+    ``predict_topk``, ``predict`` and ``evaluate`` are then collective (every rank calls them
+    with the same rows and gets the whole model's answer), and ``save`` writes a sharded
+    checkpoint (see the module docstring).
+
+    Parameters: ``comm`` (default ``MPI.COMM_WORLD``), ``timeout`` (seconds any collective may
+    wait before the job is aborted with a message, as :class:`slide.distributed.DataParallel`).
+
+    Attributes after training: ``bytes_sent_`` (float32 payload this rank put into
+    collectives), ``steps_``, ``wait_seconds_`` (blocked on the network).
+    """
+
+    def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT):
+        super().__init__(comm, mode="sync", timeout=timeout)
+        self.mode = "labels"
+
+    def __repr__(self):
+        return f"LabelShards(shards={self.size})"
+
+    #: a step's gradients are this rank's rows' alone: no row waits for another rank's
+    sums_gradients = False
+
+    @property
+    def label_shards(self) -> int:
+        return self.size
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that train on different rows: one (every rank sees every row)."""
+        return 1
+
+    def bounds(self, n_rows: int) -> tuple[int, int]:
+        """This rank's output rows ``[lo, hi)`` of ``n_rows``."""
+        return shard_bounds(n_rows, self.size, self.rank)
+
+    # -- data: every rank holds every row -------------------------------------------------------
+    def agree_shapes(self, X, Y):
+        """Check that every rank was given the same rows (shapes and non-zeros)."""
+        mine = np.array([X.shape[0], X.shape[1], Y.shape[1], X.nnz, Y.nnz], np.int64)
+        if (self.allreduce(mine, "max") != mine).any() or (-self.allreduce(-mine, "max") != mine).any():
+            raise ValueError("label shards train on the same rows on every rank: the ranks were "
+                             f"given different data (this rank: {X.shape[0]} rows, {X.nnz} "
+                             "non-zeros); give every rank the whole training file")
+        return X, Y
+
+    def total(self, n):
+        return n
+
+    def epoch_order(self, order, batch):
+        return order
+
+    def mean(self, values, weight):
+        return values  # computed from the whole model on every rank: already the same
+
+    def merge_preprocessor(self, pre) -> None:
+        pass
+
+    def shard_labels(self, labels: LabelMap, log_prior):
+        """This rank's part of the output rows (a :class:`LabelMap` of the whole label space)
+        and of their log priors."""
+        lo, hi = self.bounds(labels.size)
+        if hi <= lo:
+            raise ValueError(f"{self.size} label shards need at least {self.size} labels with a "
+                             f"training positive; the data has {labels.size}")
+        prior = None if log_prior is None else log_prior[lo:hi]
+        return LabelMap(labels.ids[lo:hi], labels.n_labels), prior
+
+    def targets(self, labels: LabelMap, Y):
+        """``Y`` over this shard's rows, each label's entry holding its weight in the target
+        (1 / the row's labels in every shard), which the step reads."""
+        Yr = labels.to_rows(Y).astype(np.float32)
+        counts = np.diff(Y.indptr)
+        kept = self.allreduce(np.array([Yr.nnz], np.int64))[0]
+        if kept != Y.nnz:
+            raise ValueError("these rows have labels without an output row in any shard; a "
+                             "label-sharded model keeps the rows it was initialised with "
+                             "(initialise it from rows that hold every label)")
+        Yr.data = np.repeat(1.0 / np.maximum(counts, 1), np.diff(Yr.indptr)).astype(np.float32)
+        return Yr
+
+    # -- the model ------------------------------------------------------------------------------
+    def start(self, state, record=None) -> None:
+        """Make the hidden layers (weights, moments), counters and learning rate rank 0's; the
+        output rows are each rank's own."""
+        self._model = state
+        for arrays, names in ((state.params, ("W0", "b0", "Wh", "bh")),
+                              (state.moments, ("W0.m", "W0.v", "b0.m", "b0.v", "Wh.m", "Wh.v",
+                                               "bh.m", "bh.v"))):
+            for k in names:
+                if arrays[k].size:
+                    self.broadcast(arrays[k])
+        epoch = record.epoch if record is not None else 0
+        counters = np.array([state.hash_seed, state.step, state.samples_seen, epoch], np.int64)
+        self.broadcast(counters)
+        state.hash_seed, state.step, state.samples_seen, epoch = (int(v) for v in counters)
+        lr = np.array([state.learning_rate], np.float64)
+        self.broadcast(lr)
+        state.learning_rate = float(lr[0])
+        state.params_changed()
+        if record is not None:
+            record.epoch = epoch
+
+    def before_update(self, state, out_rows, in_rows, grads):
+        return out_rows, in_rows, grads
+
+    def after_update(self, state, out_rows, in_rows) -> None:
+        self.steps_ += 1
+
+    def finish(self, state) -> None:
+        """End of an epoch: settle the stop agreement and check that the hidden layers are
+        still equal on every rank (the ranks compute the same update, but a kernel's threads
+        may add in another order); where they are not, rank 0's are given to all."""
+        self.settle_stop()
+        p = state.params
+        sums = np.array([float(np.sum(p[k], dtype=np.float64)) for k in ("W0", "b0", "Wh", "bh")])
+        if (self.allreduce(sums, "max") != -self.allreduce(-sums, "max")).any():
+            self.start(state)
+
+    # -- the step -------------------------------------------------------------------------------
+    def normaliser(self, stats: np.ndarray, Yb) -> np.ndarray:
+        """The softmax's normaliser over every shard from this shard's ``stats`` [n, 2]
+        (:func:`slide.kernels.logit_stats`), with each sample's label weight: float32 [n, 3]
+        as :func:`slide.kernels.output_step` takes it."""
+        n = stats.shape[0]
+        norm = np.empty((n, 3), np.float32)
+        top = self.allreduce(stats[:, 0], "max")
+        with np.errstate(invalid="ignore", over="ignore"):
+            part = stats[:, 1] * np.exp(np.where(stats[:, 1] > 0, stats[:, 0] - top, 0.0))
+        norm[:, 0] = top
+        norm[:, 1] = self.allreduce(part.astype(np.float32))
+        starts = Yb.indptr[:-1]
+        has = np.diff(Yb.indptr) > 0
+        norm[:, 2] = 0.0
+        norm[has, 2] = Yb.data[starts[has]]
+        return norm
+
+    def sum_shards(self, dH: np.ndarray, loss: float) -> float:
+        """Sum every shard's share of the hidden gradient ``dH`` (in place) and of the batch's
+        mean loss (returned)."""
+        buf = np.empty(dH.size + 1, np.float32)
+        buf[:-1] = dH.ravel()
+        buf[-1] = loss
+        total = self.allreduce(buf)
+        dH[...] = total[:-1].reshape(dH.shape)
+        return float(total[-1])
+
+    # -- queries --------------------------------------------------------------------------------
+    def _allgather(self, a: np.ndarray) -> np.ndarray:
+        a = np.ascontiguousarray(a)
+        out = np.empty((self.size,) + a.shape, a.dtype)
+        self._wait(self.comm.Iallgather(a, out), f"allgather of {a.nbytes} bytes")
+        self.bytes_sent_ += a.nbytes
+        return out
+
+    def merge_topk(self, ids: np.ndarray, scores: np.ndarray, k: int):
+        """The best ``k`` of every shard's top-k ``(ids, scores)`` [n, k] (ids in the label
+        space, -1 padding with score -inf): the same arrays on every rank."""
+        all_ids = np.concatenate(self._allgather(ids.astype(np.int64)), axis=1)
+        all_scores = np.concatenate(self._allgather(scores.astype(np.float32)), axis=1)
+        all_scores = np.where(all_ids < 0, -np.inf, all_scores)
+        # stable: between equal scores the lower rank, as one process's lower row
+        order = np.argsort(-all_scores, axis=1, kind="stable")[:, :k]
+        return (np.take_along_axis(all_ids, order, 1),
+                np.take_along_axis(all_scores, order, 1).astype(np.float32))
+
+    def evaluate(self, model, X, Y, k: int = 5, loss: bool = False) -> dict:
+        """:meth:`slide.base.TrainableMixin.evaluate` over every shard (collective): the top-k
+        merged, the loss's normaliser combined over the shards."""
+        from slide.base import array_module
+        from slide.metrics import evaluate as evaluate_topk
+        X, Y = model.check_data(X, Y, where="evaluate", fitted=True)
+        if not loss:
+            return evaluate_topk(Y, model.predict_topk(X, k)[0], k)
+        n = X.shape[0]
+        ids = np.empty((n, k), np.int64)
+        scores = np.empty((n, k), np.float32)
+        # per row: this shard's largest logit and sum of exponentials, its labels' logits summed
+        top, sums, picked = (np.zeros(n, np.float64) for _ in range(3))
+        Yr = model.labels_.to_rows(Y)
+        shift = model.prior_shift()
+        for lo, hi, S in model.score_blocks(X):
+            rows, scores[lo:hi] = model.block_topk(S, k)
+            ids[lo:hi] = model.labels_.to_labels(rows)
+            if shift is not None:  # the loss is training's: of the logits as trained
+                S -= array_module(S).asarray(shift)
+            m = S.max(axis=1)
+            top[lo:hi] = m
+            sums[lo:hi] = np.exp(S - m[:, None]).sum(axis=1)
+            block = Yr[lo:hi]
+            r = np.repeat(np.arange(hi - lo), np.diff(block.indptr))
+            picked[lo:hi] = np.bincount(r, weights=S[r, block.indices].astype(np.float64),
+                                        minlength=hi - lo)
+        ids, scores = self.merge_topk(ids, scores, k)
+        best = self.allreduce(top, "max")
+        parts = self.allreduce(np.concatenate((sums * np.exp(top - best), picked)))
+        counts = np.diff(Y.indptr)
+        lse = best + np.log(parts[:n])
+        per_row = lse - parts[n:] / np.maximum(counts, 1)
+        has = counts > 0
+        return {**evaluate_topk(Y, ids, k), "loss": float(per_row[has].sum() / max(has.sum(), 1))}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, model, path, write) -> None:
+        """Every rank writes its shard with ``write(directory)`` into a directory of this step's
+        (``step-S/shard-RRRR``); once every shard is complete rank 0 replaces the manifest
+        with one naming them, the commit point, and removes the earlier steps' shards."""
+        path = os.fspath(path)
+        step_dir = f"step-{int(model.step_)}"
+        if self.rank == 0:
+            os.makedirs(os.path.join(path, step_dir), exist_ok=True)
+        self.allreduce(np.zeros(1, np.int64))  # the directory exists before any shard goes in
+        write(os.path.join(path, step_dir, f"shard-{self.rank:04d}"))
+        lo, _ = self.bounds(model.n_outputs_fitted_)
+        firsts = self._allgather(np.array([lo], np.int64))[:, 0]
+        if self.rank == 0:
+            manifest = {"format": "slide-label-shards", "version": 1,
+                        "shards": [f"{step_dir}/shard-{r:04d}" for r in range(self.size)],
+                        "rows": [int(f) for f in firsts] + [int(model.n_outputs_fitted_)]}
+            tmp = os.path.join(path, f".{MANIFEST}.tmp")
+            with open(tmp, "w") as fh:
+                json.dump(manifest, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, os.path.join(path, MANIFEST))
+            for name in os.listdir(path):  # no longer referenced
+                if name.startswith("step-") and name != step_dir:
+                    shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        self.allreduce(np.zeros(1, np.int64))  # the manifest is there when save returns
+
+    def load(self, cls, path):
+        """This rank's shard of the sharded checkpoint ``path``, ready to train on (resume) and
+        to answer collective queries. The checkpoint must have as many shards as ranks."""
+        from slide.checkpoint import CheckpointError
+        manifest = read_manifest(path)
+        if len(manifest["shards"]) != self.size:
+            raise CheckpointError(f"{path}: {len(manifest['shards'])} label shards, but the job has "
+                                  f"{self.size} ranks; resume it on as many (or load it into one "
+                                  "process)")
+        return cls.load(os.path.join(os.fspath(path), *manifest["shards"][self.rank].split("/")),
+                        shards=self)
