@@ -5,8 +5,9 @@ clusters.
     python -m bench.label_shards --preset amazon-670k --n-train 100000 --out bench/results/label_shards_amazon
     python -m bench.label_shards --model-only --out bench/results/label_shards_amazon
 
-**Measured.** One process (no MPI), then ``mpiexec -n 2`` with :class:`slide.shards.LabelShards`,
-every rank on one thread, train the engine with its defaults for the same ``--epochs`` (early
+**Measured.** One process (no MPI), one rank under ``mpiexec`` running the sharded step over the
+whole layer (``1-shard``: the model's base), then ``mpiexec -n 2`` with
+:class:`slide.shards.LabelShards`, every rank on one thread, train the engine with its defaults for the same ``--epochs`` (early
 stopping and the refit off, so that both train the same epochs on the same rows), on a preset or
 a data directory (``train.txt``, ``test.txt``). Each run records the test P@1 and P@5 (on up to
 ``--n-test`` rows), samples/s, the step's phases, the bytes each rank put into collectives per
@@ -16,13 +17,15 @@ biases and theirs, the LSH tables) and each rank's peak resident memory.
 **Modelled.** A step on N shards costs what is replicated (the hidden layers forward and
 backward, hashing the last hidden layer: ``forward_hidden``, ``backward_hidden``, ``hash``),
 plus the output layer's phases divided by N (each shard computes 1/N of the active set and
-rehashes 1/N of the rows: ``select+output``, ``pool_matmul``, ``adam``, ``rehash``), plus three
-allreduces: the normaliser's maximum and sum (4·batch bytes each) and the hidden gradient with
-the loss (4·batch·(hidden + 1) bytes), each a ring, ``2 (N-1) (alpha + b / (N B))``. The
+rehashes 1/N of the rows: ``select+output``, ``logit_stats``, ``pool_matmul``, ``adam``,
+``rehash``), plus two
+collectives: the allgather of the normaliser's parts (8·batch bytes a rank), a ring of
+``(N-1) (alpha + b / B)``, and the allreduce of the hidden gradient with the loss
+(4·batch·(hidden + 1) bytes), a ring of ``2 (N-1) (alpha + b / (N B))``. The
 output phases' time per step does not grow with the labels (the active set is fixed); the
 rehash's does, in proportion to the rows a shard holds (measured per row here). The model,
 given the 1-rank run's phases and this machine's measured allreduce of small messages,
-predicts the 2-rank run; the JSON compares the two, and models 8-128 hosts for 10^6, 10^7 and
+(``1-shard``) predicts the 2-rank run; the JSON compares the two, and models 8-128 hosts for 10^6, 10^7 and
 10^8 labels on 10/25/100 Gb/s links, with each host's output-layer memory.
 
 Writes ``OUT.json`` and ``OUT.md``.
@@ -46,7 +49,7 @@ GBPS = (10, 25, 100)
 ALPHA = 20e-6  # seconds per message hop on an Ethernet cluster with MPI (an assumption)
 #: the step's phases each shard does in full, and those it does for its rows alone
 REPLICATED = ("forward_hidden", "backward_hidden", "hash")
-SHARDED = ("select+output", "pool_matmul", "adam", "rehash")
+SHARDED = ("select+output", "logit_stats", "pool_matmul", "adam", "rehash")
 
 
 def _load(args):
@@ -76,7 +79,7 @@ def _worker(args):
 
     from slide.estimator import SlideClassifier
     dp = None
-    if args.ranks > 1:
+    if args.mpi:
         from slide.shards import LabelShards
         dp = LabelShards()
     rank = 0 if dp is None else dp.rank
@@ -91,7 +94,7 @@ def _worker(args):
     eval_seconds = time.perf_counter() - t0
     steps = int(model.step_)
     hist = model.history_
-    out = {"ranks": args.ranks, "rank": rank, "epochs": model.epoch_, "steps": steps,
+    out = {"ranks": args.ranks, "mpi": bool(args.mpi), "rank": rank, "epochs": model.epoch_, "steps": steps,
            "batch": model.batch_size_, "hidden": model.resolved_["hidden"],
            "n_outputs": int(model.n_outputs_fitted_), "rows_here": int(model.n_outputs_),
            "lsh_cap": model.resolved_["lsh_cap"], "pool": model.resolved_["pool"],
@@ -109,7 +112,7 @@ def _worker(args):
         everyone = dp.comm.gather(out)
         if rank != 0:
             return
-        out = {"ranks": args.ranks, "per_rank": everyone,
+        out = {"ranks": args.ranks, "mpi": True, "per_rank": everyone,
                **{k: everyone[0][k] for k in ("epochs", "steps", "batch", "hidden", "n_outputs",
                                               "sampled", "test_P@1", "test_P@5", "fit_seconds",
                                               "train_seconds", "samples_per_second",
@@ -122,14 +125,14 @@ def _worker(args):
 
 
 def _small_allreduce(dp, batch, hidden, repeats=50):
-    """Median seconds of the step's three allreduces (batch, batch and batch·(hidden+1)
-    float32s) through the engine's own non-blocking allreduce and wait."""
+    """Median seconds of the step's two collectives (an allgather of batch × 2 float32s, an
+    allreduce of batch·(hidden+1)) through the engine's own calls, every rank idle
+    otherwise."""
     seconds = []
-    a, b = np.ones(batch, np.float32), np.ones(batch * (hidden + 1), np.float32)
+    a, b = np.ones((batch, 2), np.float32), np.ones(batch * (hidden + 1), np.float32)
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dp.allreduce(a, "max")
-        dp.allreduce(a)
+        dp._allgather(a)
         dp.allreduce(b)
         seconds.append(time.perf_counter() - t0)
     return float(np.median(seconds))
@@ -139,7 +142,13 @@ def _small_allreduce(dp, batch, hidden, repeats=50):
 # The model
 # --------------------------------------------------------------------------------------------
 def _ring(bytes_, n, bandwidth, alpha):
+    """An allreduce of ``bytes_`` on a ring of n."""
     return 0.0 if n <= 1 else 2 * (n - 1) * (alpha + bytes_ / (n * bandwidth))
+
+
+def _gather(bytes_, n, bandwidth, alpha):
+    """An allgather of ``bytes_`` from each of n on a ring."""
+    return 0.0 if n <= 1 else (n - 1) * (alpha + bytes_ / bandwidth)
 
 
 def step_time(one: dict, n: int, bandwidth: float, alpha: float, labels: int | None = None,
@@ -153,7 +162,7 @@ def step_time(one: dict, n: int, bandwidth: float, alpha: float, labels: int | N
     rehash = t.get("rehash", 0.0) * (1.0 if labels is None else labels / one["n_outputs"])
     B, H = one["batch"], one["hidden"][-1]
     if exchange is None:
-        exchange = 2 * _ring(4 * B, n, bandwidth, alpha) + _ring(4 * B * (H + 1), n, bandwidth, alpha)
+        exchange = _gather(8 * B, n, bandwidth, alpha) + _ring(4 * B * (H + 1), n, bandwidth, alpha)
     compute = replicated + (sharded + rehash) / n
     return {"compute": compute, "exchange": exchange, "step": compute + exchange,
             "samples_per_second": B / (compute + exchange)}
@@ -166,7 +175,7 @@ def output_bytes(labels: int, hidden: int, n: int) -> float:
 
 
 def model(doc: dict, alpha: float = ALPHA) -> dict:
-    one, two = doc["runs"].get("1"), doc["runs"].get("2")
+    one, two = doc["runs"].get("1-shard"), doc["runs"].get("2")
     out = {"alpha": alpha, "assumptions": [
         "each host is one rank computing like the measured 1-thread rank",
         "the output phases (select+output, pool_matmul, adam) cost the same per step at any "
@@ -197,7 +206,7 @@ def model(doc: dict, alpha: float = ALPHA) -> dict:
 def _table(doc) -> str:
     lines = ["| ranks | test P@1 | P@5 | samples/s | output layer / rank (MiB) | peak RSS / rank "
              "(GiB) | bytes / step / rank |", "|---|---|---|---|---|---|---|"]
-    for n, r in sorted(doc["runs"].items()):
+    for n, r in doc["runs"].items():
         lines.append(f"| {n} | {r['test_P@1']:.4f} | {r['test_P@5']:.4f} | "
                      f"{r['samples_per_second']:.0f} | {r['output_layer_bytes'] / 2**20:.1f} | "
                      f"{r['peak_rss_bytes'] / 2**30:.2f} | {r.get('bytes_per_step', 0):.0f} |")
@@ -217,15 +226,16 @@ def _table(doc) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _launch(args, ranks, result):
+def _launch(args, run, result):
+    ranks = int(run.split("-")[0])
     cmd = [sys.executable, "-m", "bench.label_shards", "--worker", f"--ranks={ranks}",
            f"--result={result}", f"--epochs={args.epochs}", f"--n-test={args.n_test}",
            f"--n-train={args.n_train}", f"--preset={args.preset}"]
     if args.data:
         cmd.append(f"--data={args.data}")
-    if ranks > 1:
+    if run != "1":
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + cmd
+        cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + cmd + ["--mpi"]
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     with open(result) as fh:
         return json.load(fh)
@@ -240,7 +250,10 @@ def main(argv=None):
     p.add_argument("--n-test", type=int, default=5000)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--ranks", type=int, default=None, help="(worker) ranks of this run")
-    p.add_argument("--runs", default="1,2", help="rank counts to measure")
+    p.add_argument("--runs", default="1,1-shard,2",
+                   help="runs: 1 (one process, no MPI), 1-shard (one rank under mpiexec, the "
+                        "sharded step over the whole layer: the model's base), N (N shards)")
+    p.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-only", action="store_true", help="re-model OUT.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -252,10 +265,10 @@ def main(argv=None):
             doc = json.load(fh)
     else:
         doc = {"machine": machine(), "args": vars(args), "runs": {}}
-        for n in (int(v) for v in args.runs.split(",")):
-            doc["runs"][str(n)] = _launch(args, n, args.out + f".{n}.tmp.json")
+        for n in args.runs.split(","):
+            doc["runs"][n] = _launch(args, n, args.out + f".{n}.tmp.json")
             os.remove(args.out + f".{n}.tmp.json")
-            r = doc["runs"][str(n)]
+            r = doc["runs"][n]
             print(f"{n} rank(s): test P@1 {r['test_P@1']:.4f}, {r['samples_per_second']:.0f} "
                   f"samples/s, output layer {r['output_layer_bytes'] / 2**20:.1f} MiB a rank",
                   flush=True)

@@ -57,6 +57,7 @@ def test_output_step(benchmark, layer, threads, rows):
             kernels.output_step(y_indptr, layer["h"], layer["block"], layer["b"], *grads,
                                 layer["bM"], layer["bV"], layer["owners"], layer["slots"], z,
                                 active, n_active, n, logits, dH, losses, np.zeros((0, 3), np.float32),
+                                np.zeros((0, 1), np.float32),
                                 1e-3, 0.9, 0.999, 1e-8, 10, 1.0)
 
         benchmark.pedantic(one_batch, setup=setup, rounds=40, warmup_rounds=1)

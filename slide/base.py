@@ -121,7 +121,7 @@ class TrainableMixin:
             log_prior(counts[self.labels_.ids], n_positives, self.labels_.size)
         #: the label shards this rank's output rows are one of (slide.shards), or None
         self.label_shards_ = None
-        if distributed is not None and distributed.label_shards > 1:
+        if distributed is not None and distributed.mode == "labels":
             self.label_shards_ = distributed
             self.labels_, self.log_prior_ = distributed.shard_labels(self.labels_, self.log_prior_)
         self.record_ = FitRecord()
@@ -212,7 +212,7 @@ class TrainableMixin:
 
     def _whole_layer(self, what: str) -> None:
         """Refuse ``what`` on a label shard: it needs every label's score in one process."""
-        if self.shards() is not None:
+        if self.shards() is not None and self.shards().size > 1:
             raise ValueError(f"{what} needs the whole output layer; this model is one of "
                              f"{self.shards().size} label shards (predict_topk, predict and "
                              "evaluate merge the shards; or load the sharded checkpoint into "

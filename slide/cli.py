@@ -299,7 +299,7 @@ def _cmd_train(a):
     lead = dp is None or dp.rank == 0  # the rank that prints and writes the metrics
     # label shards hold one model between them: every rank reads every row, scores the test
     # file and writes its shard of the checkpoint
-    whole = dp is None or dp.label_shards > 1
+    whole = dp is None or dp.mode == "labels"
     _check_outputs(a)
     if whole:
         Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
@@ -308,7 +308,8 @@ def _cmd_train(a):
         Xtr, Ytr, Xte, Yte, n_rows = _read_shards(a, dp)
     log = print if lead else (lambda *args, **kw: None)
     if a.resume:
-        if a.engine == "slide" and dp is not None and dp.label_shards > 1:
+        from slide.shards import is_sharded
+        if a.engine == "slide" and dp is not None and dp.mode == "labels" and is_sharded(a.save):
             from slide.estimator import SlideClassifier
             model = dp.load(SlideClassifier, a.save)
         elif a.engine == "slide":

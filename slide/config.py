@@ -17,7 +17,7 @@ import numpy as np
 
 from lsh import autotune
 
-__all__ = ["SlideConfig", "resolve", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
+__all__ = ["SlideConfig", "resolve", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
            "rare_share", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
 
@@ -311,6 +311,10 @@ def default_batch_size(n_train: int) -> int:
     return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
 
 
+#: the most slots a hash bucket of the defaults rule holds (docs/tables.md)
+MAX_BUCKET_SIZE = 64
+
+
 def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
             rare_fraction: float = 0.0, choice: dict | None = None,
             labels_per_row: float | None = None) -> dict:
@@ -398,7 +402,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
         # the tables only supply lsh_cap candidates per sample, so fewer and smaller than
         # BOLT's rule asks for (docs/tables.md)
         tc = autotune(n_labels, target / n_labels, family=c.hash_family, policy=c.bucket_policy,
-                      max_tables=24, max_bucket_size=64, **over)
+                      max_tables=24, max_bucket_size=MAX_BUCKET_SIZE, **over)
         out["tables"] = dataclasses.asdict(tc)
     hs = c.hidden_sparsity or (1.0,) * len(hidden)
     # where the output is sampled the hidden layer's identity generalised better than its
@@ -408,7 +412,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     for l in range(1, len(hidden)):
         if hs[l] < 1:
             tc = autotune(hidden[l], hs[l], family=c.hash_family, policy=c.bucket_policy,
-                          max_tables=24, max_bucket_size=64)
+                          max_tables=24, max_bucket_size=MAX_BUCKET_SIZE)
             out["hidden_layers"][l] = {"target": max(1, math.ceil(hs[l] * hidden[l])),
                                        "tables": dataclasses.asdict(tc)}
     per_batch = 64 * batch_size
@@ -443,6 +447,17 @@ def parameter_shapes(hidden, n_features: int, n_labels: int) -> dict:
     n_stack = sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))
     return {"W0": (n_features, sizes[0]), "b0": (sizes[0],), "Wh": (n_stack,),
             "bh": (sum(sizes[1:]),), "W": (n_labels, sizes[-1]), "b": (n_labels,)}
+
+
+def tables_for_rows(config, tables: dict, n_rows: int) -> dict:
+    """``resolve``'s output tables (``tables``) for a layer of ``n_rows`` rows instead (a label
+    shard's): the same hash functions (K, L, range_pow), buckets sized for the rows as
+    :func:`lsh.autotune` sizes them, unless the settings fix ``bucket_size``."""
+    out = dict(tables)
+    if not config.bucket_size:  # autotune's rule: room for 4 rows a bucket on average
+        out["bucket_size"] = max(4, min(MAX_BUCKET_SIZE,
+                                        math.ceil(4 * n_rows / (1 << tables["range_pow"]))))
+    return out
 
 
 def init_parameters(hidden, n_features: int, n_labels: int, seed: int, seen_features,

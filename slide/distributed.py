@@ -326,9 +326,6 @@ class DataParallel:
             Y.resize((Y.shape[0], n_l))
         return X, Y
 
-    #: ranks the output layer is sharded over (slide.shards): none here, each holds it whole
-    label_shards = 1
-
     @property
     def replicas(self) -> int:
         """Ranks that train on different rows."""

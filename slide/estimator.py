@@ -20,7 +20,7 @@ from slide.persistence import Persistence
 from slide.metrics import check_k, topk
 from slide.resources import check_fits, model_memory_bytes
 from slide.serving import Server, ServingSettings
-from slide.shards import shard_settings
+from slide.shards import shard_bounds, shard_settings
 from slide.step import TrainingState
 
 __all__ = ["SlideClassifier"]
@@ -136,7 +136,10 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         resolved = resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
                            self.rare_share_, self.choice_, self.labels_per_row_)
         shards = self.shards()
-        return resolved if shards is None else shard_settings(resolved, shards.size)
+        if shards is None:
+            return resolved
+        lo, hi = shard_bounds(self.n_outputs_fitted_, shards.size, shards.rank)
+        return shard_settings(config, resolved, shards.size, hi - lo)
 
     def _refresh_config(self):
         """Settings that may change between calls on a fitted model (lr, threads, epochs...)."""
@@ -233,8 +236,9 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
             resolved = resolve(self.config_, self.n_features_in_, self.n_outputs_fitted_,
                                self.n_train_, self.rare_share_, self.choice_,
                                self.labels_per_row_)
-            return model_memory_bytes(shard_settings(resolved, n_shards), self.n_features_in_,
-                                      -(-self.n_outputs_fitted_ // n_shards), threads,
+            rows = -(-self.n_outputs_fitted_ // n_shards)
+            return model_memory_bytes(shard_settings(self.config_, resolved, n_shards, rows),
+                                      self.n_features_in_, rows, threads,
                                       features_per_row=self.features_per_row_)
 
         check_fits(need(1 if shards is None else shards.size),

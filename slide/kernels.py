@@ -292,7 +292,7 @@ def _grad_row(owners, slots, i, own):
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_CONTRACT)
 def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, active, n_active,
-                n_threads, logits_buf, dH, losses, norm, lr, beta1, beta2, eps, step,
+                n_threads, logits_buf, dH, losses, norm, own_logits, lr, beta1, beta2, eps, step,
                 weight_decay):
     """Softmax cross-entropy over each sample's active set, and the output layer's gradients.
 
@@ -318,7 +318,8 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
     (an output layer sharded by label, :mod:`slide.shards`): row r holds the largest logit and
     the sum of exp(logit - largest) over every shard's active set (:func:`logit_stats`
     combined), and the weight of each of the sample's labels in the target (1 / its labels in
-    every shard); the loss is then this shard's share of the sample's.
+    every shard); the loss is then this shard's share of the sample's. The own neurons' logits
+    are then read from ``own_logits`` [n, w] (:func:`logit_stats` computed them).
     """
     n = y_indptr.size - 1
     scale = np.float32(1.0 / n)
@@ -327,6 +328,7 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
     P = zpool.shape[1]
     k_w = _adam_constants(lr, beta1, beta2, eps, step, weight_decay)
     k_b = _adam_constants(lr, beta1, beta2, eps, step, 0.0)  # biases: no decay
+    given = norm.shape[0] > 0
     next_row = np.zeros(1, np.int64)  # the next sample to claim
     for c in prange(n_threads):
         logits = logits_buf[c]
@@ -352,20 +354,23 @@ def output_step(y_indptr, acts, W, b, gW, gb, bM, bV, owners, slots, zpool, acti
                     # level up, not in memory
                     far = own[a + FAR]
                     _prefetch_far(far, _grad_row(owners, slots, far, ALONE), W, gW)
-                s = b[own[a]] + dot(W[own[a], :H], h)
+                if given:
+                    s = own_logits[r, a]
+                else:
+                    s = b[own[a]] + dot(W[own[a], :H], h)
                 logits[a] = s
                 zmax = max(zmax, s)
             zmax = max(zmax, fmax(zp, lanes))
             n_lab = y_indptr[r + 1] - y_indptr[r]
             y = np.float32(1.0 / max(n_lab, 1))  # the target of each label
-            if norm.shape[0] > 0:
+            if given:
                 zmax = norm[r, 0]
                 y = norm[r, 2]
             for a in range(k):
                 logits[a] = exp_nonpositive(logits[a] - zmax)
             for j in range(P):
                 zp[j] = exp_nonpositive(zp[j] - zmax)
-            if norm.shape[0] > 0:
+            if given:
                 inv = np.float32(1.0) / norm[r, 1]
             else:
                 inv = np.float32(1.0) / (fsum(logits[:k]) + fsum(zp))
@@ -616,11 +621,12 @@ def backward_hidden(x_indptr, x_indices, x_data, acts, dH, W0, owners, slots, n_
 # gathered rows into their product, the logit gradients through two products and the column
 # sums, each gradient row into its Adam step (docs/runtime.md).
 @njit(cache=True, nogil=True, parallel=True)
-def logit_stats(acts, H, W, b, zpool, active, n_active, stats):
+def logit_stats(acts, H, W, b, zpool, active, n_active, stats, own_logits):
     """Each sample's largest logit over its active set (own neurons ``active[r, :n_active[r]]``
     and the pool's logits ``zpool`` [n, P], as :func:`output_step` takes them) and the sum of
     exp(logit - largest), into ``stats`` float32 [n, 2]: one shard's part of the softmax's
-    normaliser (-inf and 0 for an empty set). ``W``: the output rows led by their ``H``
+    normaliser (-inf and 0 for an empty set); the own neurons' logits into ``own_logits``
+    [n, w], which ``output_step`` then reads. ``W``: the output rows led by their ``H``
     weights; the last hidden layer is ``acts``' last ``H`` columns."""
     n, P = zpool.shape
     lo_last = acts.shape[1] - H
@@ -629,17 +635,19 @@ def logit_stats(acts, H, W, b, zpool, active, n_active, stats):
         k = n_active[r]
         h = acts[r, lo_last:]
         zp = zpool[r]
+        z = own_logits[r]
         zmax = np.float32(-np.inf)
         for j in range(P):
             zmax = max(zmax, zp[j])
         for a in range(k):
             if a + AHEAD < k:
                 prefetch(W[own[a + AHEAD], :H])
-            zmax = max(zmax, b[own[a]] + dot(W[own[a], :H], h))
+            z[a] = b[own[a]] + dot(W[own[a], :H], h)
+            zmax = max(zmax, z[a])
         total = np.float32(0.0)
         if zmax > -np.inf:
             for a in range(k):
-                total += exp_nonpositive(b[own[a]] + dot(W[own[a], :H], h) - zmax)
+                total += exp_nonpositive(z[a] - zmax)
             for j in range(P):
                 total += exp_nonpositive(zp[j] - zmax)
         stats[r, 0] = zmax

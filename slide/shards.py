@@ -9,7 +9,7 @@ batch:
    the sample's labels that are its own, its own LSH candidates and its share of the shared
    pool (the resolved ``lsh_cap`` and ``pool`` divided by N);
 2. each rank's largest logit and sum of exponentials per sample are combined into the softmax's
-   normaliser over every shard (two allreduces of ``batch`` floats);
+   normaliser over every shard (one allgather of ``2 × batch`` floats a rank);
 3. each rank updates its own output rows and computes its share of the gradient with respect
    to the last hidden layer; the shares are summed (one allreduce of ``batch × hidden``
    floats, the loss riding along);
@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from slide.config import tables_for_rows
 from slide.distributed import DEFAULT_TIMEOUT, DataParallel
 from slide.labels import LabelMap
 
@@ -55,14 +56,18 @@ def shard_bounds(n_rows: int, n_shards: int, index: int) -> tuple[int, int]:
     return index * n_rows // n_shards, (index + 1) * n_rows // n_shards
 
 
-def shard_settings(resolved: dict, n_shards: int) -> dict:
-    """The resolved settings of one of ``n_shards`` label shards: each takes its share of the
-    LSH candidates and of the shared pool, so that the shards together sample as one layer."""
+def shard_settings(config, resolved: dict, n_shards: int, n_rows: int) -> dict:
+    """The resolved settings of one of ``n_shards`` label shards, which holds ``n_rows`` rows:
+    each takes its share of the LSH candidates and of the shared pool, so that the shards
+    together sample as one layer, and its tables' buckets are sized for its rows (a query then
+    costs a shard its share of one process's)."""
     if n_shards <= 1:
         return resolved
     out = dict(resolved)
     out["lsh_cap"] = -(-int(resolved["lsh_cap"]) // n_shards)
     out["pool"] = -(-int(resolved["pool"]) // n_shards)
+    if resolved.get("tables"):
+        out["tables"] = tables_for_rows(config, resolved["tables"], n_rows)
     return out
 
 
@@ -125,10 +130,6 @@ class LabelShards(DataParallel):
 
     #: a step's gradients are this rank's rows' alone: no row waits for another rank's
     sums_gradients = False
-
-    @property
-    def label_shards(self) -> int:
-        return self.size
 
     @property
     def replicas(self) -> int:
@@ -229,11 +230,13 @@ class LabelShards(DataParallel):
         as :func:`slide.kernels.output_step` takes it."""
         n = stats.shape[0]
         norm = np.empty((n, 3), np.float32)
-        top = self.allreduce(stats[:, 0], "max")
-        with np.errstate(invalid="ignore", over="ignore"):
-            part = stats[:, 1] * np.exp(np.where(stats[:, 1] > 0, stats[:, 0] - top, 0.0))
+        every = self._allgather(stats)  # [shards, n, 2]: one collective, not a max then a sum
+        top = every[:, :, 0].max(axis=0)
+        # a shard with no active neuron for a row holds -inf and 0: its share is 0
+        with np.errstate(invalid="ignore"):
+            shift = np.where(every[:, :, 1] > 0, every[:, :, 0] - top, 0.0)
         norm[:, 0] = top
-        norm[:, 1] = self.allreduce(part.astype(np.float32))
+        norm[:, 1] = (every[:, :, 1] * np.exp(shift)).sum(axis=0)
         starts = Yb.indptr[:-1]
         has = np.diff(Yb.indptr) > 0
         norm[:, 2] = 0.0

@@ -313,12 +313,12 @@ class TrainingState:
                               qs.cand, qs.hits, qs.hist, self.resolved["lsh_cap"], pool,
                               w.pool_pos, w.pool_bits, z_pool, w.active, w.n_active, n_threads)
         dp = self.distributed
-        norm = w.no_norm
-        if dp is not None and dp.label_shards > 1:  # the softmax is normalised over every shard
-            stats = w.stats[:n]
+        norm, own_logits = w.no_norm, w.no_logits
+        if dp is not None and dp.mode == "labels":  # the softmax is normalised over every shard
+            stats, own_logits = w.stats[:n], w.own_logits
             kernels.logit_stats(acts, h.shape[1], blocks["W"], p["b"], z_pool, w.active,
-                                w.n_active, stats)
-            t0 = self._tick("select+output", t0)
+                                w.n_active, stats, own_logits)
+            t0 = self._tick("logit_stats", t0)
             norm = dp.normaliser(stats, Yb)
             t0 = self._tick("exchange", t0)
         # a row whose whole gradient one kernel computes gets its Adam step there
@@ -330,7 +330,7 @@ class TrainingState:
         m = self.moments
         loss = kernels.output_step(y_indptr, acts, blocks["W"], p["b"], g["W"], g["b"], m["b.m"],
                                    m["b.v"], w.owners, w.slots, z_pool, w.active, w.n_active,
-                                   n_threads, w.logits, dH, losses, norm, *hyper)
+                                   n_threads, w.logits, dH, losses, norm, own_logits, *hyper)
         t0 = self._tick("select+output", t0)
         kernels.pool_gradients(h_pool, W_pool, z_pool, pool, dH, blocks["W"], p["b"], g["W"],
                                g["b"], m["b.m"], m["b.v"], w.owners, w.slots, g_pool, pool_vec,

@@ -51,6 +51,7 @@ class StepWorkspace:
         self._numbers = np.arange(0, dtype=np.int32)
         #: output_step's normaliser where the softmax is over this layer alone: none given
         self.no_norm = np.zeros((0, 3), np.float32)
+        self.no_logits = np.zeros((0, 1), np.float32)
         self._key = None
         self._pool_buf = None
 
@@ -84,7 +85,9 @@ class StepWorkspace:
             self.dH = np.empty((n_rows, self.H), np.float32)
             self.d_first = np.empty((n_rows, self.H0), np.float32)
             self.losses = np.empty(n_rows, np.float32)
-            self.stats = np.empty((n_rows, 2), np.float32)  # a label shard's softmax parts
+            # a label shard's softmax parts and its samples' own logits
+            self.stats = np.empty((n_rows, 2), np.float32)
+            self.own_logits = np.empty((n_rows, width), np.float32)
             self.touched = np.zeros(n_rows * width + self.pool, np.int32)
             self.shared = np.zeros_like(self.touched)
             self.in_place = np.zeros_like(self.touched)

@@ -229,3 +229,30 @@ def test_round_rows_are_gathered_and_merged_in_the_row_blocks_alone(tiny_data):
         np.testing.assert_array_equal(p[name], expect)
     for k in model.moments_:
         np.testing.assert_array_equal(model.moments_[k], before[f"m_{k}"])
+
+
+@needs_mpi
+@pytest.mark.parametrize("sparsity", [1.0, 0.4])
+def test_one_label_shard_trains_as_one_process(sparsity, tmp_path):
+    """One rank of LabelShards runs the sharded step over the whole layer (its normaliser from
+    logit_stats, its label weights from the targets): the same model as without MPI, up to the
+    order of a sum; its checkpoint is a manifest of one shard."""
+    from slide.shards import LabelShards
+    rng = np.random.default_rng(0)
+    X = sp.random(200, 40, density=0.1, format="csr", random_state=0, dtype=np.float32)
+    rows = np.repeat(np.arange(200), 2)
+    Y = sp.csr_matrix((np.ones(400, np.float32), (rows, rng.integers(0, 30, 400))), shape=(200, 30))
+    Y.sum_duplicates()
+    Y.data[:] = 1.0
+    settings = dict(hidden=(8,), threads=1, batch_size=16, epochs=2, seed=1, refit=False,
+                    tfidf=False, sparsity=sparsity, early_stopping=False)
+    alone = SlideClassifier(**settings).fit(X, Y)
+    one = SlideClassifier(**settings).fit(X, Y, distributed=LabelShards())
+    for k in alone.params_:
+        np.testing.assert_allclose(one.params_[k], alone.params_[k], atol=2e-5)
+    assert abs(one.history_[-1]["loss"] - alone.history_[-1]["loss"]) < 1e-5
+    np.testing.assert_array_equal(one.predict_topk(X, 3)[0], alone.predict_topk(X, 3)[0])
+    one.decision_function(X[:2])  # one shard is the whole layer
+    one.save(tmp_path / "m")
+    assert os.path.exists(tmp_path / "m" / "shards.json")
+    np.testing.assert_array_equal(SlideClassifier.load(tmp_path / "m").params_["W"], one.params_["W"])

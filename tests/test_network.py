@@ -528,7 +528,7 @@ def _output_case(in_place: bool):
     hyper = (4e-3, 0.9, 0.999, 1e-8, 3, 0.5)  # lr, beta1, beta2, eps, step, weight decay
     K.output_step(y_indptr, h, p["B"], p["b"], p["gW"], p["gb"], p["bM"], p["bV"], owners, slots,
                   zpool, active, n_active, 1, np.zeros((1, cap + 1), np.float32), dH,
-                  losses, np.zeros((0, 3), np.float32), *hyper)
+                  losses, np.zeros((0, 3), np.float32), np.zeros((0, 1), np.float32), *hyper)
     rest = np.zeros(n_labels, np.int32)
     n_in_place = K.clear_marks(owners, touched[:n_touched], rest)
     assert not owners.any()  # every mark cleared for the next step
@@ -591,7 +591,7 @@ def _claimed_step(threads: int):
         dH, losses = np.zeros((n, H), np.float32), np.zeros(n, np.float32)
         mean = K.output_step(y_indptr, acts, B, b, gW, gb, bM, bV, owners, slots, zpool, active,
                              n_active, T, np.zeros((T, 2), np.float32), dH, losses,
-                             np.zeros((0, 3), np.float32), *hyper)
+                             np.zeros((0, 3), np.float32), np.zeros((0, 1), np.float32), *hyper)
         assert mean == pytest.approx(losses.astype(np.float64).mean(), rel=1e-12)
         owners_in, touched_in = np.zeros(n_f, np.uint8), np.zeros(X.nnz, np.int32)
         slots_in, shared_in = np.zeros(n_f, np.int32), np.zeros(X.nnz, np.int32)
