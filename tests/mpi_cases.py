@@ -214,7 +214,41 @@ def labels_learn_like_one_process():
         print(f"OK labels_learn P@1 {p_dist:.3f} (one process {p_one:.3f})")
 
 
-CASES = {f.__name__: f for f in (sync_equals_union, local_every_step_is_the_mean_of_local_steps,
+def labels_replicas_equal_one_process(mode="sync"):
+    """4 ranks as 2 label shards x 2 replicas, every output active, one thread: sync across the
+    replicas of batch B trains as one process on the union batches of 2B (each rank its
+    shard's rows of it, the hidden layers equal everywhere); a checkpoint written by the first
+    replica loads whole."""
+    import tempfile
+
+    from slide.shards import LabelShards
+    X, Y = _data(256, n_labels=11)
+    dp = LabelShards(replicas=2, mode=mode)
+    assert (dp.size, dp.replicas) == (2, 2) and dp.replica == RANK // 2 and dp.rank == RANK % 2
+    Xr, Yr = _interleaved(X, Y, 8, dp.replica, 2)
+    m = _model().partial_fit(Xr, Yr, distributed=dp)
+    lo, hi = _shard_rows(m)
+    hidden = {k: m.params_[k] for k in ("W0", "b0", "Wh", "bh")}
+    assert _same_on_all_ranks(hidden), "the hidden layers differ between the ranks"
+    one = _model(batch_size=16).partial_fit(X, Y)
+    diff = max(_max_diff(hidden, {k: one.params_[k] for k in hidden}),
+               float(np.abs(m.params_["W"] - one.params_["W"][lo:hi]).max()),
+               float(np.abs(m.params_["b"] - one.params_["b"][lo:hi]).max()))
+    assert diff < 1e-5, f"2 shards x 2 replicas differ from one process by {diff}"
+    assert m.step_ == one.step_, (m.step_, one.step_)
+    ids = m.predict_topk(X[:40], 3)[0]
+    assert np.array_equal(ids, one.predict_topk(X[:40], 3)[0])
+    path = COMM.bcast(tempfile.mkdtemp() if RANK == 0 else None)
+    m.save(path)
+    COMM.Barrier()
+    if RANK == 0:
+        whole = SlideClassifier.load(path)
+        assert np.array_equal(whole.predict_topk(X[:40], 3)[0], ids)
+        shutil.rmtree(path)
+        print(f"OK labels_replicas max|diff|={diff:.2e} steps={m.step_}")
+
+
+CASES = {f.__name__: f for f in (labels_replicas_equal_one_process, sync_equals_union, local_every_step_is_the_mean_of_local_steps,
                                  delayed_learns_like_one_process, rank_fails,
                                  labels_equal_one_process, labels_learn_like_one_process)}
 

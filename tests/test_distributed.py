@@ -29,17 +29,17 @@ def _mpi_missing():
 needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 
 
-def _mpiexec(*args, timeout=120):
+def _mpiexec(*args, timeout=120, ranks=2):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, *args], cwd=ROOT, env=env,
+    out = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=timeout)
     return out, time.monotonic() - t0
 
 
-def _case(name, *args):
-    out, _ = _mpiexec("-m", "tests.mpi_cases", name, *args)
+def _case(name, *args, ranks=2):
+    out, _ = _mpiexec("-m", "tests.mpi_cases", name, *args, ranks=ranks)
     assert out.returncode == 0 and "OK " in out.stdout, out.stdout + out.stderr
     return out.stdout
 
@@ -114,6 +114,12 @@ def test_label_shards_compute_what_one_process_does():
     """Every output active, one thread: 2 label shards equal one process (rows, hidden layers,
     losses, predictions, validation loss); the sharded checkpoint loads whole and resumes."""
     _case("labels_equal_one_process")
+
+
+@needs_mpi
+def test_label_shards_times_data_replicas_compute_what_one_process_does():
+    """4 ranks = 2 label shards x 2 sync replicas: one process on the union batches."""
+    _case("labels_replicas_equal_one_process", ranks=4)
 
 
 @needs_mpi
