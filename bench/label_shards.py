@@ -87,7 +87,9 @@ def _worker(args):
     model = SlideClassifier(threads=1, seed=0, epochs=args.epochs, early_stopping=False,
                             refit=False)
     t0 = time.perf_counter()
-    model.fit(X, Y, distributed=dp)
+    model.initialize(X, Y, distributed=dp)
+    per_step = _record_steps(model.state_)
+    model.train(X, Y, continue_training=True, distributed=dp, until_epoch=args.epochs)
     fit = time.perf_counter() - t0
     t0 = time.perf_counter()
     ev = model.evaluate(Xte, Yte, k=5)
@@ -104,6 +106,9 @@ def _worker(args):
            "test_P@1": ev["P@1"], "test_P@5": ev["P@5"], "eval_seconds": eval_seconds,
            "timings_per_step": {k: v / max(steps, 1) for k, v in model.timings_.items()},
            "output_layer_bytes": _output_bytes(model),
+           # seconds of every step after the first epoch's first (compile) by part: what each
+           # rank does in full, its shard's part but the rehash, the rehash, the exchange
+           "per_step": _spread(np.round(np.array(per_step[1:]), 7), 1000).tolist(),
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if dp is not None:
         out["bytes_per_step"] = dp.bytes_sent_ / max(dp.steps_, 1)
@@ -112,7 +117,10 @@ def _worker(args):
         everyone = dp.comm.gather(out)
         if rank != 0:
             return
-        out = {"ranks": args.ranks, "mpi": True, "per_rank": everyone,
+        per_step = everyone[0]["per_step"]
+        for r in everyone:
+            del r["per_step"]
+        out = {"ranks": args.ranks, "mpi": True, "per_rank": everyone, "per_step": per_step,
                **{k: everyone[0][k] for k in ("epochs", "steps", "batch", "hidden", "n_outputs",
                                               "sampled", "test_P@1", "test_P@5", "fit_seconds",
                                               "train_seconds", "samples_per_second",
@@ -122,6 +130,29 @@ def _worker(args):
                "peak_rss_bytes": max(r["peak_rss_bytes"] for r in everyone),
                "bytes_per_step": everyone[0]["bytes_per_step"]}
     write_json(args.result, out)
+
+
+def _spread(a: np.ndarray, n: int) -> np.ndarray:
+    """At most ``n`` rows of ``a``, evenly spaced (the recorded steps kept)."""
+    return a if a.shape[0] <= n else a[np.linspace(0, a.shape[0] - 1, n).astype(int)]
+
+
+def _record_steps(state) -> list:
+    """Wrap ``state``'s step so that each call appends its seconds by part (replicated,
+    sharded, rehash, exchange: the phases of :data:`REPLICATED`, :data:`SHARDED` and
+    ``exchange``) to the list returned."""
+    steps, step = [], state.train_step
+
+    def timed(Xb, Yb):
+        before = dict(state.timings)
+        loss = step(Xb, Yb)
+        d = {k: v - before.get(k, 0.0) for k, v in state.timings.items()}
+        steps.append((sum(d.get(k, 0.0) for k in REPLICATED),
+                      sum(d.get(k, 0.0) for k in SHARDED if k != "rehash"),
+                      d.get("rehash", 0.0), d.get("exchange", 0.0)))
+        return loss
+    state.train_step = timed
+    return steps
 
 
 def _small_allreduce(dp, batch, hidden, repeats=50):
@@ -152,20 +183,28 @@ def _gather(bytes_, n, bandwidth, alpha):
 
 
 def step_time(one: dict, n: int, bandwidth: float, alpha: float, labels: int | None = None,
-              exchange: float | None = None) -> dict:
-    """Seconds of a step on ``n`` label shards from the 1-rank run ``one`` (its phases per
-    step), for ``labels`` output rows (the rehash in proportion), with its allreduces on a ring
-    of ``bandwidth`` bytes/s and ``alpha`` s a hop, or ``exchange`` seconds measured."""
-    t = one["timings_per_step"]
-    replicated = sum(t.get(k, 0.0) for k in REPLICATED)
-    sharded = sum(t.get(k, 0.0) for k in SHARDED if k != "rehash")
-    rehash = t.get("rehash", 0.0) * (1.0 if labels is None else labels / one["n_outputs"])
+              exchange: float | None = None, draws: int = 4000) -> dict:
+    """Seconds of a step on ``n`` label shards from the 1-rank run ``one``, for ``labels``
+    output rows (the rehash in proportion), with its collectives on a ring of ``bandwidth``
+    bytes/s and ``alpha`` s a hop, or ``exchange`` seconds measured.
+
+    Each rank computes its part of a step, ``replicated + sharded / n`` of one of ``one``'s
+    steps, and the collectives wait for the slowest: the mean over ``draws`` of the largest of
+    n parts drawn from ``one``'s steps (a straggler costs every rank). Every rank rehashes at
+    the same steps (the same schedule), so the rehash adds its mean, ``rehash / n``, outside
+    the largest. Plus the exchange."""
+    steps = np.asarray(one["per_step"], np.float64)
+    scale = 1.0 if labels is None else labels / one["n_outputs"]
+    parts = steps[:, 0] + steps[:, 1] / n
+    rng = np.random.default_rng(0)
+    slowest = parts[rng.integers(0, parts.size, (draws, n))].max(axis=1).mean()
+    rehash = scale * steps[:, 2].mean() / n
     B, H = one["batch"], one["hidden"][-1]
     if exchange is None:
         exchange = _gather(8 * B, n, bandwidth, alpha) + _ring(4 * B * (H + 1), n, bandwidth, alpha)
-    compute = replicated + (sharded + rehash) / n
-    return {"compute": compute, "exchange": exchange, "step": compute + exchange,
-            "samples_per_second": B / (compute + exchange)}
+    step = slowest + rehash + exchange
+    return {"compute": float(parts.mean() + rehash), "straggler": float(slowest - parts.mean()),
+            "exchange": exchange, "step": float(step), "samples_per_second": float(B / step)}
 
 
 def output_bytes(labels: int, hidden: int, n: int) -> float:
@@ -184,11 +223,14 @@ def model(doc: dict, alpha: float = ALPHA) -> dict:
         "engine's"]}
     if one is None:
         return out
-    if two is not None:
-        predicted = step_time(one, 2, 1.0, 0.0, exchange=two["small_allreduce_seconds"])
-        measured = two["batch"] / two["samples_per_second"]
+    pair = doc["runs"].get("1-shard-pair")
+    if two is not None and pair is not None:
+        # two ranks on this one host share its memory: the check's compute is that of a rank
+        # beside another (the pair), the exchange this machine's
+        predicted = step_time(pair, 2, 1.0, 0.0, exchange=two["small_allreduce_seconds"])
+        measured = float(np.mean(np.asarray(two["per_step"])[:, :4].sum(axis=1)))
         out["check_2_ranks"] = {"predicted_step": predicted["step"], "measured_step": measured,
-                                "ratio": predicted["step"] / measured}
+                                "predicted": predicted, "ratio": predicted["step"] / measured}
     H = one["hidden"][-1]
     grid = []
     for labels in LABELS:
@@ -216,17 +258,32 @@ def _table(doc) -> str:
         lines += ["", f"Model check at 2 ranks: predicted step {1e3 * c['predicted_step']:.2f} ms, "
                       f"measured {1e3 * c['measured_step']:.2f} ms (ratio {c['ratio']:.2f})."]
     if m.get("grid"):
-        lines += ["", "| labels | Gb/s | hosts | step (ms) | exchange (ms) | speedup | output "
-                      "GiB / host |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| labels | Gb/s | hosts | step (ms) | straggler (ms) | exchange (ms) | "
+                      "samples/s | speedup | output GiB / host |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for g in m["grid"]:
             if g["gbps"] == 25 or g["hosts"] == 32:
                 lines.append(f"| {g['labels']:.0e} | {g['gbps']} | {g['hosts']} | "
-                             f"{1e3 * g['step']:.2f} | {1e3 * g['exchange']:.3f} | "
+                             f"{1e3 * g['step']:.2f} | {1e3 * g['straggler']:.2f} | "
+                             f"{1e3 * g['exchange']:.3f} | {g['samples_per_second']:.0f} | "
                              f"{g['speedup']:.2f} | {g['output_gib_per_host']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def _launch(args, run, result):
+    if run == "1-shard-pair":  # two one-rank jobs at once: a rank beside another on this host
+        other = subprocess.Popen(_command(args, "1-shard", result + ".other"),
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = _launch(args, "1-shard", result)
+        other.wait()
+        os.remove(result + ".other")
+        return out
+    subprocess.run(_command(args, run, result), check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with open(result) as fh:
+        return json.load(fh)
+
+
+def _command(args, run, result) -> list:
     ranks = int(run.split("-")[0])
     cmd = [sys.executable, "-m", "bench.label_shards", "--worker", f"--ranks={ranks}",
            f"--result={result}", f"--epochs={args.epochs}", f"--n-test={args.n_test}",
@@ -236,9 +293,7 @@ def _launch(args, run, result):
     if run != "1":
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + cmd + ["--mpi"]
-    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    with open(result) as fh:
-        return json.load(fh)
+    return cmd
 
 
 def main(argv=None):
@@ -250,9 +305,11 @@ def main(argv=None):
     p.add_argument("--n-test", type=int, default=5000)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--ranks", type=int, default=None, help="(worker) ranks of this run")
-    p.add_argument("--runs", default="1,1-shard,2",
+    p.add_argument("--runs", default="1,1-shard,1-shard-pair,2",
                    help="runs: 1 (one process, no MPI), 1-shard (one rank under mpiexec, the "
-                        "sharded step over the whole layer: the model's base), N (N shards)")
+                        "sharded step over the whole layer: the model's base), 1-shard-pair "
+                        "(two such jobs at once: the base of the check on this one host), N "
+                        "(N shards)")
     p.add_argument("--mpi", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-only", action="store_true", help="re-model OUT.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -104,6 +104,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "--average-every steps, delayed overlaps that average with --delay steps. "
                         "labels: the output layer sharded by label, each rank holding its slice "
                         "of the labels and reading all of TRAIN (models wider than one machine)")
+    t.add_argument("--replicas", type=_positive, default=None, metavar="R",
+                   help="--distributed labels: ranks as shards x R data replicas (sync across "
+                        "replicas, each reading its shard of TRAIN; default 1)")
     t.add_argument("--memory-limit", default=None, metavar="BYTES",
                    help="memory each process may use (e.g. 12G; default: what the machine has "
                         "available); a model that needs more is refused up front")
@@ -257,6 +260,8 @@ def _check_resume_flags(a, model):
 
 def _distributed(a):
     """The DataParallel for ``--distributed`` (None without it), after checking the flags."""
+    if a.replicas and a.distributed != "labels":
+        raise ValueError("--replicas needs --distributed labels")
     if not a.distributed:
         if a.average_every or a.delay:
             raise ValueError("--average-every and --delay need --distributed local or delayed")
@@ -269,21 +274,24 @@ def _distributed(a):
         if a.average_every or a.delay:
             raise ValueError("--average-every and --delay need --distributed local or delayed")
         from slide.shards import LabelShards
-        return LabelShards(timeout=a.mpi_timeout)
+        return LabelShards(timeout=a.mpi_timeout, replicas=a.replicas or 1)
     from slide.distributed import DataParallel
     return DataParallel(mode=a.distributed, every=a.average_every, delay=a.delay, timeout=a.mpi_timeout)
 
 
 def _read_shards(a, dp):
-    """This rank's shard of TRAIN; TEST on rank 0 only (it alone scores and writes)."""
+    """This rank's shard of TRAIN (label shards: its replica's); TEST on the ranks that score
+    it (data parallelism: rank 0, which alone scores and writes; label shards: every rank)."""
     from slide.data import DataFormatError, read_dataset, read_shard
-    Xtr, Ytr, declared = read_shard(a.train, dp.rank, dp.size)
+    labels = dp.mode == "labels"
+    part, parts = (dp.replica, dp.replicas) if labels else (dp.rank, dp.size)
+    Xtr, Ytr, declared = read_shard(a.train, part, parts)
     Xtr, Ytr = dp.agree_shapes(Xtr, Ytr)
     total = dp.total(Xtr.shape[0])
     if declared is not None and total != declared:
         raise DataFormatError(f"{a.train}:1: header declares {declared} rows but the file has {total}")
     Xte = Yte = None
-    if a.test is not None and dp.rank == 0:
+    if a.test is not None and (labels or dp.rank == 0):
         Xte, Yte = read_dataset(a.test, n_features=Xtr.shape[1], n_labels=Ytr.shape[1])
     return Xtr, Ytr, Xte, Yte, total
 
@@ -301,7 +309,7 @@ def _cmd_train(a):
     # file and writes its shard of the checkpoint
     whole = dp is None or dp.mode == "labels"
     _check_outputs(a)
-    if whole:
+    if dp is None or (dp.mode == "labels" and dp.replicas == 1):
         Xtr, Ytr, Xte, Yte = load_train_test(a.train, a.test, seed=a.seed)
         n_rows = Xtr.shape[0]
     else:
@@ -342,7 +350,7 @@ def _cmd_train(a):
     used = "" if dp is not None else f" ({int(labels_present(Ytr).sum())} with a training positive)"
     log(f"train: {n_rows} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels{used}; "
         f"engine={a.engine}, mode={a.mode}"
-        + (f"; {dp.size} ranks, {dp!r}, {Xtr.shape[0]} rows on rank 0" if dp is not None else ""))
+        + (f"; {dp.ranks} ranks, {dp!r}, {Xtr.shape[0]} rows on rank 0" if dp is not None else ""))
     try:
         with stop_on_signals(log=log):
             doc = run_training(model, Xtr, Ytr, Xte, Yte, epochs=a.epochs,

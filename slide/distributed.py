@@ -49,7 +49,7 @@ from numba import njit, prange
 from slide.runtime import copy_into, leading_rows
 from slide.signals import TrainingStopped
 
-__all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank"]
+__all__ = ["DataParallel", "MODES", "DEFAULT_EVERY", "cores_per_rank", "mpi"]
 
 MODES = ("sync", "local", "delayed")
 #: local/delayed: steps between averages. A round carries every row any rank changed since the
@@ -60,7 +60,8 @@ DEFAULT_EVERY = 64
 DEFAULT_TIMEOUT = 300.0
 
 
-def _mpi():
+def mpi():
+    """mpi4py's MPI module, with a message naming the extra where it is missing."""
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - depends on the installation
@@ -71,7 +72,7 @@ def _mpi():
 
 def cores_per_rank(comm) -> int:
     """This host's cores divided among the ranks that share it (at least 1)."""
-    MPI = _mpi()
+    MPI = mpi()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         n_local = local.Get_size()
@@ -193,7 +194,7 @@ class DataParallel:
 
     def __init__(self, comm=None, mode: str = "sync", every: int | None = None,
                  delay: int | None = None, timeout: float = DEFAULT_TIMEOUT):
-        MPI = _mpi()
+        MPI = mpi()
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         if mode not in MODES:
@@ -329,6 +330,11 @@ class DataParallel:
     @property
     def replicas(self) -> int:
         """Ranks that train on different rows."""
+        return self.size
+
+    @property
+    def ranks(self) -> int:
+        """The job's ranks."""
         return self.size
 
     def total(self, n):

@@ -267,7 +267,7 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
                  **entry, "learning_rate": float(rate)}
         if distributed is not None:  # the ranks' mean loss; rates count every rank's rows
             entry = distributed.mean(entry, order.size)
-            entry["ranks"] = distributed.size
+            entry["ranks"] = distributed.ranks
         if validation is not None:
             t0 = time.perf_counter()
             # the full softmax's loss costs an exp per label and row: only where it is the score

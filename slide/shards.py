@@ -22,6 +22,13 @@ up to the order of floating-point sums (``tests/test_distributed.py``). Predicti
 evaluation merge the shards' top-k (one allgather of ``rows × k`` pairs); the validation loss
 combines the shards' normalisers as training does.
 
+Shards × replicas: with ``replicas=R`` the ranks are N shards × R replicas; the ranks of a
+replica train as above on that replica's share of the rows, and the ranks holding the same shard
+in different replicas keep it (and the hidden layers) equal as data parallelism keeps replicas
+(:class:`slide.distributed.DataParallel` over them: ``sync``, ``local`` or ``delayed``). With
+``sync`` and one thread, N shards × R replicas of batch B train as one process on batches of
+R·B.
+
 Checkpoints: every rank writes its own model directory ``step-S/shard-RRRR`` under the
 checkpoint directory (as one process's, atomically), then rank 0 replaces ``shards.json`` with
 one naming them: the commit point, so that the manifest always names a complete set of one
@@ -41,7 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from slide.config import tables_for_rows
-from slide.distributed import DEFAULT_TIMEOUT, DataParallel
+from slide.distributed import DEFAULT_TIMEOUT, DataParallel, cores_per_rank, mpi
 from slide.labels import LabelMap
 
 __all__ = ["LabelShards", "ShardPlace", "MANIFEST", "shard_bounds", "shard_settings", "is_sharded",
@@ -105,36 +112,80 @@ class ShardPlace(NamedTuple):
 
 
 class LabelShards(DataParallel):
-    """Shards a model's output layer by label over the ranks of an MPI communicator.
+    """Shards a model's output layer by label over the ranks of an MPI communicator, and, with
+    ``replicas``, replicates the shards for data parallelism.
 
     Pass it as ``distributed`` to ``SlideClassifier.fit`` (or ``slide train --distributed
-    labels`` under ``mpiexec``): every rank calls with the same rows. The fitted model on each
-    rank holds its shard (``labels_``: the shard's labels; ``label_shards_``: this object);
-    ``predict_topk``, ``predict`` and ``evaluate`` are then collective (every rank calls them
-    with the same rows and gets the whole model's answer), and ``save`` writes a sharded
-    checkpoint (see the module docstring).
+    labels`` under ``mpiexec``). The fitted model on each rank holds its shard (``labels_``:
+    the shard's labels; ``label_shards_``: this object); ``predict_topk``, ``predict`` and
+    ``evaluate`` are then collective (the ranks of a replica call them with the same rows and
+    get the whole model's answer), and ``save`` writes a sharded checkpoint (see the module
+    docstring).
 
-    Parameters: ``comm`` (default ``MPI.COMM_WORLD``), ``timeout`` (seconds any collective may
-    wait before the job is aborted with a message, as :class:`slide.distributed.DataParallel`).
+    Parameters
+    ----------
+    comm : mpi4py communicator (default ``MPI.COMM_WORLD``).
+    replicas : ranks are ``shards × replicas``: rank r holds shard ``r % shards`` of replica
+        ``r // shards``. The ranks of a replica call ``fit`` with the same rows (a replica's
+        shard of the data); the ranks that hold the same shard in different replicas keep it
+        equal as :class:`slide.distributed.DataParallel` keeps replicas (``mode``, ``every``,
+        ``delay`` as there), and with it the hidden layers. Default 1: every rank the same
+        rows.
+    timeout : seconds any collective may wait before the job is aborted with a message.
 
-    Attributes after training: ``bytes_sent_`` (float32 payload this rank put into
-    collectives), ``steps_``, ``wait_seconds_`` (blocked on the network).
+    ``rank`` and ``size`` are the shard's index and the shard count; ``replica`` the replica's
+    index. Attributes after training: ``bytes_sent_`` (float32 payload this rank put into the
+    shards' collectives), ``steps_``, ``wait_seconds_`` (blocked on the network);
+    ``replication`` (the :class:`~slide.distributed.DataParallel` across replicas, or None).
     """
 
-    def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT):
-        super().__init__(comm, mode="sync", timeout=timeout)
+    def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT, replicas: int = 1,
+                 mode: str = "sync", every: int | None = None, delay: int | None = None):
+        MPI = mpi()
+        world = MPI.COMM_WORLD if comm is None else comm
+        if isinstance(replicas, bool) or not isinstance(replicas, (int, np.integer)) or \
+                replicas < 1 or world.Get_size() % replicas:
+            raise ValueError(f"replicas must divide the {world.Get_size()} ranks, got {replicas!r}")
+        shards = world.Get_size() // int(replicas)
+        self.replica = world.Get_rank() // shards
+        # the ranks of one replica (the same rows, every shard) and of one shard (every replica)
+        group = world if replicas == 1 else world.Split(self.replica, world.Get_rank())
+        super().__init__(group, mode="sync", timeout=timeout)
         self.mode = "labels"
+        self.threads = cores_per_rank(world)
+        self._world = self if replicas == 1 else DataParallel(world, mode="sync", timeout=timeout)
+        self.replication = None
+        if replicas > 1:
+            self.replication = DataParallel(world.Split(self.rank, world.Get_rank()), mode=mode,
+                                            every=every, delay=delay, timeout=timeout)
+        elif mode != "sync" or every is not None or delay is not None:
+            raise ValueError("mode, every and delay apply across replicas (replicas > 1)")
 
     def __repr__(self):
-        return f"LabelShards(shards={self.size})"
+        r = self.replication
+        return f"LabelShards(shards={self.size}" + ("" if r is None else
+                                                    f", replicas={r.size}, mode={r.mode!r}") + ")"
 
-    #: a step's gradients are this rank's rows' alone: no row waits for another rank's
-    sums_gradients = False
+    @property
+    def sums_gradients(self) -> bool:
+        """Whether the replicas sum a step's gradients before its update."""
+        return self.replication is not None and self.replication.sums_gradients
 
     @property
     def replicas(self) -> int:
-        """Ranks that train on different rows: one (every rank sees every row)."""
-        return 1
+        """Ranks that train on different rows: the replicas."""
+        return 1 if self.replication is None else self.replication.size
+
+    @property
+    def ranks(self) -> int:
+        """The job's ranks: shards × replicas."""
+        return self.size * self.replicas
+
+    def agree_stop(self, signum: int) -> int:
+        return DataParallel.agree_stop(self._world, signum)
+
+    def settle_stop(self) -> None:
+        DataParallel.settle_stop(self._world)
 
     def bounds(self, n_rows: int) -> tuple[int, int]:
         """This rank's output rows ``[lo, hi)`` of ``n_rows``."""
@@ -142,7 +193,10 @@ class LabelShards(DataParallel):
 
     # -- data: every rank holds every row -------------------------------------------------------
     def agree_shapes(self, X, Y):
-        """Check that every rank was given the same rows (shapes and non-zeros)."""
+        """Check that the ranks of a replica were given the same rows (shapes and non-zeros);
+        the replicas' shards of the data as ``DataParallel`` does."""
+        if self.replication is not None:
+            X, Y = self.replication.agree_shapes(X, Y)
         mine = np.array([X.shape[0], X.shape[1], Y.shape[1], X.nnz, Y.nnz], np.int64)
         if (self.allreduce(mine, "max") != mine).any() or (-self.allreduce(-mine, "max") != mine).any():
             raise ValueError("label shards train on the same rows on every rank: the ranks were "
@@ -150,17 +204,20 @@ class LabelShards(DataParallel):
                              "non-zeros); give every rank the whole training file")
         return X, Y
 
+    # the ranks of a replica hold the same rows: what the data says is the replicas' sum
     def total(self, n):
-        return n
+        return n if self.replication is None else self.replication.total(n)
 
     def epoch_order(self, order, batch):
-        return order
+        return order if self.replication is None else self.replication.epoch_order(order, batch)
 
     def mean(self, values, weight):
-        return values  # computed from the whole model on every rank: already the same
+        # scored from the whole model on every rank of a replica: already the same there
+        return values if self.replication is None else self.replication.mean(values, weight)
 
     def merge_preprocessor(self, pre) -> None:
-        pass
+        if self.replication is not None:
+            self.replication.merge_preprocessor(pre)
 
     def shard_labels(self, labels: LabelMap, log_prior):
         """This rank's part of the output rows (a :class:`LabelMap` of the whole label space)
@@ -188,7 +245,10 @@ class LabelShards(DataParallel):
     # -- the model ------------------------------------------------------------------------------
     def start(self, state, record=None) -> None:
         """Make the hidden layers (weights, moments), counters and learning rate rank 0's; the
-        output rows are each rank's own."""
+        output rows are each shard's own (the same shard's in every replica: the first
+        replica's)."""
+        if self.replication is not None:
+            self.replication.start(state, record)
         self._model = state
         for arrays, names in ((state.params, ("W0", "b0", "Wh", "bh")),
                               (state.moments, ("W0.m", "W0.v", "b0.m", "b0.v", "Wh.m", "Wh.v",
@@ -208,16 +268,22 @@ class LabelShards(DataParallel):
             record.epoch = epoch
 
     def before_update(self, state, out_rows, in_rows, grads):
-        return out_rows, in_rows, grads
+        if self.replication is None:
+            return out_rows, in_rows, grads
+        return self.replication.before_update(state, out_rows, in_rows, grads)
 
     def after_update(self, state, out_rows, in_rows) -> None:
         self.steps_ += 1
+        if self.replication is not None:
+            self.replication.after_update(state, out_rows, in_rows)
 
     def finish(self, state) -> None:
         """End of an epoch: settle the stop agreement and check that the hidden layers are
         still equal on every rank (the ranks compute the same update, but a kernel's threads
         may add in another order); where they are not, rank 0's are given to all."""
         self.settle_stop()
+        if self.replication is not None:
+            self.replication.finish(state)
         p = state.params
         sums = np.array([float(np.sum(p[k], dtype=np.float64)) for k in ("W0", "b0", "Wh", "bh")])
         if (self.allreduce(sums, "max") != -self.allreduce(-sums, "max")).any():
@@ -313,6 +379,8 @@ class LabelShards(DataParallel):
         """Every rank writes its shard with ``write(directory)`` into a directory of this step's
         (``step-S/shard-RRRR``); once every shard is complete rank 0 replaces the manifest
         with one naming them, the commit point, and removes the earlier steps' shards."""
+        if self.replica > 0:  # the replicas hold the same shards: the first one writes
+            return
         path = os.fspath(path)
         step_dir = f"step-{int(model.step_)}"
         if self.rank == 0:

@@ -145,9 +145,12 @@ def test_cli_label_shards_train_save_and_evaluate_in_one_process(tmp_path):
     Xte, Yte = read_dataset(test)
     assert whole.epoch_ == 2 and whole.n_outputs_ == 12
     assert abs(whole.evaluate(Xte, Yte)["P@1"] - doc["test"]["P@1"]) < 1e-6
+    # the same 2 shards, each now in 2 replicas (each reading half the rows)
     out, _ = _mpiexec("-m", "slide.cli", "train", str(train), "--distributed", "labels",
-                      "--resume", "--save", str(model), "--epochs", "3", "--no-progress")
+                      "--replicas", "2", "--resume", "--save", str(model), "--epochs", "3",
+                      "--no-progress", ranks=4)
     assert out.returncode == 0 and "resuming from" in out.stdout, out.stdout + out.stderr
+    assert "replicas=2" in out.stdout
     assert SlideClassifier.load(model).epoch_ == 3
     steps = [d for d in os.listdir(model) if d.startswith("step-")]
     assert len(steps) == 1  # the earlier steps' shards are gone once the manifest moved on
