@@ -239,7 +239,8 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
             rows = -(-self.n_outputs_fitted_ // n_shards)
             return model_memory_bytes(shard_settings(self.config_, resolved, n_shards, rows),
                                       self.n_features_in_, rows, threads,
-                                      features_per_row=self.features_per_row_)
+                                      features_per_row=self.features_per_row_,
+                                      best_weights=self.config_.early_stopping)
 
         check_fits(need(1 if shards is None else shards.size),
                    f"a model of {self.n_features_in_} features, hidden {self.resolved_['hidden']} "

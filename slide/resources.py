@@ -58,12 +58,12 @@ def available_memory_bytes() -> int | None:
 
 def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: int,
                        compact_gradients: bool = True, features_per_row: float | None = None,
-                       runs: int = 1) -> dict:
+                       runs: int = 1, best_weights: bool = True) -> dict:
     """Bytes a model needs, by part, for :func:`slide.config.resolve`'s settings ``resolved``
     over ``n_labels`` output rows.
 
-    Per parameter, float32 weights and two Adam moments, and one more for the best weights kept
-    by early stopping; LSH tables and per-thread scratch. Gradients: with ``compact_gradients``
+    Per parameter, float32 weights and two Adam moments, and, with ``best_weights``, one more
+    for the best weights kept by early stopping; LSH tables and per-thread scratch. Gradients: with ``compact_gradients``
     (the engine's), a row for each output row one step can add gradients to (the batch's LSH
     candidates and labels and the shared pool, at most every label) and for each input row (a
     batch's non-zeros at ``features_per_row``, at most every feature); otherwise (the dense
@@ -83,7 +83,7 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
             gradients -= (n_features - in_rows) * hidden[0]
     runs = max(1, int(runs))
     parts = {"parameters": 4 * n_params * runs, "adam_moments": 8 * n_params * runs,
-             "gradients": 4 * gradients, "best_weights": 4 * n_params * runs}
+             "gradients": 4 * gradients, "best_weights": 4 * n_params * runs * best_weights}
     tables = 0
     for t in [resolved.get("tables")] + [l["tables"] for l in resolved.get("hidden_layers", []) if l]:
         if t:

@@ -119,9 +119,10 @@ def delayed_learns_like_one_process(mode="delayed"):
               f"{dp.bytes_sent_ / max(dp.steps_, 1):.0f} bytes/step")
 
 
-def rank_fails(how="raises"):
+def rank_fails(how="raises", kind="sync"):
     """Rank 1 fails after its first epoch (``raises``: an exception; ``dies``: killed;
-    ``hangs``: stops answering): the job must end, not hang."""
+    ``hangs``: stops answering): the job must end, not hang. ``kind``: data parallelism
+    (``sync``) or label shards (``labels``)."""
     X, Y = _data(400)
 
     def on_epoch(model, record):
@@ -132,10 +133,15 @@ def rank_fails(how="raises"):
                 time.sleep(120)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    _model(epochs=3).fit(X[RANK::SIZE], Y[RANK::SIZE], on_epoch=on_epoch,
-                         # a short deadline only where it is the point: elsewhere a rank still
-                         # compiling kernels must not look like a hung one
-                         distributed=DataParallel(mode="sync", timeout=3 if how == "hangs" else 60))
+    # a short deadline only where it is the point: elsewhere a rank still compiling kernels
+    # must not look like a hung one
+    timeout = 3 if how == "hangs" else 60
+    if kind == "labels":
+        from slide.shards import LabelShards
+        _model(epochs=3).fit(X, Y, on_epoch=on_epoch, distributed=LabelShards(timeout=timeout))
+    else:
+        _model(epochs=3).fit(X[RANK::SIZE], Y[RANK::SIZE], on_epoch=on_epoch,
+                             distributed=DataParallel(mode="sync", timeout=timeout))
     raise AssertionError("training went on after a rank failed")
 
 
@@ -208,10 +214,16 @@ def labels_learn_like_one_process():
     settings = dict(hidden=(32,), sparsity=0.3, batch_size=16, epochs=6, lr=3e-3)
     m = _model(**settings).fit(X, Y, distributed=LabelShards())
     p_dist = m.evaluate(Xte, Yte)["P@1"]
+    # sub-linear serving: each shard's LSH candidates, merged as the exact top-k are
+    exact = m.predict_topk(Xte, 5)[0]
+    found = m.predict_topk(Xte, 5, mode="lsh")[0]
+    recall = np.mean([len(set(a) & set(b)) / 5 for a, b in zip(exact, found)])
+    assert found.max() < Y.shape[1] and recall > 0.5, recall
     if RANK == 0:
         p_one = _model(**settings).fit(X, Y).evaluate(Xte, Yte)["P@1"]
         assert p_dist >= p_one - 0.03, f"2 label shards: P@1 {p_dist:.3f}, one process {p_one:.3f}"
-        print(f"OK labels_learn P@1 {p_dist:.3f} (one process {p_one:.3f})")
+        print(f"OK labels_learn P@1 {p_dist:.3f} (one process {p_one:.3f}); LSH recall@5 "
+              f"{recall:.3f}")
 
 
 def labels_replicas_equal_one_process(mode="sync"):

@@ -64,8 +64,9 @@ def test_averaging_modes_learn_like_one_process(mode):
 @pytest.mark.parametrize("how, says", [("raises", "rank 1 of 2: training failed"),
                                        ("dies", "signal 9"),
                                        ("hangs", "no answer from the other ranks within 3 s")])
-def test_a_failing_rank_ends_the_job(how, says):
-    out, seconds = _mpiexec("-m", "tests.mpi_cases", "rank_fails", how, timeout=90)
+@pytest.mark.parametrize("kind", ["sync", "labels"])
+def test_a_failing_rank_ends_the_job(how, says, kind):
+    out, seconds = _mpiexec("-m", "tests.mpi_cases", "rank_fails", how, kind, timeout=90)
     assert out.returncode != 0
     assert says in out.stdout + out.stderr, out.stdout + out.stderr
     assert seconds < 60
