@@ -379,9 +379,21 @@ class DataParallel:
         """Make every replica rank 0's: the training state's parameters, moments, hash seed,
         counters and learning rate, and the run record's epoch."""
         self._model, self._round = state, None
-        for arrays in (state.params, state.moments):
-            for k in sorted(arrays):
-                self.broadcast(arrays[k])
+        self.share(state, record)
+        if record is not None:
+            record.epoch_position = 0  # a shard's position in its epoch means nothing elsewhere
+        self._n_out, self._n_in = state.n_labels, state.n_features
+        self._changed = np.zeros(self._n_out + self._n_in, bool)
+        self._step = 0
+
+    def share(self, state, record=None, params=None) -> None:
+        """Give every rank rank 0's parameters ``params`` (names; default all) with their
+        moments, its hash seed, counters and learning rate, and its record's epoch."""
+        names = sorted(state.params) if params is None else params
+        for k in names:
+            for arrays, key in ((state.params, k), (state.moments, f"{k}.m"), (state.moments, f"{k}.v")):
+                if arrays[key].size:
+                    self.broadcast(arrays[key])
         epoch = record.epoch if record is not None else 0
         counters = np.array([state.hash_seed, state.step, state.samples_seen, epoch], np.int64)
         self.broadcast(counters)
@@ -392,10 +404,6 @@ class DataParallel:
         state.params_changed()
         if record is not None:
             record.epoch = epoch
-            record.epoch_position = 0  # a shard's position in its epoch means nothing elsewhere
-        self._n_out, self._n_in = state.n_labels, state.n_features
-        self._changed = np.zeros(self._n_out + self._n_in, bool)
-        self._step = 0
 
     def _buffer(self, name: str):
         """A function giving a float32 buffer of n values, kept between steps: a round can

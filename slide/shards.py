@@ -56,6 +56,8 @@ __all__ = ["LabelShards", "ShardPlace", "MANIFEST", "shard_bounds", "shard_setti
 
 #: the file that makes a directory of shard checkpoints complete
 MANIFEST = "shards.json"
+#: the parameters every shard holds whole (the hidden layers)
+HIDDEN = ("W0", "b0", "Wh", "bh")
 
 
 def shard_bounds(n_rows: int, n_shards: int, index: int) -> tuple[int, int]:
@@ -250,22 +252,7 @@ class LabelShards(DataParallel):
         if self.replication is not None:
             self.replication.start(state, record)
         self._model = state
-        for arrays, names in ((state.params, ("W0", "b0", "Wh", "bh")),
-                              (state.moments, ("W0.m", "W0.v", "b0.m", "b0.v", "Wh.m", "Wh.v",
-                                               "bh.m", "bh.v"))):
-            for k in names:
-                if arrays[k].size:
-                    self.broadcast(arrays[k])
-        epoch = record.epoch if record is not None else 0
-        counters = np.array([state.hash_seed, state.step, state.samples_seen, epoch], np.int64)
-        self.broadcast(counters)
-        state.hash_seed, state.step, state.samples_seen, epoch = (int(v) for v in counters)
-        lr = np.array([state.learning_rate], np.float64)
-        self.broadcast(lr)
-        state.learning_rate = float(lr[0])
-        state.params_changed()
-        if record is not None:
-            record.epoch = epoch
+        self.share(state, record, params=HIDDEN)
 
     def before_update(self, state, out_rows, in_rows, grads):
         if self.replication is None:
@@ -284,10 +271,9 @@ class LabelShards(DataParallel):
         self.settle_stop()
         if self.replication is not None:
             self.replication.finish(state)
-        p = state.params
-        sums = np.array([float(np.sum(p[k], dtype=np.float64)) for k in ("W0", "b0", "Wh", "bh")])
+        sums = np.array([float(np.sum(state.params[k], dtype=np.float64)) for k in HIDDEN])
         if (self.allreduce(sums, "max") != -self.allreduce(-sums, "max")).any():
-            self.start(state)
+            self.share(state, params=HIDDEN)
 
     # -- the step -------------------------------------------------------------------------------
     def normaliser(self, stats: np.ndarray, Yb) -> np.ndarray:
