@@ -492,14 +492,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         own = ck.object("dense") or {}
         own = {k: own[k] for k in ("negatives", "precision") if k in own}
         model = cls(**ck.config_params(cls), device=device, **own)
-        model.config_ = model._config()
-        model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        model.rare_share_, model.choice_ = ck.rare_share, ck.choice
-        model.labels_per_row_ = ck.labels_per_row
-        model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
-        model.features_per_row_ = ck.features_per_row
-        model.log_prior_ = ck.log_prior
-        model.resolved_ = model._resolve(model.config_)
+        model.read_fitted(ck)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size)
         model._set_arrays(ck.arrays_like(shapes),
                           ck.arrays_like(shapes, prefix="adam.", suffixes=(".m", ".v"), zeros=True))
@@ -507,7 +500,6 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         if model.record_.best_params:
             model.record_.best_params = {k: model._xp.asarray(v)
                                          for k, v in model.record_.best_params.items()}
-        model.preprocessor_ = ck.preprocessor(ck.n_features)
         model.learning_rate_ = ck.float("learning_rate", model.resolved_["lr"], positive=True)
         model.step_ = ck.step
         return model

@@ -126,6 +126,21 @@ class TrainableMixin:
             self.labels_, self.log_prior_ = distributed.shard_labels(self.labels_, self.log_prior_)
         self.record_ = FitRecord()
 
+    def read_fitted(self, ck, shards=None) -> None:
+        """What :meth:`fit_data` learns, and the settings resolved from it, from a
+        :class:`slide.checkpoint.Checkpoint` (a model's ``load``); ``shards``: the label shards
+        its output rows are one of, or None."""
+        self.config_ = self._config()
+        self.n_features_in_, self.n_labels_, self.n_train_ = ck.n_features, ck.n_labels, ck.n_train
+        self.rare_share_, self.choice_ = ck.rare_share, ck.choice
+        self.labels_per_row_ = ck.labels_per_row
+        self.labels_, self.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
+        self.features_per_row_ = ck.features_per_row
+        self.log_prior_ = ck.log_prior
+        self.label_shards_ = shards
+        self.preprocessor_ = ck.preprocessor(ck.n_features)
+        self.resolved_ = self._resolve(self.config_)
+
     def prior_shift(self):
         """What prediction adds to each output row's logit: ``-PRIOR_CORRECTION · log prior``
         where the output layer is computed whole (docs/prior-correction.md), else None."""

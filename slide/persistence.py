@@ -76,17 +76,8 @@ class Persistence:
             raise CheckpointError(f"{path}: shard {part.get('index')} of {part.get('count')}, "
                                   f"loaded by rank {shards.rank} of {shards.size}")
         model = cls(**ck.config_params(cls))
-        model.config_ = model._config()
-        model.n_features_in_, model.n_labels_, model.n_train_ = ck.n_features, ck.n_labels, ck.n_train
-        model.rare_share_, model.choice_ = ck.rare_share, ck.choice
-        model.labels_per_row_ = ck.labels_per_row
-        model.labels_, model.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
-        model.features_per_row_ = ck.features_per_row
-        model.label_shards_ = shards
-        model.resolved_ = model._resolve(model.config_)
+        model.read_fitted(ck, shards)
         model.inference_only_ = bool(ck.meta.get("inference_only", False))
-        model.preprocessor_ = ck.preprocessor(model.n_features_in_)
-        model.log_prior_ = ck.log_prior
         model.state_ = TrainingState.from_checkpoint(ck, model.config_, model.resolved_)
         model.state_.bias_shift = model.prior_shift()
         model.server_ = Server(model.state_)
