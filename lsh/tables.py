@@ -29,7 +29,7 @@ from numba import njit, prange
 from slide.runtime import aligned_zeros, borrowed, copy_into, prefetch, thread_chunks
 from lsh.families import make_family
 
-__all__ = ["TableConfig", "HashTables", "autotune", "query_one", "query_union",
+__all__ = ["TableConfig", "HashTables", "autotune", "bucket_size_for", "query_one", "query_union",
            "select_candidates", "claim", "QueryScratch"]
 
 FIFO, RESERVOIR = 0, 1
@@ -71,6 +71,12 @@ class TableConfig:
         return 4 * self.L * (1 << self.range_pow) * (self.bucket_size + 1)
 
 
+def bucket_size_for(n_neurons: int, range_pow: int, max_bucket_size: int = 256) -> int:
+    """:func:`autotune`'s bucket size for ``n_neurons`` over ``2**range_pow`` buckets: room for
+    4 neurons a bucket on average, from 4 to ``max_bucket_size``."""
+    return max(4, min(max_bucket_size, int(math.ceil(4 * int(n_neurons) / (1 << range_pow)))))
+
+
 def autotune(n_neurons: int, sparsity: float, family: str = "dwta", policy: str = "reservoir",
              max_memory_bytes: int = 1 << 30, max_tables: int = 128, max_bucket_size: int = 256,
              **overrides) -> TableConfig:
@@ -89,7 +95,7 @@ def autotune(n_neurons: int, sparsity: float, family: str = "dwta", policy: str 
     range_pow = max(4, min(range_pow, max(4, int(math.ceil(math.log2(max(n_neurons, 2)))))))
     K = max(2, min(8, int(round(range_pow / 3))))
     L = max(4, min(max_tables, int(round(sparsity * (1 << range_pow)))))
-    bucket_size = max(4, min(max_bucket_size, int(math.ceil(4 * n_neurons / (1 << range_pow)))))
+    bucket_size = bucket_size_for(n_neurons, range_pow, max_bucket_size)
     cfg = dict(family=family, K=K, L=L, range_pow=range_pow, bucket_size=bucket_size, policy=policy)
     cfg.update(overrides)
     while TableConfig(**cfg).memory_bytes() > max_memory_bytes and "L" not in overrides and cfg["L"] > 8:

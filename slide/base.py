@@ -20,7 +20,7 @@ from slide.labels import LabelMap
 from slide.loop import FitRecord
 from slide.preprocess import Preprocessor
 
-__all__ = ["TrainableMixin", "new_rows", "log_prior", "PRIOR_CORRECTION", "softmax_loss",
+__all__ = ["TrainableMixin", "new_rows", "log_prior", "PRIOR_CORRECTION", "softmax_loss", "softmax_parts",
            "array_module"]
 
 
@@ -354,17 +354,28 @@ def new_rows(W, b, positives, H, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
     return np.ascontiguousarray(W_new, np.float32), b_new
 
 
+def softmax_parts(S, Y):
+    """The parts of a softmax cross-entropy of score rows ``S`` [n, L] (numpy or cupy) against
+    the labels of CSR ``Y`` [n, L], per row: the largest score, the sum of exp(score -
+    largest), and the sum of the labels' scores (float64). Parts of several blocks of columns
+    (label shards) combine into the whole row's."""
+    xp = array_module(S)
+    rows = np.repeat(np.arange(S.shape[0]), np.diff(Y.indptr))
+    m = S.max(axis=1, keepdims=True)
+    sums = xp.exp(S - m).sum(axis=1)
+    picked = xp.bincount(xp.asarray(rows), weights=S[xp.asarray(rows), xp.asarray(Y.indices)]
+                         .astype(xp.float64), minlength=S.shape[0])
+    return m[:, 0], sums, picked
+
+
 def softmax_loss(S, Y) -> tuple[float, int]:
     """Summed cross-entropy of score rows ``S`` [n, L] (numpy or cupy) against uniform targets
     over the labels of CSR ``Y`` [n, L], and the number of rows with labels."""
     xp = array_module(S)
     counts = np.diff(Y.indptr)
-    rows = np.repeat(np.arange(S.shape[0]), counts)
-    m = S.max(axis=1, keepdims=True)
-    lse = (m + xp.log(xp.exp(S - m).sum(axis=1, keepdims=True)))[:, 0]
-    picked = S[xp.asarray(rows), xp.asarray(Y.indices)]
-    per_row = xp.bincount(xp.asarray(rows), weights=picked.astype(xp.float64),
-                          minlength=S.shape[0]) / xp.asarray(np.maximum(counts, 1))
+    m, sums, picked = softmax_parts(S, Y)
+    lse = m + xp.log(sums)
+    per_row = picked / xp.asarray(np.maximum(counts, 1))
     has = xp.asarray(counts > 0)
     return float((lse.astype(xp.float64) - per_row)[has].sum()), int((counts > 0).sum())
 

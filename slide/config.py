@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lsh import autotune
+from lsh.tables import bucket_size_for
 
 __all__ = ["SlideConfig", "resolve", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
            "rare_share", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
@@ -454,9 +455,8 @@ def tables_for_rows(config, tables: dict, n_rows: int) -> dict:
     shard's): the same hash functions (K, L, range_pow), buckets sized for the rows as
     :func:`lsh.autotune` sizes them, unless the settings fix ``bucket_size``."""
     out = dict(tables)
-    if not config.bucket_size:  # autotune's rule: room for 4 rows a bucket on average
-        out["bucket_size"] = max(4, min(MAX_BUCKET_SIZE,
-                                        math.ceil(4 * n_rows / (1 << tables["range_pow"]))))
+    if not config.bucket_size:
+        out["bucket_size"] = bucket_size_for(n_rows, tables["range_pow"], MAX_BUCKET_SIZE)
     return out
 
 

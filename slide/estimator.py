@@ -132,14 +132,24 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
     def batch_size_(self) -> int:
         return self.resolved_["batch_size"]
 
-    def _resolve(self, config):
+    def _resolve(self, config, n_shards: int | None = None):
+        """The rule's settings for this model's data, of its label shard where it is one; with
+        ``n_shards``, of the largest of that many shards instead."""
         resolved = resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
                            self.rare_share_, self.choice_, self.labels_per_row_)
         shards = self.shards()
-        if shards is None:
+        if n_shards is None and shards is None:
             return resolved
-        lo, hi = shard_bounds(self.n_outputs_fitted_, shards.size, shards.rank)
-        return shard_settings(config, resolved, shards.size, hi - lo)
+        n = shards.size if n_shards is None else n_shards
+        return shard_settings(config, resolved, n, self._shard_rows(n_shards))
+
+    def _shard_rows(self, n_shards: int | None = None) -> int:
+        """Output rows of this model's label shard, or with ``n_shards`` the most any of that
+        many shards holds."""
+        if n_shards is None:
+            lo, hi = shard_bounds(self.n_outputs_fitted_, self.shards().size, self.shards().rank)
+            return hi - lo
+        return -(-self.n_outputs_fitted_ // n_shards)
 
     def _refresh_config(self):
         """Settings that may change between calls on a fitted model (lr, threads, epochs...)."""
@@ -233,12 +243,8 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         shards = self.shards()
 
         def need(n_shards):  # one rank's bytes with the output rows over n_shards label shards
-            resolved = resolve(self.config_, self.n_features_in_, self.n_outputs_fitted_,
-                               self.n_train_, self.rare_share_, self.choice_,
-                               self.labels_per_row_)
-            rows = -(-self.n_outputs_fitted_ // n_shards)
-            return model_memory_bytes(shard_settings(self.config_, resolved, n_shards, rows),
-                                      self.n_features_in_, rows, threads,
+            return model_memory_bytes(self._resolve(self.config_, n_shards), self.n_features_in_,
+                                      self._shard_rows(n_shards), threads,
                                       features_per_row=self.features_per_row_,
                                       best_weights=self.config_.early_stopping)
 

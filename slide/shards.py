@@ -327,7 +327,7 @@ class LabelShards(DataParallel):
     def evaluate(self, model, X, Y, k: int = 5, loss: bool = False) -> dict:
         """:meth:`slide.base.TrainableMixin.evaluate` over every shard (collective): the top-k
         merged, the loss's normaliser combined over the shards."""
-        from slide.base import array_module
+        from slide.base import array_module, softmax_parts
         from slide.metrics import evaluate as evaluate_topk
         X, Y = model.check_data(X, Y, where="evaluate", fitted=True)
         if not loss:
@@ -344,13 +344,7 @@ class LabelShards(DataParallel):
             ids[lo:hi] = model.labels_.to_labels(rows)
             if shift is not None:  # the loss is training's: of the logits as trained
                 S -= array_module(S).asarray(shift)
-            m = S.max(axis=1)
-            top[lo:hi] = m
-            sums[lo:hi] = np.exp(S - m[:, None]).sum(axis=1)
-            block = Yr[lo:hi]
-            r = np.repeat(np.arange(hi - lo), np.diff(block.indptr))
-            picked[lo:hi] = np.bincount(r, weights=S[r, block.indices].astype(np.float64),
-                                        minlength=hi - lo)
+            top[lo:hi], sums[lo:hi], picked[lo:hi] = softmax_parts(S, Yr[lo:hi])
         ids, scores = self.merge_topk(ids, scores, k)
         best = self.allreduce(top, "max")
         parts = self.allreduce(np.concatenate((sums * np.exp(top - best), picked)))
@@ -371,14 +365,14 @@ class LabelShards(DataParallel):
         step_dir = f"step-{int(model.step_)}"
         if self.rank == 0:
             os.makedirs(os.path.join(path, step_dir), exist_ok=True)
-        self.allreduce(np.zeros(1, np.int64))  # the directory exists before any shard goes in
+        self._barrier()  # the directory exists before any shard goes in
         write(os.path.join(path, step_dir, f"shard-{self.rank:04d}"))
-        lo, _ = self.bounds(model.n_outputs_fitted_)
-        firsts = self._allgather(np.array([lo], np.int64))[:, 0]
+        self._barrier()  # every shard is complete before the manifest names it
         if self.rank == 0:
+            n = int(model.n_outputs_fitted_)
             manifest = {"format": "slide-label-shards", "version": 1,
                         "shards": [f"{step_dir}/shard-{r:04d}" for r in range(self.size)],
-                        "rows": [int(f) for f in firsts] + [int(model.n_outputs_fitted_)]}
+                        "rows": [shard_bounds(n, self.size, r)[0] for r in range(self.size)] + [n]}
             tmp = os.path.join(path, f".{MANIFEST}.tmp")
             with open(tmp, "w") as fh:
                 json.dump(manifest, fh, indent=1)
@@ -388,7 +382,11 @@ class LabelShards(DataParallel):
             for name in os.listdir(path):  # no longer referenced
                 if name.startswith("step-") and name != step_dir:
                     shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-        self.allreduce(np.zeros(1, np.int64))  # the manifest is there when save returns
+        self._barrier()  # the manifest is there when save returns
+
+    def _barrier(self) -> None:
+        """Every rank of the shards here (a collective with the deadline of the others)."""
+        self.allreduce(np.zeros(1, np.int64))
 
     def load(self, cls, path):
         """This rank's shard of the sharded checkpoint ``path``, ready to train on (resume) and

@@ -250,10 +250,9 @@ class TrainingState:
 
     def threads(self) -> int | None:
         """The numba threads a step runs on: the setting, else the host's share of a rank."""
-        threads = self.config.threads
-        if threads is None and self.distributed is not None:
-            threads = self.distributed.threads  # ranks on one host share its cores
-        return threads
+        if self.config.threads is None and self.distributed is not None:
+            return self.distributed.threads  # ranks on one host share its cores
+        return self.config.threads
 
     def train_epoch(self, Xp, Y, order, progress=None, learning_rate: float | None = None) -> dict:
         """One epoch at ``learning_rate`` (None: the current one): a rehash
@@ -313,8 +312,9 @@ class TrainingState:
                               qs.cand, qs.hits, qs.hist, self.resolved["lsh_cap"], pool,
                               w.pool_pos, w.pool_bits, z_pool, w.active, w.n_active, n_threads)
         dp = self.distributed
+        sharded = dp is not None and dp.mode == "labels"
         norm, own_logits = w.no_norm, w.no_logits
-        if dp is not None and dp.mode == "labels":  # the softmax is normalised over every shard
+        if sharded:  # the softmax is normalised over every shard
             stats, own_logits = w.stats[:n], w.own_logits
             kernels.logit_stats(acts, h.shape[1], blocks["W"], p["b"], z_pool, w.active,
                                 w.n_active, stats, own_logits)
@@ -336,7 +336,7 @@ class TrainingState:
                                g["b"], m["b.m"], m["b.v"], w.owners, w.slots, g_pool, pool_vec,
                                dH_parts, pool_bounds, kernels.POOL_CHUNK, *hyper)
         t0 = self._tick("pool_matmul", t0)
-        if norm.shape[0]:  # every shard's share of the hidden gradient, and of the loss
+        if sharded:  # every shard's share of the hidden gradient, and of the loss
             loss = dp.sum_shards(dH, loss)
             t0 = self._tick("exchange", t0)
         # the batch's input rows: a feature in one sample's row only (most of them) gets its
