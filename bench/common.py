@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import sys
 import time
 
 import numba
@@ -25,6 +26,13 @@ def dataset(preset: str, n_train: int, n_test: int, seed: int = 0):
     """The synthetic preset, with a fixed shuffled test sample (the generator's test rows are
     already in random order)."""
     return make_dataset(preset, n_train=n_train, n_test=n_test, seed=seed)
+
+
+def mpiexec(ranks: int) -> list:
+    """The command line that starts ``ranks`` ranks: the mpiexec beside this Python (the mpich
+    wheel's), else the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return [beside if os.path.exists(beside) else "mpiexec", "-n", str(ranks)]
 
 
 def write_json(path, obj) -> None:

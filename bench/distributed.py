@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from bench.common import machine, write_json
+from bench.common import machine, mpiexec, write_json
 
 MODES = ("sync", "local", "delayed")
 HOSTS = (2, 8, 32, 128)
@@ -261,8 +261,7 @@ def _launch(args, mode, ranks, result):
                                    ("chunk_batches", args.chunk_batches), ("every", args.every),
                                    ("delay", args.delay), ("lr", args.lr)) if v is not None]
     if ranks > 1:
-        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + cmd
+        cmd = mpiexec(ranks) + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(cmd, check=True, env=env)
     with open(result) as fh:

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from bench.common import machine, write_json
+from bench.common import machine, mpiexec, write_json
 
 HOSTS = (1, 2, 8, 32, 128)
 LABELS = (10 ** 6, 10 ** 7, 10 ** 8)
@@ -291,8 +291,7 @@ def _command(args, run, result) -> list:
     if args.data:
         cmd.append(f"--data={args.data}")
     if run != "1":
-        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + cmd + ["--mpi"]
+        cmd = mpiexec(ranks) + cmd + ["--mpi"]
     return cmd
 
 

@@ -30,7 +30,7 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
-from bench.common import machine, write_json
+from bench.common import machine, mpiexec, write_json
 
 
 def _paths(work):
@@ -156,8 +156,7 @@ def main(argv=None):
     result = args.out + ".tmp.json"
     cmd = [sys.executable, "-m", "bench.wide_shards", "--worker", f"--result={result}",
            f"--work={args.work}", f"--epochs={args.epochs}"]
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(args.ranks)] + cmd
+    cmd = mpiexec(args.ranks) + cmd
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     with open(result) as fh:
         doc["sharded"] = json.load(fh)
