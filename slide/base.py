@@ -43,6 +43,8 @@ class TrainableMixin:
     early_stopping_ = _from_record("early_stopping", "Validation bookkeeping.")
     best_params_ = _from_record("best_params", "The best epoch's weights while a run goes on.")
     single_label_ = _from_record("single_label", "Fitted on a 1-D y (label ids).")
+    plan_ = _from_record("plan", "The plan the run followed, the others' predictions and why "
+                                 "(:class:`slide.planner.Planner`); None without planning.")
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

@@ -93,6 +93,13 @@ def _build_parser() -> argparse.ArgumentParser:
                         "(a fresh run; default: below 10,000 training rows)")
     t.add_argument("--validation-fraction", type=float, default=0.1,
                    help="share of the training rows held out for early stopping (at most 5,000)")
+    t.add_argument("--beta1", type=float, default=0.9,
+                   help="Adam's first-moment decay, the explicit momentum (default: 0.9)")
+    t.add_argument("--plan", choices=["default", "auto"], default="default",
+                   help="auto: probe ways of running this job (learning rate, batch size) on "
+                        "the data for a bounded share of the run and train by the one "
+                        "predicted to reach the default's validation score soonest "
+                        "(docs/planner.md)")
     t.add_argument("--batch-size", type=_positive, default=None,
                    help="default: 32 to 128 by training-set size")
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -296,6 +303,15 @@ def _read_shards(a, dp):
     return Xtr, Ytr, Xte, Yte, total
 
 
+def _planner(a, log):
+    if a.plan != "auto":
+        return None
+    if a.engine != "slide":
+        raise ValueError("--plan auto plans the slide engine's runs")
+    from slide.planner import Planner
+    return Planner(log=log)
+
+
 def _cmd_train(a):
     from slide.train import load_train_test, run_training
     if a.mode == "hetero" and a.engine != "slide":
@@ -331,7 +347,7 @@ def _cmd_train(a):
         log(f"resuming from {a.save} at epoch {model.epoch_}")
     else:
         common = dict(hidden=a.hidden, activation=a.activation, batch_size=a.batch_size,
-                      seed=a.seed, lr=a.lr, weight_decay=a.weight_decay, tfidf=a.tfidf,
+                      seed=a.seed, lr=a.lr, beta1=a.beta1, weight_decay=a.weight_decay, tfidf=a.tfidf,
                       norm=None if a.no_norm else "l2",
                       early_stopping=not a.no_early_stopping,
                       validation_fraction=a.validation_fraction, refit=a.refit, epochs=a.epochs)
@@ -357,7 +373,8 @@ def _cmd_train(a):
                                metrics_json=a.metrics_json if lead else None,
                                checkpoint_dir=a.save if lead or whole else None,
                                progress=lead and not a.no_progress, resume=a.resume,
-                               save_every=a.save_every, log=log, distributed=dp, runner=runner)
+                               save_every=a.save_every, log=log, distributed=dp, runner=runner,
+                               planner=_planner(a, log))
     except TrainingStopped as e:
         epoch, position = e.position or (0, 0)
         where = f"after epoch {epoch}" + (f", {position:,} samples into the next" if position else "")

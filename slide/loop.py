@@ -147,7 +147,7 @@ class FitRecord:
     (a mid-epoch checkpoint); ``history``: one dict per epoch; ``early_stopping``; ``best_params``
     (the best epoch's weights while the run goes on); ``stopping``: the epoch kept and why the
     run stopped (and ``"choice"``, ``"refit"`` where those ran); ``single_label``: fitted on a
-    1-D ``y``.
+    1-D ``y``; ``plan``: the planner's report (:class:`slide.planner.Planner`), if one planned.
     """
     epoch: int = 0
     epoch_position: int = 0
@@ -156,6 +156,7 @@ class FitRecord:
     best_params: dict | None = None
     stopping: dict | None = None
     single_label: bool = False
+    plan: dict | None = None
 
     def to_checkpoint(self, host=None) -> tuple[dict, dict]:
         """``(arrays, meta)`` for a checkpoint: the best weights as ``best.*`` arrays (through
@@ -164,7 +165,7 @@ class FitRecord:
         arrays = {f"best.{k}": v if host is None else host(v) for k, v in best.items()}
         meta = {"epoch": self.epoch, "epoch_position": self.epoch_position,
                 "history": self.history, "stopping": self.stopping,
-                "single_label": bool(self.single_label),
+                "single_label": bool(self.single_label), "plan": self.plan,
                 "early_stopping": self.early_stopping.to_json() if self.early_stopping else None}
         return arrays, meta
 
@@ -178,7 +179,8 @@ class FitRecord:
                    history=ck.records("history"),
                    early_stopping=ck.parsed("early_stopping", EarlyStopping.from_json),
                    best_params=best or None, stopping=ck.object("stopping"),
-                   single_label=bool(ck.meta.get("single_label", False)))
+                   single_label=bool(ck.meta.get("single_label", False)),
+                   plan=ck.object("plan"))
 
 
 def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

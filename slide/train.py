@@ -49,7 +49,7 @@ def _shown_value(key, value):
 
 def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=None,
                  checkpoint_dir=None, progress=True, log=print, resume=False, save_every=None,
-                 distributed=None, runner=None):
+                 distributed=None, runner=None, planner=None):
     """Train ``model`` (the engine or the dense reference) the way ``slide train`` does: validation held out from the training rows, the test set (if any) scored
     after every epoch for the record only, ``metrics_json`` rewritten after every epoch (with
     ``resume``, the records already in it are kept and the new epochs appended) and a
@@ -58,7 +58,9 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
     ``epochs`` is the total (with ``resume``, counting the checkpoint's epochs). ``save_every``
     also checkpoints every that many batches inside an epoch. ``distributed``, ``runner``: see
     :func:`slide.fitting.fit_model` (with ``distributed`` every rank calls this with its shard;
-    give the outputs to rank 0 only).
+    give the outputs to rank 0 only). ``planner``: a :class:`slide.planner.Planner` that
+    probes plans and trains the model by the one it chooses (its report in the record's
+    ``"plan"``).
     """
     test = None
     if Xte is not None:
@@ -104,10 +106,22 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
             m.save(checkpoint_dir)
 
     t0 = time.perf_counter()
+    until = epochs if epochs is not None else (model.resolved_["epochs"] if resume else None)
+    callback, report = on_epoch, None
+    if planner is not None:
+        if resume or distributed is not None or runner is not None:
+            raise ValueError("planning starts a run on one process: not with --resume, "
+                             "--distributed or --mode hetero")
+        report = planner.prepare(model, Xtr, Ytr)
+        doc["plan"] = report
+        doc["config"].update({k: list(v) if isinstance(v, tuple) else v
+                              for k, v in model.get_params().items()})
+        if report["chosen"]["epochs"] is not None:
+            resume, until = True, report["chosen"]["epochs"]
+        callback = planner.watch(report, on_epoch)
     try:
-        model.train(Xtr, Ytr, until_epoch=epochs if epochs is not None else
-                    (model.resolved_["epochs"] if resume else None),
-                    progress=progress, on_epoch=on_epoch, continue_training=resume,
+        model.train(Xtr, Ytr, until_epoch=until,
+                    progress=progress, on_epoch=callback, continue_training=resume,
                     save_every=save_every if checkpoint_dir else None,
                     on_save=lambda m: m.save(checkpoint_dir), distributed=distributed,
                     runner=runner)
@@ -120,6 +134,8 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         raise
     doc["wall_seconds"] = time.perf_counter() - t0
     doc["stopping"] = model.stopping_
+    if report is not None:
+        model.record_.plan = report
     if test is not None:
         doc["test"] = model.evaluate(*test)
     if metrics_json:

@@ -1,0 +1,114 @@
+"""``slide train --plan auto`` against the default plan, side by side in one run.
+
+    python -m bench.plan_auto --train ../shared/data/git_openstack/train.txt --out bench/results/plan_auto_git
+    python -m bench.plan_auto --train /tmp/amz_train.txt --out bench/results/plan_auto_amazon
+
+Each plan runs as its own ``slide train`` process (the default first, then ``--plan auto``), on
+the same training file and cores, no test file (its scoring is not training time). From their
+metrics records: the default's final validation score (the score early stopping kept) and
+its training seconds; the seconds ``--plan auto`` took, probes included, to first reach that
+score (None where it never did) and to its end; the planner's predicted seconds to the score
+against the measured, and its candidates' predictions. Writes ``OUT.json`` and ``OUT.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from bench.common import machine, write_json
+
+
+def _score(entry: dict, metric: str) -> float:
+    return -entry["val_loss"] if metric == "loss" else entry[f"val_{metric}"]
+
+
+def _train(train: str, extra: list, threads: int | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.json")
+        cmd = [sys.executable, "-m", "slide.cli", "train", train, "--no-progress",
+               "--metrics-json", metrics, *extra]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        with open(metrics) as fh:
+            doc = json.load(fh)
+    doc["log"] = out.stdout.splitlines()[-40:]
+    return doc
+
+
+def compare(default: dict, auto: dict) -> dict:
+    """The figures of one side-by-side run from the two metrics records."""
+    metric = "nDCG@5" if default["resolved"]["sampled"] else "loss"
+    target = default["stopping"]["best_score"]
+    elapsed = 0.0
+    curve_default = []
+    for e in default["epochs"]:
+        elapsed += e["train_seconds"] + e.get("eval_seconds", 0.0)
+        curve_default.append((e["epoch"], elapsed, _score(e, metric)))
+    plan = auto.get("plan") or {}
+    curve_auto = [(e["epoch"], e.get("plan_elapsed"), _score(e, metric)) for e in auto["epochs"]]
+    reached = next((t for _, t, s in curve_auto if s >= target - 1e-12), None)
+    chosen = plan.get("chosen", {})
+    return {
+        "metric": f"val_{metric}", "target": target,
+        "default_seconds": default["wall_seconds"],
+        "default_seconds_to_target": next(t for _, t, s in curve_default if s >= target - 1e-12),
+        "auto_seconds": auto["wall_seconds"], "auto_seconds_to_target": reached,
+        "auto_best": max(s for _, _, s in curve_auto),
+        "probe_seconds": plan.get("probe_seconds"), "chosen": chosen.get("plan"),
+        "reason": plan.get("reason"), "predicted_seconds": chosen.get("seconds"),
+        "prediction_error": (chosen["seconds"] / reached - 1) if reached and chosen.get("seconds")
+        else None,
+        "candidates": plan.get("candidates"),
+        "curve_default": curve_default, "curve_auto": curve_auto,
+    }
+
+
+def _markdown(r: dict) -> str:
+    f = r["figures"]
+    rows = [f"# `--plan auto` against the default: {r['train']}", "",
+            f"Machine: {r['machine']}. Command: `{r['command']}`.", "",
+            f"Target: the default's final {f['metric']}, {f['target']:.4f}.", "",
+            "| | seconds to the target | seconds to the end | best score |",
+            "|---|---|---|---|",
+            f"| default | {f['default_seconds_to_target']:.1f} | {f['default_seconds']:.1f} | "
+            f"{f['target']:.4f} |",
+            f"| --plan auto (probes {f['probe_seconds'] or 0:.1f} s) | "
+            + (f"{f['auto_seconds_to_target']:.1f}" if f["auto_seconds_to_target"] else "not reached")
+            + f" | {f['auto_seconds']:.1f} | {f['auto_best']:.4f} |", "",
+            f"Chosen: {f['chosen']} ({f['reason']}). Predicted seconds to the target: "
+            + (f"{f['predicted_seconds']:.1f}" if f["predicted_seconds"] else "none")
+            + (f", off the measured by {f['prediction_error']:+.0%}." if f["prediction_error"]
+               is not None else "."), "",
+            "| candidate | samples/s | efficiency | epochs | predicted seconds |", "|---|---|---|---|---|"]
+    for c in f["candidates"] or []:
+        rows.append(f"| {c['plan']} | {c['samples_per_second']:,.0f} | {c['efficiency']:.2f} | "
+                    f"{c['epochs']} | {c['seconds']:.1f} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--train", required=True)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    default = _train(a.train, [], a.threads)
+    auto = _train(a.train, ["--plan", "auto"], a.threads)
+    r = {"machine": machine(), "train": a.train,
+         "command": "python -m bench.plan_auto " + " ".join(argv or sys.argv[1:]),
+         "figures": compare(default, auto), "default_log": default["log"], "auto_log": auto["log"]}
+    write_json(a.out + ".json", r)
+    with open(a.out + ".md", "w") as fh:
+        fh.write(_markdown(r))
+    print(_markdown(r))
+
+
+if __name__ == "__main__":
+    main()
