@@ -19,7 +19,7 @@ from lsh import autotune
 from lsh.tables import bucket_size_for
 
 __all__ = ["SlideConfig", "resolve", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
-           "rare_share", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
+           "rare_share", "planned_epochs", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
 
 HASH_FAMILIES = ("dwta", "wta", "simhash")
@@ -312,6 +312,15 @@ def default_batch_size(n_train: int) -> int:
     return int(np.clip(2 ** round(math.log2(max(n_train, 1) / 300)), 32, 128))
 
 
+def planned_epochs(n_train: int, batch_size: int, early_stopping: bool = True) -> int:
+    """The rule's planned epochs: enough for :data:`EARLY_STOPPING_STEPS` optimizer steps
+    (between 5 and 100) with early stopping, for 3,000 (between 5 and 30) without."""
+    steps = math.ceil(n_train / batch_size)
+    if early_stopping:
+        return int(np.clip(math.ceil(EARLY_STOPPING_STEPS / steps), 5, 100))
+    return int(np.clip(math.ceil(3000 / steps), 5, 30))
+
+
 #: the most slots a hash bucket of the defaults rule holds (docs/tables.md)
 MAX_BUCKET_SIZE = 64
 
@@ -352,9 +361,7 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     c = config
     out = {}
     batch_size = c.batch_size or default_batch_size(n_train)
-    steps = math.ceil(n_train / batch_size)
-    epochs = c.epochs or (int(np.clip(math.ceil(EARLY_STOPPING_STEPS / steps), 5, 100)) if c.early_stopping
-                          else int(np.clip(math.ceil(3000 / steps), 5, 30)))
+    epochs = c.epochs or planned_epochs(n_train, batch_size, c.early_stopping)
     out.update(batch_size=batch_size, epochs=epochs,
                refit=c.early_stopping and (c.refit if c.refit is not None else n_train < REFIT_ROWS))
     if c.sparsity is None:

@@ -1,25 +1,12 @@
 import json
-import math
 
-import numpy as np
 import pytest
 
 from slide.estimator import SlideClassifier
 from slide.plan import Plan
-from slide.planner import (MARGIN, MAX_EFFICIENCY, Planner, Probe, candidates, choose,
-                           efficiency, predict)
+from slide.planner import MARGIN, Planner, Probe, candidates, choose, predict
 
-ROWS, EPOCHS = 10_000, 10
-POINTS = np.array([2_000, 4_000, 6_000, 8_000])
-
-
-def curve(plan, kappa, rate, eval_seconds=1.0):
-    """A probe whose score is the default's curve 0.05·ln(samples) at kappa times the samples:
-    the plan progresses kappa times as fast a sample, at ``rate`` samples a second."""
-    scores = 0.05 * np.log(kappa * POINTS)
-    return Probe(plan, POINTS.tolist(), scores.tolist(), int(POINTS[-1] - POINTS[0]),
-                 (POINTS[-1] - POINTS[0]) / rate, eval_seconds, POINTS[-1] / rate + 4.0,
-                 EPOCHS, ROWS)
+ROWS = 10_000
 
 
 def test_plan_round_trips_and_says_how_to_run_it():
@@ -34,99 +21,102 @@ def test_plan_round_trips_and_says_how_to_run_it():
     assert Plan.default().command("t.txt") == "slide train t.txt"
     assert Plan(gpu="adaptive").argv()[-4:] == ["--mode", "hetero", "--policy", "adaptive"]
     assert Plan.default().name == "default" and "lr=0.008" in p.name
+    assert Plan(lr=0.1).describe(Plan(lr=0.1)) == "default"
     with pytest.raises(ValueError, match="ranks"):
         Plan(ranks=0)
     with pytest.raises(ValueError, match="GPU worker"):
         Plan(gpu="hogbatch", ranks=2)
     with pytest.raises(ValueError, match="no setting"):
         Plan.from_json({"cores": 3})
+
+
+def test_candidates_are_thread_counts_and_batch_sizes_the_default_first():
     rule = {"batch_size": 128, "lr": 4e-3, "epochs": 9}
-    d, fast, slow, wide = candidates(rule)
-    assert d == Plan.default() and fast.lr == 8e-3 and slow.lr == 2e-3
-    assert wide.batch_size == 256 and wide.lr == pytest.approx(4e-3 * math.sqrt(2))
+    plans = candidates(rule, Plan.default(), cores=8)
+    assert plans[0] == Plan.default()
+    assert [(p.threads, p.batch_size) for p in plans[1:]] == [(None, 256), (4, None), (4, 256)]
+    assert all(p.lr is None and p.beta1 == 0.9 for p in plans)
+    # one core: nothing to halve
+    assert [(p.threads, p.batch_size) for p in candidates(rule, Plan(threads=1))] == \
+        [(1, None), (1, 256)]
 
 
-@pytest.mark.parametrize("kappa", [0.7, 1.0, 1.3, 1.9])
-def test_efficiency_is_the_samples_the_default_needs_for_a_probes_score(kappa):
-    ref = curve(Plan.default(), 1.0, 1000)
-    assert efficiency(ref, curve(Plan(lr=1.0), kappa, 1000)) == pytest.approx(kappa)
-    # beyond what a short probe can vouch for, clipped
-    assert efficiency(ref, curve(Plan(lr=1.0), 5.0, 1000)) == MAX_EFFICIENCY
-    # a default that did not improve gives nothing to compare against
-    flat = Probe(Plan.default(), POINTS.tolist(), [0.2] * 4, 6000, 6.0, 1.0, 10.0, EPOCHS, ROWS)
-    assert efficiency(flat, curve(Plan(lr=1.0), 1.5, 1000)) == 1.0
+def probe(plan, rate, epochs=10, batch=128):
+    return Probe(plan, 4096, 4096 / rate, batch, epochs)
 
 
-def test_prediction_is_remaining_samples_at_the_probes_rate_plus_evaluations():
-    ref = curve(Plan.default(), 1.0, 1000)
-    p = predict(ref, curve(Plan(lr=1.0), 1.25, 2000, eval_seconds=2.0), spent=30.0)
-    need = EPOCHS * ROWS / 1.25  # 80,000 samples: 8 epochs
+def test_prediction_is_the_remaining_samples_at_the_probes_rate_plus_evaluations():
+    p = predict(probe(Plan(threads=1), 2000.0, epochs=8), ROWS, done=6000, spent=30.0,
+                eval_seconds=2.0)
     assert p.epochs == 8
-    assert p.seconds == pytest.approx(30.0 + (need - POINTS[-1]) / 2000 + 8 * 2.0)
-    assert predict(ref, ref, 0.0).epochs == EPOCHS
+    assert p.seconds == pytest.approx(30.0 + (8 * ROWS - 6000) / 2000 + 8 * 2.0)
 
 
-def test_the_planner_chooses_the_plan_the_curves_make_soonest():
-    d = curve(Plan.default(), 1.0, 1000)
-    # (kappa, rate) per plan, and the plan that reaches the target soonest
+def test_the_planner_chooses_the_plan_the_speed_curves_make_soonest():
+    """Rates and planned epochs where the answer is known: a plan at twice the batch takes the
+    same steps, so twice the epochs, and wins only where it more than doubles the rate."""
+    d = Plan.default()
     cases = [
-        ([(1.6, 1000), (1.0, 1100)], 1),  # more progress a sample at the same speed
-        ([(0.9, 1000), (1.0, 2000)], 2),  # twice the speed at the same progress
-        ([(1.5, 500), (0.5, 3000)], 2),  # 0.75 against 1.5 of the default's pace
-        ([(1.05, 1000), (0.8, 1300)], 0),  # within the margin: the default
-        ([(0.6, 1000), (0.5, 1000)], 0),  # all slower
+        # (samples/s, epochs) of the default, then the others; the plan that should win
+        ([(1000, 10), (2500, 20)], 1),  # twice the batch at 2.5x the rate: 0.8 of the time
+        ([(1000, 10), (1800, 20)], 0),  # twice the batch at 1.8x: slower
+        ([(1000, 10), (900, 20), (1300, 10)], 2),  # half the threads, faster (a busy machine)
+        ([(1000, 10), (1050, 10)], 0),  # within the margin: the default
     ]
-    for plans, want in cases:
-        probes = [d] + [curve(Plan(lr=float(i + 1)), k, r) for i, (k, r) in enumerate(plans)]
-        preds = [predict(d, p, 10.0) for p in probes]
+    for curves, want in cases:
+        probes = [probe(d if i == 0 else Plan(threads=i), r, e) for i, (r, e) in enumerate(curves)]
+        preds = [predict(p, ROWS, done=5000, spent=5.0, eval_seconds=0.5) for p in probes]
         chosen, why = choose(preds)
-        assert chosen is preds[want], (plans, [p.seconds for p in preds])
+        assert chosen is preds[want], (curves, [p.seconds for p in preds])
         assert ("sooner than the default" in why) == (want == 0)
     # the margin is what keeps the default on a near tie
-    preds = [predict(d, p, 0.0) for p in (d, curve(Plan(lr=1.0), 1.0 / (1 - MARGIN / 2), 1000))]
+    preds = [predict(probe(d, 1000), ROWS, 0, 0.0, 0.0),
+             predict(probe(Plan(threads=1), 1000 / (1 - MARGIN / 2)), ROWS, 0, 0.0, 0.0)]
     assert choose(preds)[0] is preds[0] and choose(preds, margin=0.0)[0] is preds[1]
 
 
 def _model(**kw):
-    return SlideClassifier(hidden=(64,), refit=False, tfidf=False, weight_decay=1.0, epochs=6,
-                           threads=1, seed=3, lr=4e-3, **kw)
+    kw = {"epochs": 6, **kw}
+    return SlideClassifier(hidden=(64,), refit=False, tfidf=False, weight_decay=1.0, seed=3,
+                           lr=4e-3, **kw)
 
 
-def test_the_chosen_plan_runs_on_from_its_probe(tiny_data, tmp_path):
+def test_the_chosen_plan_trains_on_from_the_probes(tiny_data, tmp_path):
     Xtr, Ytr, Xte, Yte = tiny_data
     lines = []
     base = Plan.of(_model().get_params())
-    fast = base.but(lr=8e-3)
-    model = Planner(plans=[base, fast], log=lines.append).fit(_model(), Xtr, Ytr)
+    one = base.but(threads=1)
+    model = Planner(plans=[base, one], log=lines.append).fit(_model(), Xtr, Ytr)
     report = model.plan_
-    assert [c["plan"] for c in report["candidates"]] == ["default", "lr=0.008"]
-    # the default's probe sized both: equal samples, within the first epoch
-    samples = [p["samples"][-1] for p in report["probes"]]
-    assert samples[0] == samples[1] == report["probe_samples"] < 0.9 * Xtr.shape[0]
-    chosen = Plan.from_json(report["chosen"]["settings"])
-    assert model.get_params()["lr"] == chosen.lr
-    # one check per epoch run, and the run planned the chosen epochs
+    assert [c["plan"] for c in report["candidates"]] == ["default", "threads=1"]
+    # the probes are the start of the run's first epoch, which goes on from there
+    first_batch = report["probes"][0]["batch_size"]  # compiles: not timed
+    assert report["probe_samples"] == first_batch + sum(p["samples"] for p in report["probes"])
+    n = Xtr.shape[0] - round(0.1 * Xtr.shape[0])
     ran = [h["epoch"] for h in model.history_]
-    assert [c["epoch"] for c in report["checks"]] == ran
-    assert ran[-1] <= report["chosen"]["epochs"]
+    assert model.samples_seen_ == ran[-1] * n
+    chosen = Plan.from_json(report["chosen"]["settings"])
+    assert model.get_params()["threads"] == chosen.threads
+    assert [c["epoch"] for c in report["checks"]] == ran and ran[-1] <= report["chosen"]["epochs"]
     assert any(line.startswith("plan: ") for line in lines)
     assert model.evaluate(Xte, Yte)["P@1"] > 0.4  # a plain fit: 0.55
     model.save(tmp_path / "m")
     assert SlideClassifier.load(tmp_path / "m").plan_ == json.loads(json.dumps(report))
 
 
-def test_a_probe_is_the_start_of_the_plans_own_run(tiny_data):
-    """The chosen plan's probe is the first samples of its run: the model it continues from
-    holds them (its position in epoch 1), and the run goes on from there."""
+def test_a_plan_at_another_batch_size_takes_the_rules_epochs_for_it(tiny_data, monkeypatch):
     Xtr, Ytr, _, _ = tiny_data
-    planner = Planner(plans=[Plan.of(_model().get_params())], log=lambda *a: None)
-    model = _model()
-    report = planner.prepare(model, Xtr, Ytr)
-    assert model.epoch_ == 0 and model.epoch_position_ == report["probe_samples"]
-    assert model.samples_seen_ == report["probe_samples"]
-    model.train(Xtr, Ytr, continue_training=True, until_epoch=2)
-    n = Xtr.shape[0] - round(0.1 * Xtr.shape[0])
-    assert model.samples_seen_ == 2 * n
+    base = Plan.of(_model(epochs=None).get_params())
+    wide = base.but(batch_size=64)
+    monkeypatch.setattr("slide.planner.choose", lambda preds, margin: (preds[-1], "the last"))
+    model = _model(epochs=None)
+    report = Planner(plans=[base, wide], log=lambda *a: None).prepare(model, Xtr, Ytr)
+    probes = {p["batch_size"]: p["epochs"] for p in report["probes"]}
+    assert probes[64] == min(100, max(5, -(-10_000 // -(-2700 // 64))))
+    assert probes[32] == min(100, max(5, -(-10_000 // -(-2700 // 32))))
+    assert model.get_params()["batch_size"] == 64
+    assert model.get_params()["epochs"] == probes[64]
+    assert model.epoch_position_ == report["probe_samples"]
 
 
 def test_planning_leaves_runs_it_cannot_continue_to_the_default(tiny_data):
@@ -136,5 +126,29 @@ def test_planning_leaves_runs_it_cannot_continue_to_the_default(tiny_data):
         SlideClassifier(hidden=(32,), epochs=2, threads=1), Xtr, Ytr)
     assert model.plan_["chosen"]["plan"] == "default"
     assert "trains again on every row" in model.plan_["reason"]
+    assert model.stopping_["refit"]["epochs"] >= 1
     with pytest.raises(ValueError, match="early_stopping"):
         Planner().prepare(_model(early_stopping=False), Xtr, Ytr)
+
+
+def test_slide_train_plan_auto_prints_and_records_the_plan(tiny_data, tmp_path, capsys):
+    from slide.cli import main
+    from slide.data import write_xmc
+    write_xmc(tmp_path / "t.txt", tiny_data[0], tiny_data[1])
+    base = ["train", str(tmp_path / "t.txt"), "--epochs", "3", "--hidden", "16", "--no-refit",
+            "--no-tfidf", "--weight-decay", "1", "--no-progress"]
+    assert main(base + ["--plan", "auto", "--metrics-json", str(tmp_path / "r.json"),
+                        "--save", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "plan probe 1/" in out and "plan: " in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    plan = doc["plan"]
+    assert plan["chosen"]["plan"] in [c["plan"] for c in plan["candidates"]]
+    assert len(plan["checks"]) == len(doc["epochs"])
+    assert all("plan_elapsed" in e for e in doc["epochs"])
+    chosen = Plan.from_json(plan["chosen"]["settings"])
+    assert doc["config"]["threads"] == chosen.threads
+    assert SlideClassifier.load(tmp_path / "m").plan_["chosen"] == plan["chosen"]
+    assert main(base + ["--plan", "auto", "--resume", "--save", str(tmp_path / "m"),
+                        "--overwrite"]) != 0
+    assert "not with --resume" in capsys.readouterr().err
