@@ -4,7 +4,9 @@
     python -m bench.plan_auto --train /tmp/amz_train.txt --out bench/results/plan_auto_amazon
 
 Each plan runs as its own ``slide train`` process (the default first, then ``--plan auto``), on
-the same training file and cores, no test file (its scoring is not training time). From their
+the same training file and cores, no test file (its scoring is not training time). ``--busy K``
+keeps K other processes spinning on the machine through both runs (a machine shared with other
+work). From their
 metrics records: the default's final validation score (the score early stopping kept) and
 its training seconds; the seconds ``--plan auto`` took, probes included, to first reach that
 score (None where it never did) and to its end; the planner's predicted seconds to the score
@@ -73,7 +75,8 @@ def compare(default: dict, auto: dict) -> dict:
 def _markdown(r: dict) -> str:
     f = r["figures"]
     rows = [f"# `--plan auto` against the default: {r['train']}", "",
-            f"Machine: {r['machine']}. Command: `{r['command']}`.", "",
+            f"Machine: {r['machine']}, {r['busy']} other spinning processes. "
+            f"Command: `{r['command']}`.", "",
             f"Target: the default's final {f['metric']}, {f['target']:.4f}.", "",
             "| | seconds to the target | seconds to the end | best score |",
             "|---|---|---|---|",
@@ -86,10 +89,10 @@ def _markdown(r: dict) -> str:
             + (f"{f['predicted_seconds']:.1f}" if f["predicted_seconds"] else "none")
             + (f", off the measured by {f['prediction_error']:+.0%}." if f["prediction_error"]
                is not None else "."), "",
-            "| candidate | samples/s | efficiency | epochs | predicted seconds |", "|---|---|---|---|---|"]
+            "| candidate | samples/s | epochs | predicted seconds |", "|---|---|---|---|"]
     for c in f["candidates"] or []:
-        rows.append(f"| {c['plan']} | {c['samples_per_second']:,.0f} | {c['efficiency']:.2f} | "
-                    f"{c['epochs']} | {c['seconds']:.1f} |")
+        rows.append(f"| {c['plan']} | {c['samples_per_second']:,.0f} | {c['epochs']} | "
+                    f"{c['seconds']:.1f} |")
     return "\n".join(rows) + "\n"
 
 
@@ -98,14 +101,25 @@ def main(argv=None):
     ap.add_argument("--train", required=True)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--busy", type=int, default=0, help="spinning processes beside the runs")
     a = ap.parse_args(argv)
-    default = _train(a.train, [], a.threads)
-    auto = _train(a.train, ["--plan", "auto"], a.threads)
-    r = {"machine": machine(), "train": a.train,
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(a.busy)]
+    try:
+        default = _train(a.train, [], a.threads)
+        auto = _train(a.train, ["--plan", "auto"], a.threads)
+    finally:
+        for p in spinners:
+            p.kill()
+    r = {"machine": machine(), "train": a.train, "busy": a.busy,
          "command": "python -m bench.plan_auto " + " ".join(argv or sys.argv[1:]),
          "figures": compare(default, auto), "default_log": default["log"], "auto_log": auto["log"]}
     write_json(a.out + ".json", r)
-    with open(a.out + ".md", "w") as fh:
+    _write_markdown(a.out, r)
+
+
+def _write_markdown(out, r):
+    with open(out + ".md", "w") as fh:
         fh.write(_markdown(r))
     print(_markdown(r))
 

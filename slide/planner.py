@@ -37,8 +37,11 @@ from slide.selection import offered
 __all__ = ["Probe", "Prediction", "Planner", "candidates", "predict", "choose", "PROBE_SHARE",
            "MARGIN", "RECHECK", "PROBE_VALIDATION_ROWS"]
 
-#: the share of the default plan's predicted run that the probes of the other plans may take
-PROBE_SHARE = 0.03
+#: the share of the default plan's predicted run that the probes take (every probed sample is
+#: a sample of the run: only the slower plans' extra seconds are lost)
+PROBE_SHARE = 0.05
+#: rounds over the candidates, each a stretch per plan
+PROBE_ROUNDS = 4
 #: another plan than the default is chosen only where it is predicted this much sooner: a
 #: probe's rate is that of a stretch of seconds, which the machine's noise moves by a few
 #: percent
@@ -47,8 +50,8 @@ MARGIN = 0.1
 RECHECK = 0.25
 #: held-out rows the probes' evaluation is timed on (scaled to the whole slice)
 PROBE_VALIDATION_ROWS = 1000
-#: batches of the default's first probe, which measures the rate that sizes the others
-FIRST_PROBE_BATCHES = 16
+#: batches of each plan's stretch in the first round, whose rates size the other rounds
+FIRST_PROBE_BATCHES = 4
 
 
 @dataclass
@@ -185,8 +188,10 @@ class Planner:
         model.state_.learning_rate = epoch_learning_rate(resolved["lr"], 0, resolved["epochs"])
         model.state_.begin_epoch()
         state = model.state_
-        # the first batch compiles the kernels (where they are not cached): not a rate
-        done = resolved["batch_size"]
+        # not timed: the first batch compiles the kernels (where they are not cached), and
+        # until the first rehash the tables hold the initial weights' codes, whose candidates
+        # cost a step more than the trained ones'
+        done = warmup = min(max(resolved["batch_size"], resolved["rehash_every"]), n // 4)
         state.train_rows(Xp, Yr, order[:done])
         # one evaluation of the held-out slice an epoch: timed on a subset, scaled
         metric = EarlyStopping(metric=model.validation_metric())
@@ -196,38 +201,45 @@ class Planner:
         eval_seconds = (time.perf_counter() - t1) * min(Xv.shape[0], MAX_VALIDATION_ROWS) \
             / val[0].shape[0]
         plans = self.plans or candidates(resolved, default)
-        probes, stretch = [], None
-        for i, plan in enumerate(plans):
-            batch = plan.batch_size or resolved["batch_size"]
-            if stretch is None:
-                size = FIRST_PROBE_BATCHES * batch
-            else:  # the other probes share ``share`` of the default's predicted run
-                size = max(batch, int(stretch / batch) * batch)
-            size = min(size, n - done)
-            if size <= 0:
-                break
-            t1 = time.perf_counter()
-            state.train_rows(Xp, Yr, order[done:done + size], batch_size=batch,
-                             threads=plan.threads or default.threads)
-            seconds = time.perf_counter() - t1
-            done += size
-            # the rule's epochs for the plan's batch: the same optimizer steps as the default
-            epochs = plan.epochs or (resolved["epochs"] if batch == resolved["batch_size"]
-                                     else planned_epochs(n, batch))
-            probes.append(Probe(plan, size, seconds, batch, epochs))
-            if stretch is None:
-                rate = probes[0].samples_per_second
+        batches = [plan.batch_size or resolved["batch_size"] for plan in plans]
+        samples, seconds = [0] * len(plans), [0.0] * len(plans)
+        # round robin: the rate drifts along an epoch, and every plan sees the same stretch of it
+        size = [FIRST_PROBE_BATCHES * b for b in batches]
+        for r in range(PROBE_ROUNDS):
+            for i, plan in enumerate(plans):
+                stop = min(n, done + size[i])
+                if stop <= done:
+                    break
+                t1 = time.perf_counter()
+                state.train_rows(Xp, Yr, order[done:stop], batch_size=batches[i],
+                                 threads=plan.threads or default.threads)
+                seconds[i] += time.perf_counter() - t1
+                samples[i] += stop - done
+                done = stop
+            if r == 0:  # the first round sizes the rest: ``share`` of the default's run
+                rate = samples[0] / max(seconds[0], 1e-9)
                 total = resolved["epochs"] * (n / rate + eval_seconds)
-                stretch = self.share * total * rate / max(1, len(plans) - 1)
+                budget = self.share * total / (PROBE_ROUNDS - 1) / len(plans)
+                size = [max(b, int(budget * samples[i] / max(seconds[i], 1e-9) / b) * b)
+                        for i, b in enumerate(batches)]
+        probes = []
+        for i, plan in enumerate(plans):
+            if not samples[i]:
+                continue
+            # the rule's epochs for the plan's batch: the same optimizer steps as the default
+            epochs = plan.epochs or (resolved["epochs"] if batches[i] == resolved["batch_size"]
+                                     else planned_epochs(n, batches[i]))
+            probes.append(Probe(plan, samples[i], seconds[i], batches[i], epochs))
             self.log(f"plan probe {i + 1}/{len(plans)}: {plan.describe(default)}: "
-                     f"{probes[-1].samples_per_second:,.0f} samples/s over {size:,} samples")
+                     f"{probes[-1].samples_per_second:,.0f} samples/s over {samples[i]:,} samples")
         model.record_.epoch_position = done
         spent = time.perf_counter() - t0
         predictions = [predict(p, n, done, spent, eval_seconds) for p in probes]
         chosen, why = choose(predictions, self.margin)
         report.update(candidates=[p.to_json(default) for p in predictions],
                       probes=[p.to_json() for p in probes], probe_seconds=spent,
-                      probe_samples=done, eval_seconds=eval_seconds, rows=n,
+                      probe_samples=done, warmup_samples=warmup, eval_seconds=eval_seconds,
+                      rows=n,
                       chosen=chosen.to_json(default), reason=why)
         self.log(_table(predictions, chosen, default))
         self.log(f"plan: {chosen.plan.describe(default)}: {why}")

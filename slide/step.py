@@ -262,14 +262,12 @@ class TrainingState:
         self.begin_epoch()
         return self.train_rows(Xp, Y, order, progress)
 
-    def train_rows(self, Xp, Y, order, progress=None, batch_size: int | None = None,
-                   threads: int | None = None) -> dict:
-        """One pass in ``order`` over preprocessed rows, in batches of the resolved batch size,
-        on the model's threads; the tables rehash on their schedule only. ``batch_size``,
-        ``threads``: others for this pass (a planner's probe of them)."""
+    def train_rows(self, Xp, Y, order, progress=None, batch_size=None, threads=None) -> dict:
+        """One pass in ``order`` over preprocessed rows, in batches of ``batch_size`` (default:
+        the resolved) on ``threads`` (the model's); the tables rehash on their schedule only."""
         with engine_threads(threads or self.threads()):
-            return run_batches(self.train_step, Xp, Y, order,
-                               batch_size or self.resolved["batch_size"], progress, "slide")
+            batch = batch_size or self.resolved["batch_size"]
+            return run_batches(self.train_step, Xp, Y, order, batch, progress, "slide")
 
     def updates_in_place(self) -> bool:
         """Whether rows with one source of gradient get their Adam step in the kernel that

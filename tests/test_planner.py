@@ -90,8 +90,8 @@ def test_the_chosen_plan_trains_on_from_the_probes(tiny_data, tmp_path):
     report = model.plan_
     assert [c["plan"] for c in report["candidates"]] == ["default", "threads=1"]
     # the probes are the start of the run's first epoch, which goes on from there
-    first_batch = report["probes"][0]["batch_size"]  # compiles: not timed
-    assert report["probe_samples"] == first_batch + sum(p["samples"] for p in report["probes"])
+    assert report["probe_samples"] == report["warmup_samples"] + sum(
+        p["samples"] for p in report["probes"])
     n = Xtr.shape[0] - round(0.1 * Xtr.shape[0])
     ran = [h["epoch"] for h in model.history_]
     assert model.samples_seen_ == ran[-1] * n
