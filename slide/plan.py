@@ -8,7 +8,6 @@ defaults are :meth:`Plan.default`. :mod:`slide.planner` measures and chooses amo
 """
 from __future__ import annotations
 
-import math
 import os
 import shlex
 from dataclasses import asdict, dataclass, fields, replace
@@ -125,20 +124,6 @@ class Plan:
         """The engine's constructor settings this plan sets (None: the rule's)."""
         return {"threads": self.threads, "batch_size": self.batch_size, "lr": self.lr,
                 "beta1": self.beta1, "epochs": self.epochs}
-
-    def scaled(self, resolved: dict, batch: float = 1.0, lr: float = 1.0,
-               epochs: float = 1.0, **changes) -> "Plan":
-        """This plan with the rule's batch size, learning rate and planned epochs
-        (``resolved``) multiplied by the factors given, and ``changes`` set."""
-        if batch != 1:
-            b = self.batch_size or resolved["batch_size"]
-            changes["batch_size"] = max(1, int(round(b * batch)))
-        if lr != 1:
-            changes["lr"] = float((self.lr or resolved["lr"]) * lr)
-        if epochs != 1:
-            changes["epochs"] = max(1, int(math.ceil((self.epochs or resolved["epochs"]) * epochs
-                                                     - 1e-9)))
-        return replace(self, **changes)
 
     def argv(self) -> list[str]:
         """``slide train``'s options for this plan, after the launcher (:meth:`launcher`)."""

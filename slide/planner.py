@@ -9,8 +9,9 @@ statistical efficiency (samples to the score). The model (docs/planner.md):
   final score at their end. (A plan whose probe leads the default at the start does not keep
   the lead: measured on real data, docs/planner.md.)
 * so plans that keep the optimizer's settings differ in hardware efficiency alone, which short
-  probes measure: each candidate (:func:`candidates`: threads, batch size) trains a stretch of
-  the default's own first epoch, on the default's own model, so no probe's samples are lost;
+  probes measure: the candidates (:func:`candidates`: thread counts) train stretches of
+  the default's own first epoch in turn, on the default's own model, so no probe's samples are
+  lost;
 * a plan's time is the probes' seconds, its remaining samples at its probe's rate and one
   evaluation of the held-out slice an epoch (:func:`predict`).
 
@@ -20,12 +21,9 @@ re-plans its remaining time where it is off by more than :data:`RECHECK`.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
-
-import numpy as np
 
 from slide.config import planned_epochs
 from slide.data import shuffle_rows
@@ -113,19 +111,13 @@ def choose(predictions: list, margin: float = MARGIN) -> tuple[Prediction, str]:
 
 
 def candidates(resolved: dict, default: Plan | None = None, cores: int | None = None) -> list:
-    """The plans probed in one process, the default first: every core and half of them (a
-    machine busy with other work can make fewer threads faster), each at the rule's batch
-    size and at twice it."""
+    """The plans probed in one process, the default first: every core, and half of them (a
+    machine busy with other work can make fewer threads faster). Not a larger batch: at the
+    rule's steps it plans as many more epochs, and no step has run at twice the rate on twice
+    the batch (docs/planner.md)."""
     d = default or Plan.default()
     threads = d.threads or cores or os.cpu_count() or 1
-    out = []
-    for t in dict.fromkeys((threads, max(1, threads // 2))):
-        for batch in (1.0, 2.0):
-            p = d if t == threads else d.but(threads=t)
-            p = p if batch == 1 else p.scaled(resolved, batch=batch)
-            if p not in out:
-                out.append(p)
-    return out
+    return [d] + ([d.but(threads=threads // 2)] if threads > 1 else [])
 
 
 class Planner:
@@ -201,37 +193,7 @@ class Planner:
         eval_seconds = (time.perf_counter() - t1) * min(Xv.shape[0], MAX_VALIDATION_ROWS) \
             / val[0].shape[0]
         plans = self.plans or candidates(resolved, default)
-        batches = [plan.batch_size or resolved["batch_size"] for plan in plans]
-        samples, seconds = [0] * len(plans), [0.0] * len(plans)
-        # round robin: the rate drifts along an epoch, and every plan sees the same stretch of it
-        size = [FIRST_PROBE_BATCHES * b for b in batches]
-        for r in range(PROBE_ROUNDS):
-            for i, plan in enumerate(plans):
-                stop = min(n, done + size[i])
-                if stop <= done:
-                    break
-                t1 = time.perf_counter()
-                state.train_rows(Xp, Yr, order[done:stop], batch_size=batches[i],
-                                 threads=plan.threads or default.threads)
-                seconds[i] += time.perf_counter() - t1
-                samples[i] += stop - done
-                done = stop
-            if r == 0:  # the first round sizes the rest: ``share`` of the default's run
-                rate = samples[0] / max(seconds[0], 1e-9)
-                total = resolved["epochs"] * (n / rate + eval_seconds)
-                budget = self.share * total / (PROBE_ROUNDS - 1) / len(plans)
-                size = [max(b, int(budget * samples[i] / max(seconds[i], 1e-9) / b) * b)
-                        for i, b in enumerate(batches)]
-        probes = []
-        for i, plan in enumerate(plans):
-            if not samples[i]:
-                continue
-            # the rule's epochs for the plan's batch: the same optimizer steps as the default
-            epochs = plan.epochs or (resolved["epochs"] if batches[i] == resolved["batch_size"]
-                                     else planned_epochs(n, batches[i]))
-            probes.append(Probe(plan, samples[i], seconds[i], batches[i], epochs))
-            self.log(f"plan probe {i + 1}/{len(plans)}: {plan.describe(default)}: "
-                     f"{probes[-1].samples_per_second:,.0f} samples/s over {samples[i]:,} samples")
+        probes, done = self._probe(plans, default, state, Xp, Yr, order, done, eval_seconds)
         model.record_.epoch_position = done
         spent = time.perf_counter() - t0
         predictions = [predict(p, n, done, spent, eval_seconds) for p in probes]
@@ -247,6 +209,43 @@ class Planner:
                             if v is not None})
         model.record_.plan = report
         return report
+
+    def _probe(self, plans, default, state, Xp, Y, order, done, eval_seconds):
+        """Time each plan's stretches of the epoch ``order`` from sample ``done`` on, round
+        robin (the rate drifts along an epoch, and so every plan sees the same stretch of it):
+        a first round of :data:`FIRST_PROBE_BATCHES` batches each, whose rates size the other
+        rounds to ``share`` of the default's predicted run. Returns the probes and the samples
+        of the epoch done."""
+        resolved, n = state.resolved, Xp.shape[0]
+        batches = [plan.batch_size or resolved["batch_size"] for plan in plans]
+        samples, seconds = [0] * len(plans), [0.0] * len(plans)
+        size = [FIRST_PROBE_BATCHES * b for b in batches]
+        for r in range(PROBE_ROUNDS):
+            for i, plan in enumerate(plans):
+                stop = min(n, done + size[i])
+                t1 = time.perf_counter()
+                state.train_rows(Xp, Y, order[done:stop], batch_size=batches[i],
+                                 threads=plan.threads or default.threads)
+                seconds[i] += time.perf_counter() - t1
+                samples[i] += stop - done
+                done = stop
+            if r == 0:
+                rate = samples[0] / max(seconds[0], 1e-9)
+                total = resolved["epochs"] * (n / rate + eval_seconds)
+                budget = self.share * total / (PROBE_ROUNDS - 1) / len(plans)
+                size = [max(b, int(budget * samples[i] / max(seconds[i], 1e-9) / b) * b)
+                        for i, b in enumerate(batches)]
+        probes = []
+        for i, plan in enumerate(plans):
+            if not samples[i]:  # the epoch ran out first
+                continue
+            # the rule's epochs for the plan's batch: the same optimizer steps as the default
+            epochs = plan.epochs or (resolved["epochs"] if batches[i] == resolved["batch_size"]
+                                     else planned_epochs(n, batches[i]))
+            probes.append(Probe(plan, samples[i], seconds[i], batches[i], epochs))
+            self.log(f"plan probe {i + 1}/{len(plans)}: {plan.describe(default)}: "
+                     f"{probes[-1].samples_per_second:,.0f} samples/s over {samples[i]:,} samples")
+        return probes, done
 
     @staticmethod
     def _not_planned(model, X) -> str:

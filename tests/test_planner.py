@@ -30,15 +30,11 @@ def test_plan_round_trips_and_says_how_to_run_it():
         Plan.from_json({"cores": 3})
 
 
-def test_candidates_are_thread_counts_and_batch_sizes_the_default_first():
-    rule = {"batch_size": 128, "lr": 4e-3, "epochs": 9}
-    plans = candidates(rule, Plan.default(), cores=8)
-    assert plans[0] == Plan.default()
-    assert [(p.threads, p.batch_size) for p in plans[1:]] == [(None, 256), (4, None), (4, 256)]
-    assert all(p.lr is None and p.beta1 == 0.9 for p in plans)
-    # one core: nothing to halve
-    assert [(p.threads, p.batch_size) for p in candidates(rule, Plan(threads=1))] == \
-        [(1, None), (1, 256)]
+def test_candidates_are_thread_counts_the_default_first():
+    plans = candidates({"batch_size": 128, "lr": 4e-3, "epochs": 9}, Plan.default(), cores=8)
+    assert plans == [Plan.default(), Plan(threads=4)]
+    assert candidates({}, Plan(threads=3, lr=0.1)) == [Plan(threads=3, lr=0.1), Plan(threads=1, lr=0.1)]
+    assert candidates({}, Plan(threads=1)) == [Plan(threads=1)]  # one core: nothing to halve
 
 
 def probe(plan, rate, epochs=10, batch=128):
