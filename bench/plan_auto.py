@@ -67,7 +67,7 @@ def compare(default: dict, auto: dict) -> dict:
         "reason": plan.get("reason"), "predicted_seconds": chosen.get("seconds"),
         "prediction_error": (chosen["seconds"] / reached - 1) if reached and chosen.get("seconds")
         else None,
-        "candidates": plan.get("candidates"),
+        "candidates": plan.get("candidates"), "plan": plan,
         "curve_default": curve_default, "curve_auto": curve_auto,
     }
 

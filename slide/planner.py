@@ -6,7 +6,7 @@ statistical efficiency (samples to the score). The model (docs/planner.md):
 
 * the final score is set by the learning-rate plan's optimizer steps: a plan takes the rule's
   planned epochs for its batch size (the same steps as the default) and reaches the default's
-  final score at their end. (A plan whose probe leads the default at the start does not keep
+  final score where its last halving begins (:data:`TARGET_SHARE`). (A plan whose probe leads the default at the start does not keep
   the lead: measured on real data, docs/planner.md.)
 * so plans that keep the optimizer's settings differ in hardware efficiency alone, which short
   probes measure: the candidates (:func:`candidates`: thread counts) train stretches of
@@ -21,6 +21,7 @@ re-plans its remaining time where it is off by more than :data:`RECHECK`.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +34,7 @@ from slide.plan import Plan
 from slide.selection import offered
 
 __all__ = ["Probe", "Prediction", "Planner", "candidates", "predict", "choose", "PROBE_SHARE",
-           "MARGIN", "RECHECK", "PROBE_VALIDATION_ROWS"]
+           "MARGIN", "RECHECK", "TARGET_SHARE", "PROBE_VALIDATION_ROWS"]
 
 #: the share of the default plan's predicted run that the probes take (every probed sample is
 #: a sample of the run: only the slower plans' extra seconds are lost)
@@ -46,6 +47,10 @@ PROBE_ROUNDS = 4
 MARGIN = 0.1
 #: the run re-plans where the time it has taken is off the prediction by more than this share
 RECHECK = 0.25
+#: the share of its planned epochs after which a run has its final score: where the
+#: learning-rate plan's last halving begins (the best epochs measured: 17-20 of 20 on
+#: git_openstack, 9-12 of 14 on the Amazon preset; docs/planner.md)
+TARGET_SHARE = 5 / 6
 #: held-out rows the probes' evaluation is timed on (scaled to the whole slice)
 PROBE_VALIDATION_ROWS = 1000
 #: batches of each plan's stretch in the first round, whose rates size the other rounds
@@ -77,7 +82,7 @@ class Probe:
 @dataclass
 class Prediction:
     """A plan's predicted run: ``epochs`` planned, ``seconds`` from the start of planning to
-    the end of its planned epochs (where it reaches the default's final score)."""
+    the default's final score."""
     plan: Plan
     epochs: int
     seconds: float
@@ -90,10 +95,12 @@ class Prediction:
 
 
 def predict(probe: Probe, rows: int, done: int, spent: float, eval_seconds: float) -> Prediction:
-    """``probe``'s plan run on to the end of its planned epochs of ``rows`` rows, ``done``
-    samples of the first epoch trained and ``spent`` seconds gone (probes, evaluation)."""
-    rest = max(0.0, probe.epochs * rows - done)
-    seconds = spent + rest / probe.samples_per_second + probe.epochs * eval_seconds
+    """``probe``'s plan run on until it has its final score (:data:`TARGET_SHARE` of its
+    planned epochs of ``rows`` rows), ``done`` samples of the first epoch trained and ``spent``
+    seconds gone (probes, evaluation)."""
+    target = max(1, math.ceil(TARGET_SHARE * probe.epochs - 1e-9))
+    rest = max(0.0, target * rows - done)
+    seconds = spent + rest / probe.samples_per_second + target * eval_seconds
     return Prediction(probe.plan, probe.epochs, seconds, probe.samples_per_second)
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from slide.estimator import SlideClassifier
 from slide.plan import Plan
-from slide.planner import MARGIN, Planner, Probe, candidates, choose, predict
+from slide.planner import MARGIN, TARGET_SHARE, Planner, Probe, candidates, choose, predict
 
 ROWS = 10_000
 
@@ -42,10 +42,11 @@ def probe(plan, rate, epochs=10, batch=128):
 
 
 def test_prediction_is_the_remaining_samples_at_the_probes_rate_plus_evaluations():
-    p = predict(probe(Plan(threads=1), 2000.0, epochs=8), ROWS, done=6000, spent=30.0,
+    p = predict(probe(Plan(threads=1), 2000.0, epochs=12), ROWS, done=6000, spent=30.0,
                 eval_seconds=2.0)
-    assert p.epochs == 8
-    assert p.seconds == pytest.approx(30.0 + (8 * ROWS - 6000) / 2000 + 8 * 2.0)
+    # the final score where the last halving begins: epoch 10 of 12
+    assert p.epochs == 12 and TARGET_SHARE * 12 == pytest.approx(10)
+    assert p.seconds == pytest.approx(30.0 + (10 * ROWS - 6000) / 2000 + 10 * 2.0)
 
 
 def test_the_planner_chooses_the_plan_the_speed_curves_make_soonest():
