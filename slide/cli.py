@@ -96,10 +96,9 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--beta1", type=float, default=0.9,
                    help="Adam's first-moment decay, the explicit momentum (default: 0.9)")
     t.add_argument("--plan", choices=["default", "auto"], default="default",
-                   help="auto: probe ways of running this job (learning rate, batch size) on "
-                        "the data for a bounded share of the run and train by the one "
-                        "predicted to reach the default's validation score soonest "
-                        "(docs/planner.md)")
+                   help="auto: time ways of running this job (thread counts) on its first "
+                        "batches and train by the one predicted to reach the default's "
+                        "validation score soonest (docs/planner.md)")
     t.add_argument("--batch-size", type=_positive, default=None,
                    help="default: 32 to 128 by training-set size")
     t.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")

@@ -1,14 +1,13 @@
 """A way of running the engine, as one object: :class:`Plan`.
 
 A plan says where the work runs (CPU threads per process, MPI ranks per host and hosts, a GPU
-worker and how it shares the work), how the asynchronous groups average (``mode``, ``every``,
+worker and its policy), how the asynchronous groups average (``mode``, ``every``,
 ``delay``) and the optimizer's settings that go with that choice (batch size, learning rate,
 Adam's ``beta1``, the planned epochs). Every way of running ``slide train`` is a plan; the
 defaults are :meth:`Plan.default`. :mod:`slide.planner` measures and chooses among plans.
 """
 from __future__ import annotations
 
-import os
 import shlex
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -29,8 +28,8 @@ class Plan:
     ranks, hosts : MPI processes per host and hosts (1, 1: one process, no MPI).
     mode, every, delay : how ranks average (:class:`slide.distributed.DataParallel`); ignored
         with one rank.
-    gpu, gpu_share : None (CPU only), or the GPU's role (:data:`GPU_WORKERS`); ``gpu_share``
-        is the heterogeneous trainer's initial GPU batch over the CPU's (None: its default).
+    gpu : None (CPU only), or the GPU's role (:data:`GPU_WORKERS`); how the heterogeneous
+        trainer shares the work is its policy's (:class:`gpu_ref.hetero.HeteroConfig`).
     batch_size, lr, epochs : the engine's settings (None: the defaults rule's).
     beta1 : Adam's first-moment decay, the explicit momentum.
     """
@@ -41,7 +40,6 @@ class Plan:
     every: int | None = None
     delay: int | None = None
     gpu: str | None = None
-    gpu_share: float | None = None
     batch_size: int | None = None
     lr: float | None = None
     beta1: float = 0.9
@@ -158,8 +156,3 @@ class Plan:
     def command(self, train: str, *extra: str) -> str:
         """The shell command that runs this plan on training file ``train``."""
         return shlex.join(self.launcher() + ["slide", "train", train, *self.argv(), *extra])
-
-    def cores(self) -> int:
-        """CPU cores the plan keeps busy on one host."""
-        per = self.threads or max(1, (os.cpu_count() or 1) // self.ranks)
-        return per * self.ranks

@@ -39,6 +39,11 @@ def load_train_test(train=None, test=None, seed=0, log=print):
     return Xtr, Ytr, Xte, Yte
 
 
+def _settings(model) -> dict:
+    """The model's constructor settings as JSON has them."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in model.get_params().items()}
+
+
 def _shown_value(key, value):
     """A record's value as ``slide train`` prints it: floats to 4 decimals, the learning rate
     to 3 significant digits (late in the schedule it is below 1e-4)."""
@@ -66,7 +71,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
     if Xte is not None:
         # test files may be sorted by label: score a seeded shuffled subsample
         test = shuffle_rows(Xte, Yte, seed=0, n=min(Xte.shape[0], MAX_VALIDATION_ROWS))
-    config = {k: list(v) if isinstance(v, tuple) else v for k, v in model.get_params().items()}
+    config = _settings(model)
     if runner is not None:  # the heterogeneous trainer's settings beside the model's
         config.update({f"hetero_{k}": v for k, v in runner.settings().items()})
     doc = {"config": config, "n_train": int(Xtr.shape[0]), "n_features": int(Xtr.shape[1]),
@@ -114,8 +119,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
                              "--distributed or --mode hetero")
         report = planner.prepare(model, Xtr, Ytr)
         doc["plan"] = report
-        doc["config"].update({k: list(v) if isinstance(v, tuple) else v
-                              for k, v in model.get_params().items()})
+        doc["config"].update(_settings(model))  # the chosen plan's
         if report["chosen"]["epochs"] is not None:
             resume, until = True, report["chosen"]["epochs"]
         callback = planner.watch(report, on_epoch)
