@@ -14,7 +14,7 @@ from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, FitRecord, refit_epo
                         validation_split)
 from slide.selection import choice_name, offered, select
 
-__all__ = ["fit_model"]
+__all__ = ["fit_model", "hold_out"]
 
 
 def _is_label_vector(Y) -> bool:
@@ -61,12 +61,8 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
             raise ValueError("refit=True needs every row in one process; distributed training "
                              "holds shards (set refit=False or leave it to the rule)")
         X, Y = distributed.agree_shapes(X, Y)
-    held_out = False
     every_row = (X, Y)  # for the refit; let go below where there is none
-    if s["early_stopping"] and validation is None and X.shape[0] > 1:
-        tr, va = validation_split(X.shape[0], s["validation_fraction"], s["seed"])
-        validation, X, Y = (X[va], Y[va]), X[tr], Y[tr]
-        held_out = True
+    X, Y, validation, held_out = hold_out(X, Y, s, validation)
     if not continue_training:
         model.initialize(X, Y, distributed=distributed)
         model.record_.single_label = single_label
@@ -118,6 +114,16 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
         return _refit(model, *every_row, record, s["seed"], progress, on_epoch, runner,
                       choice=best)
     return record
+
+
+def hold_out(X, Y, settings: dict, validation=None):
+    """``(X, Y, validation, held_out)``: with early stopping and no ``validation`` given, a
+    seeded ``validation_fraction`` slice of the rows held out of ``X``, ``Y`` (``settings``:
+    the model's :meth:`fit_settings`); otherwise the rows and ``validation`` as given."""
+    if settings["early_stopping"] and validation is None and X.shape[0] > 1:
+        tr, va = validation_split(X.shape[0], settings["validation_fraction"], settings["seed"])
+        return X[tr], Y[tr], (X[va], Y[va]), True
+    return X, Y, validation, False
 
 
 def _run(model, X, Y, *, seed, validation, until_epoch, patience, early_stopping, on_epoch,

@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass
 
 from slide.config import planned_epochs
 from slide.data import shuffle_rows
-from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, epoch_learning_rate, epoch_order,
-                        validation_split)
+from slide.fitting import hold_out
+from slide.loop import MAX_VALIDATION_ROWS, EarlyStopping, epoch_learning_rate, epoch_order
 from slide.plan import Plan
 from slide.selection import offered
 
@@ -148,17 +148,18 @@ class Planner:
     def fit(self, model, X, Y, *, on_epoch=None, **train_kw):
         """Plan and train ``model`` on ``X``, ``Y`` (``train_kw``: those of
         :meth:`SlideClassifier.train` but ``continue_training`` and ``until_epoch``)."""
-        report = self.prepare(model, X, Y)
+        report = self.prepare(model, X, Y, validation=train_kw.get("validation"))
         model.train(X, Y, continue_training=report["chosen"]["epochs"] is not None,
                     until_epoch=report["chosen"]["epochs"], on_epoch=self.watch(report, on_epoch),
                     **train_kw)
         model.record_.plan = report
         return model
 
-    def prepare(self, model, X, Y) -> dict:
+    def prepare(self, model, X, Y, validation=None) -> dict:
         """Initialise ``model`` on the training rows (the held-out slice as ``fit`` holds it
         out), probe, choose, and leave ``model`` with the chosen plan's settings and the
-        probes' samples trained: the start of its first epoch. Where planning does not apply
+        probes' samples trained: the start of its first epoch. ``validation``: as ``fit``'s
+        (None: the slice ``fit`` holds out). Where planning does not apply
         ``report["chosen"]["epochs"]`` is None and the model is left unfitted, to train as
         usual. Returns the report."""
         t0 = self.started_ = time.perf_counter()  # the clock the re-checks read
@@ -167,8 +168,10 @@ class Planner:
             raise ValueError("planning compares plans on the held-out slice: it needs "
                              "early_stopping (the default)")
         X, Y = model.check_data(X, Y, where="fit", fitted=False)
-        tr, va = validation_split(X.shape[0], s["validation_fraction"], s["seed"])
-        Xt, Yt, Xv, Yv = X[tr], Y[tr], X[va], Y[va]
+        if validation is not None:
+            validation = model.check_data(*validation, where="validation", fitted=False)
+        # the rows and the held-out slice ``fit`` will train and score on
+        Xt, Yt, (Xv, Yv), _ = hold_out(X, Y, s, validation)
         default = Plan.of(model.get_params())
         model.initialize(Xt, Yt)
         report = {"checks": [], "candidates": [], "probes": []}

@@ -116,6 +116,17 @@ def test_a_plan_at_another_batch_size_takes_the_rules_epochs_for_it(tiny_data, m
     assert model.epoch_position_ == report["probe_samples"]
 
 
+def test_a_given_validation_set_is_the_one_the_probes_use(tiny_data):
+    """With ``validation`` given, fit holds nothing out: the probes are the start of an epoch
+    over every training row, as the run is."""
+    Xtr, Ytr, Xte, Yte = tiny_data
+    model = _model(epochs=2)
+    model = Planner(plans=[Plan.of(model.get_params())], log=lambda *a: None).fit(
+        model, Xtr, Ytr, validation=(Xte, Yte))
+    assert model.plan_["rows"] == Xtr.shape[0]
+    assert model.samples_seen_ == 2 * Xtr.shape[0]
+
+
 def test_planning_leaves_runs_it_cannot_continue_to_the_default(tiny_data):
     Xtr, Ytr, _, _ = tiny_data
     lines = []
