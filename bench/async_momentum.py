@@ -15,31 +15,21 @@ and ``OUT.md``. Processes share the machine's cores, so only samples, not second
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 
-from bench.common import machine, mpiexec, write_json
+from bench.common import machine, mpiexec, slide_train, write_json
+from slide.loop import EarlyStopping
 
 
 def _run(train, groups, beta1, epochs, every):
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = os.path.join(tmp, "m.json")
-        cmd = [sys.executable, "-m", "slide.cli", "train", train, "--no-progress", "--threads", "1",
-               "--epochs", str(epochs), "--beta1", str(beta1), "--metrics-json", metrics]
-        if groups > 1:
-            cmd = mpiexec(groups) + cmd + ["--distributed", "local", "--average-every", str(every)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"{' '.join(cmd)}:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        with open(metrics) as fh:
-            doc = json.load(fh)
-    metric = "val_nDCG@5" if doc["resolved"]["sampled"] else "val_loss"
-    sign = 1 if metric != "val_loss" else -1
-    return {"groups": groups, "beta1": beta1, "metric": metric,
-            "scores": [sign * e[metric] for e in doc["epochs"]],
+    args = ["--threads", "1", "--epochs", str(epochs), "--beta1", str(beta1)]
+    if groups > 1:
+        args += ["--distributed", "local", "--average-every", str(every)]
+    doc = slide_train(train, *args, launcher=mpiexec(groups) if groups > 1 else ())
+    metric = "nDCG@5" if doc["resolved"]["sampled"] else "loss"
+    score = EarlyStopping(metric=metric).score  # the score early stopping keeps
+    return {"groups": groups, "beta1": beta1, "metric": f"val_{metric}",
+            "scores": [score(e) for e in doc["epochs"]],
             "P@1": [e["val_P@1"] for e in doc["epochs"]]}
 
 

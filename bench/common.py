@@ -1,5 +1,5 @@
-"""Shared helpers for the benchmarks: datasets, machine description, JSON output, the kernel
-suites' output layer."""
+"""Shared helpers for the benchmarks: datasets, machine description, JSON output, ``slide
+train`` in a process of its own, the kernel suites' output layer."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,9 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import subprocess
 import sys
+import tempfile
 import time
 
 import numba
@@ -41,6 +43,23 @@ def write_json(path, obj) -> None:
     with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=1, default=float)
     os.replace(tmp, path)
+
+
+def slide_train(train: str, *args: str, launcher=()) -> dict:
+    """``slide train TRAIN ARGS`` in a process of its own (after ``launcher``, e.g.
+    :func:`mpiexec`), without progress bars; returns its metrics record, with the last 40
+    lines it printed under ``"log"``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.json")
+        cmd = [*launcher, sys.executable, "-m", "slide.cli", "train", train, "--no-progress",
+               "--metrics-json", metrics, *args]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        with open(metrics) as fh:
+            doc = json.load(fh)
+    doc["log"] = out.stdout.splitlines()[-40:]
+    return doc
 
 
 def run_isolated(target, *args):

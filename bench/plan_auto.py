@@ -15,46 +15,29 @@ against the measured, and its candidates' predictions. Writes ``OUT.json`` and `
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
-import tempfile
 
-from bench.common import machine, write_json
-
-
-def _score(entry: dict, metric: str) -> float:
-    return -entry["val_loss"] if metric == "loss" else entry[f"val_{metric}"]
+from bench.common import machine, slide_train, write_json
+from slide.loop import EarlyStopping
 
 
 def _train(train: str, extra: list, threads: int | None) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics = os.path.join(tmp, "metrics.json")
-        cmd = [sys.executable, "-m", "slide.cli", "train", train, "--no-progress",
-               "--metrics-json", metrics, *extra]
-        if threads:
-            cmd += ["--threads", str(threads)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        with open(metrics) as fh:
-            doc = json.load(fh)
-    doc["log"] = out.stdout.splitlines()[-40:]
-    return doc
+    return slide_train(train, *extra, *(["--threads", str(threads)] if threads else []))
 
 
 def compare(default: dict, auto: dict) -> dict:
     """The figures of one side-by-side run from the two metrics records."""
     metric = "nDCG@5" if default["resolved"]["sampled"] else "loss"
+    score = EarlyStopping(metric=metric).score  # the score early stopping keeps
     target = default["stopping"]["best_score"]
     elapsed = 0.0
     curve_default = []
     for e in default["epochs"]:
         elapsed += e["train_seconds"] + e.get("eval_seconds", 0.0)
-        curve_default.append((e["epoch"], elapsed, _score(e, metric)))
+        curve_default.append((e["epoch"], elapsed, score(e)))
     plan = auto.get("plan") or {}
-    curve_auto = [(e["epoch"], e.get("plan_elapsed"), _score(e, metric)) for e in auto["epochs"]]
+    curve_auto = [(e["epoch"], e.get("plan_elapsed"), score(e)) for e in auto["epochs"]]
     reached = next((t for _, t, s in curve_auto if s >= target - 1e-12), None)
     chosen = plan.get("chosen", {})
     return {
