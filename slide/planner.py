@@ -33,7 +33,8 @@ from slide.loop import MAX_VALIDATION_ROWS, EarlyStopping, epoch_learning_rate, 
 from slide.plan import Plan
 from slide.selection import offered
 
-__all__ = ["Probe", "Prediction", "Planner", "candidates", "predict", "choose", "PROBE_SHARE",
+__all__ = ["Probe", "Prediction", "Planner", "candidates", "predict", "seconds_to", "choose",
+           "PROBE_SHARE",
            "MARGIN", "RECHECK", "TARGET_SHARE", "PROBE_VALIDATION_ROWS"]
 
 #: the share of the default plan's predicted run that the probes take (every probed sample is
@@ -94,13 +95,20 @@ class Prediction:
                 "samples_per_second": self.samples_per_second}
 
 
+def seconds_to(epoch: int, rows: int, done: int, spent: float, rate: float,
+               eval_seconds: float) -> float:
+    """Seconds from the start of planning to the end of epoch ``epoch`` of ``rows`` rows, at
+    ``rate`` samples a second and one evaluation an epoch, ``done`` samples of the first
+    epoch trained when ``spent`` seconds had gone."""
+    return spent + max(0.0, epoch * rows - done) / rate + epoch * eval_seconds
+
+
 def predict(probe: Probe, rows: int, done: int, spent: float, eval_seconds: float) -> Prediction:
     """``probe``'s plan run on until it has its final score (:data:`TARGET_SHARE` of its
     planned epochs of ``rows`` rows), ``done`` samples of the first epoch trained and ``spent``
     seconds gone (probes, evaluation)."""
     target = max(1, math.ceil(TARGET_SHARE * probe.epochs - 1e-9))
-    rest = max(0.0, target * rows - done)
-    seconds = spent + rest / probe.samples_per_second + target * eval_seconds
+    seconds = seconds_to(target, rows, done, spent, probe.samples_per_second, eval_seconds)
     return Prediction(probe.plan, probe.epochs, seconds, probe.samples_per_second)
 
 
@@ -280,8 +288,8 @@ class Planner:
 
         def check(model, entry):
             now = time.perf_counter() - self.started_ - outside[0]
-            done = entry["epoch"] * rows - report["probe_samples"]
-            expected = report["probe_seconds"] + done / rate + entry["epoch"] * report["eval_seconds"]
+            expected = seconds_to(entry["epoch"], rows, report["probe_samples"],
+                                  report["probe_seconds"], rate, report["eval_seconds"])
             check = {"epoch": entry["epoch"], "elapsed": now, "predicted": expected}
             off = now / max(expected, 1e-9) - 1
             if abs(off) > self.recheck:
