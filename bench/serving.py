@@ -70,6 +70,36 @@ def _clients(fn, rows, clients, queries, rng, want):
             "p99_ms": float(np.percentile(lat, 99) * 1e3), "answers_differing": int(sum(wrong))}
 
 
+def _faiss_ivf(model):
+    """FAISS's inverted file over the same label vectors, with as many lists as the engine's
+    clusters (a peer of backend="clusters"; its lists scanned in float32)."""
+    import faiss
+    from slide.clusters import cluster_count
+    from slide.export import label_vectors
+    V = label_vectors(model)
+    nlist = cluster_count(V.shape[0])
+    t0 = time.perf_counter()
+    index = faiss.IndexIVFFlat(faiss.IndexFlatIP(V.shape[1]), V.shape[1], nlist,
+                               faiss.METRIC_INNER_PRODUCT)
+    index.train(V)
+    index.add(V)
+    return {"backend": "faiss-ivf", "index": index, "nlist": nlist,
+            "seconds": time.perf_counter() - t0, "mib": V.nbytes / 2**20 + 8 * V.shape[0] / 2**20}
+
+
+def _faiss_ivf_predict(model, built, probe, k):
+    import faiss
+    from slide.export import query_vectors
+    faiss.omp_set_num_threads(model.threads)
+    params = faiss.SearchParametersIVF(nprobe=max(1, round(probe * built["nlist"])))
+    ids = np.asarray(model.labels_.ids)
+
+    def predict(X):
+        _, rows = built["index"].search(query_vectors(model, X), k, params=params)
+        return np.where(rows >= 0, ids[np.maximum(rows, 0)], -1), None
+    return predict
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="demo")
@@ -79,8 +109,12 @@ def main(argv=None):
     p.add_argument("--save-model", default=None, help="save the trained model here")
     p.add_argument("--data", default=None, metavar="TRAIN", help="a training file (not a preset)")
     p.add_argument("--test", default=None, metavar="TEST", help="its test file")
-    p.add_argument("--ann-backends", default="", help="mode='ann' backends to try: hnswlib,faiss")
-    p.add_argument("--ann-ef", default="32,64,128,256", help="mode='ann' query beams to try")
+    p.add_argument("--ann-backends", default="",
+                   help="mode='ann' backends to try: clusters,hnswlib,faiss; and faiss-ivf, FAISS's "
+                        "IndexIVFFlat with as many lists as the engine's clusters (bench only)")
+    p.add_argument("--ann-ef", default="32,64,128,256", help="HNSW query beams to try")
+    p.add_argument("--ann-probe", default="0.05,0.1,0.2",
+                   help="shares of the labels the clusters (and faiss-ivf) score, to try")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the model's rule)")
     p.add_argument("--tables", default="0,24,48,96", help="serving tables to try (0: the default)")
     p.add_argument("--candidates", default="0",
@@ -117,21 +151,32 @@ def main(argv=None):
     clients_tried = [int(c) for c in args.clients.split(",") if c]
     settings = [("exact", None, None)] + [("lsh", t, c) for t in tables_tried for c in candidates_tried
                                           if model.tables_ is not None]
-    settings += [("ann", b, int(ef)) for b in args.ann_backends.split(",") if b
-                 for ef in args.ann_ef.split(",")]
+    # (mode, backend or tables, its knob: ef, probe or candidates)
+    for b in args.ann_backends.split(","):
+        knobs = args.ann_probe if b in ("clusters", "faiss-ivf") else args.ann_ef
+        settings += [("ann", b, float(v)) for v in knobs.split(",") if b]
     built = {}
     for mode, tables, candidates in settings:
         if mode == "lsh":
             model.set_serving(tables or None, candidates or None)
-        if mode == "ann":  # tables: the backend, candidates: ef
+        if mode == "ann" and tables == "faiss-ivf":
             if built.get("backend") != tables:
-                model.set_ann(backend=tables, ef=candidates)
+                built = _faiss_ivf(model)
+            predict = _faiss_ivf_predict(model, built, candidates, k)
+        elif mode == "ann":
+            if built.get("backend") != tables:
+                model.set_ann(backend=tables)
                 t0 = time.perf_counter()
                 model.predict_topk(Xte[:1], k, mode="ann")
                 built = {"backend": tables, "seconds": time.perf_counter() - t0,
                          "mib": model.server_.label_index().nbytes / 2**20}
-            model.server_.label_index().ef = candidates  # the same graph, another beam
-        predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
+            index = model.server_.label_index()  # the same index, another beam or share
+            if tables == "clusters":
+                index.probe = candidates
+            else:
+                index.ef = int(candidates)
+        if not (mode == "ann" and tables == "faiss-ivf"):
+            predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
         ids = predict(Xte)[0]  # also the warm-up
         hits = [np.intersect1d(a[a >= 0], b).size for a, b in zip(ids, exact_ids)]
         res = evaluate(Yte, ids, k)
@@ -146,7 +191,9 @@ def main(argv=None):
         row = {"mode": mode, "tables": model.serving_tables_.config.L if lsh else None,
                "candidates": model.serving_candidates_ if lsh else None,
                "serving_mib": extra / 2**20 if lsh else built["mib"] if ann else None,
-               "backend": tables if ann else None, "ef": candidates if ann else None,
+               "backend": tables if ann else None,
+               "ef": candidates if ann and "ivf" not in tables and tables != "clusters" else None,
+               "probe": candidates if ann and ("ivf" in tables or tables == "clusters") else None,
                "build_seconds": built["seconds"] if ann else None,
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
                "single_p50_ms": single[0], "single_p99_ms": single[1],
@@ -157,7 +204,7 @@ def main(argv=None):
         if rows:
             row["single_speedup"] = rows[0]["single_p50_ms"] / single[0]
             row["batch_speedup"] = rows[0]["batch128_p50_ms"] / batch[0]
-        setting = (f"{tables} ef={candidates}" if ann else
+        setting = (f"{tables} {'ef' if row['ef'] else 'probe'}={candidates:g}" if ann else
                    f"tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}")
         print(f"{mode:5s} {setting}  "
               f"recall@{k} {row[f'recall@{k}']:.3f}  "

@@ -1,10 +1,11 @@
-"""Approximate top-k through a nearest-neighbour library: an inner-product graph index (HNSW)
-over the label vectors ``[w, b]``, queried with ``[h, 1]``, whose inner product is the model's
-score (:mod:`slide.export`).
+"""Approximate top-k for ``mode="ann"``: an index over the label vectors ``[w, b]``, queried
+with ``[h, 1]``, whose inner product is the model's score (:mod:`slide.export`).
 
-hnswlib is the backend where it is installed, FAISS's ``IndexHNSWFlat`` otherwise (the ``ann``
-extra: ``pip install -e ".[ann]"``); docs/serving.md has the measurements beside the engine's own
-LSH serving and the exact mode.
+The engine's own index is the default: k-means clusters of the label vectors scored through
+an int8 copy (:class:`slide.clusters.LabelClusters`). An inner-product graph (HNSW) from hnswlib
+or FAISS's ``IndexHNSWFlat`` is the other choice where the ``ann`` extra is installed (``pip
+install -e ".[ann]"``); docs/serving.md has the measurements of each beside the engine's LSH
+serving and the exact mode.
 """
 from __future__ import annotations
 
@@ -12,27 +13,44 @@ import importlib.util
 
 import numpy as np
 
-__all__ = ["LabelIndex", "BACKENDS", "available_backend", "label_vectors", "query_vectors",
-           "DEFAULT_EF", "DEFAULT_M", "EF_CONSTRUCTION"]
+from slide.clusters import DEFAULT_PROBE, LabelClusters
 
-BACKENDS = ("hnswlib", "faiss")
+__all__ = ["LabelIndex", "BACKENDS", "LIBRARIES", "available_backend", "make_index",
+           "label_vectors", "query_vectors", "DEFAULT_EF", "DEFAULT_M", "EF_CONSTRUCTION",
+           "DEFAULT_PROBE"]
+
+#: the engine's own index first, then the libraries'
+BACKENDS = ("clusters", "hnswlib", "faiss")
+LIBRARIES = BACKENDS[1:]
 #: graph degree and build-time beam width: hnswlib's recommended starting point for high recall
 DEFAULT_M, EF_CONSTRUCTION = 16, 200
 #: the query beam width, at least the k asked for (docs/serving.md: recall@10 against ef)
 DEFAULT_EF = 64
 
 
-def available_backend(backend: str | None = None) -> str:
-    """The backend to use: ``backend`` if installed, else the first of :data:`BACKENDS` that
-    is; an error that names the extra where none is."""
-    names = BACKENDS if backend is None else (backend,)
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+def available_backend(backend: str | None = None, libraries=BACKENDS) -> str:
+    """The backend to use: ``backend`` if installed, else the first of ``libraries`` that is
+    (the engine's own ``"clusters"`` always is); an error that names the extra where none
+    is."""
+    if backend is not None and backend not in libraries:
+        raise ValueError(f"backend must be one of {', '.join(libraries)}, got {backend!r}")
+    names = libraries if backend is None else (backend,)
     for name in names:
-        if importlib.util.find_spec(name) is not None:
+        if name == "clusters" or importlib.util.find_spec(name) is not None:
             return name
-    raise ImportError(f"mode='ann' needs {' or '.join(names)}: pip install hnswlib faiss-cpu "
-                      f"(the ann extra); mode='lsh' is the engine's own sub-linear serving")
+    raise ImportError(f"this index needs {' or '.join(names)}: pip install hnswlib faiss-cpu "
+                      f"(the ann extra); backend='clusters' is the engine's own")
+
+
+def make_index(backend: str | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
+               ef_construction: int = EF_CONSTRUCTION, probe: float = DEFAULT_PROBE,
+               clusters: int | None = None, seed: int = 0):
+    """``mode="ann"``'s index, unbuilt: :class:`slide.clusters.LabelClusters` (``probe``,
+    ``clusters``) for ``"clusters"`` (the default), else a :class:`LabelIndex` graph (``ef``,
+    ``M``, ``ef_construction``). Both ``build(W, b, threads)`` and ``query(H, k, threads)``."""
+    if available_backend(backend) == "clusters":
+        return LabelClusters(clusters=clusters, probe=probe, seed=seed)
+    return LabelIndex(backend=backend, M=M, ef_construction=ef_construction, ef=ef, seed=seed)
 
 
 def label_vectors(W, b) -> np.ndarray:
@@ -49,9 +67,9 @@ def query_vectors(H) -> np.ndarray:
 
 
 class LabelIndex:
-    """An HNSW inner-product index of a layer's label vectors.
+    """An HNSW inner-product index of a layer's label vectors from a library.
 
-    ``backend``: ``"hnswlib"`` or ``"faiss"`` (default: :func:`available_backend`); ``M`` and
+    ``backend``: ``"hnswlib"`` or ``"faiss"`` (default: the first installed); ``M`` and
     ``ef_construction``: the graph's degree and build beam; ``ef``: the query beam (raised to
     k where k is larger). Ids are the layer's rows."""
 
@@ -60,7 +78,7 @@ class LabelIndex:
         for name, v in (("M", M), ("ef_construction", ef_construction), ("ef", ef)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        self.backend = available_backend(backend)
+        self.backend = available_backend(backend, LIBRARIES)
         self.M, self.ef_construction, self.ef, self.seed = int(M), int(ef_construction), int(ef), seed
         self.index, self.n, self.dim = None, 0, 0
 

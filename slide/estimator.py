@@ -376,7 +376,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         (:func:`slide.screen.screened_topk`), else :func:`slide.metrics.topk_product`.
         ``mode="lsh"`` scores only each row's candidates from the serving tables
         (:meth:`set_serving`; rows with fewer than k candidates are padded with id -1).
-        ``mode="ann"`` asks a nearest-neighbour library's graph index (:meth:`set_ann`).
+        ``mode="ann"`` asks an approximate index of the label vectors (:meth:`set_ann`).
         """
         self._require_current()
         X = self.check_data(X, where="predict")

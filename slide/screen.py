@@ -486,9 +486,12 @@ def _dot_int8(q, h):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx, ids, scores):
+def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, keep, approx, ids,
+                       scores):
     d = H.shape[1]
     k = ids.shape[1]
+    bound = keep == 0  # else the int8 estimates alone pick the keep rescored
+    kept = k if bound else keep
     n_rows = cand.shape[0]
     part_pos = np.empty((parts, n_rows, k), np.int64)
     part_top = np.empty((parts, n_rows, k), np.float32)
@@ -504,8 +507,8 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
         lo, hi = lengths[r] * p // parts, lengths[r] * (p + 1) // parts
         ups = approx[r]
         # the run's k best lower bounds
-        low_pos = np.empty(k, np.int64)
-        lows = np.empty(k, np.float32)
+        low_pos = np.empty(kept, np.int64)
+        lows = np.empty(kept, np.float32)
         m = 0
         for a in range(lo, hi):
             # the rows are scattered through the layer: each asked for a few ahead, a miss
@@ -523,12 +526,13 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
             v = meta[i, SCALE] * _dot_int8(q[i], h) + meta[i, BIAS]
             # |h·w - h·ŵ| <= |h| |w - ŵ|, and float32 rounding in this score and the rescored
             # one (see the module docstring)
-            e = slack * meta[i, NORM] + nh * meta[i, ERROR] + rounding * abs(meta[i, BIAS])
+            e = slack * meta[i, NORM] + nh * meta[i, ERROR] + rounding * abs(meta[i, BIAS]) \
+                if bound else np.float32(0.0)
             ups[a] = v + e
             low = v - e
             if low == low:  # NaN (an infinite bias) never rules a label out
-                m = heap_push(low, a, k, m, low_pos, lows)
-        floor = lows[0] if m >= k else np.float32(-np.inf)
+                m = heap_push(low, a, kept, m, low_pos, lows)
+        floor = lows[0] if m >= kept else np.float32(-np.inf)
         # float32 scores of the labels whose upper bound reaches the run's k-th best lower
         # bound (at most the row's), in candidate order: the run's top-k, exactly
         pos, top = part_pos[p, r], part_top[p, r]
@@ -546,7 +550,8 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
             pos[j] = cand[r, pos[j]] if pos[j] >= 0 and np.isfinite(top[j]) else -1
 
 
-def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, ids, scores):
+def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, ids, scores,
+                        keep: int = 0):
     """Each row's exact top-k of its first ``lengths[r]`` candidates ``cand[r]`` by score
     ``W[i] · h_r + b[i]``, screened through the int8 copy ``labels`` (:func:`quantize_labels`
     of the same W and b; build it again whenever they change).
@@ -565,6 +570,10 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
     candidates are cut into ``parts`` runs, each a task for a thread with a heap of its own,
     merged after: more parts than 1 a row where there are fewer rows than threads (one row's
     thousands of candidates on every thread).
+
+    ``keep`` > 0 trades exactness for speed where the candidates are all near the top (a
+    cluster index's, whose bounds overlap): the ``keep`` best int8 estimates of a run are
+    rescored in float32, with no bound, so a label whose estimate falls below theirs is missed.
     """
     configure_threading()
     H = np.ascontiguousarray(H, dtype=np.float32)
@@ -582,5 +591,7 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
                          f"be within the {cand.shape[1]} candidates a row, got {np.shape(b)} and "
                          f"lengths {lengths.min()}..{lengths.max()}")
     approx = np.empty(cand.shape, np.float32)
+    if keep and keep < ids.shape[1]:
+        raise ValueError(f"keep must be 0 (exact) or at least k ({ids.shape[1]}), got {keep}")
     _screen_candidates(H, W, b, labels.q, labels.meta, rounding_allowance(d), cand, lengths,
-                       max(1, int(parts)), approx, ids, scores)
+                       max(1, int(parts)), int(keep), approx, ids, scores)

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from lsh import CompactTables
-from slide.ann import DEFAULT_EF, DEFAULT_M, EF_CONSTRUCTION, LabelIndex
+from slide.ann import DEFAULT_EF, DEFAULT_M, DEFAULT_PROBE, EF_CONSTRUCTION, make_index
 from slide.config import checked_setting
 from slide.runtime import set_num_threads
 from slide.metrics import topk_product
@@ -49,7 +49,7 @@ class Server:
         self.candidates = None
         self._built = {}  # name: (state version, object)
         self._tables_version = None
-        self.ann = {}  # LabelIndex's settings for mode="ann" (configure_ann)
+        self.ann = {}  # the settings of mode="ann"'s index (configure_ann)
 
     def restarted(self) -> "Server":
         """A server over the state as it is now (its output rows changed), with this one's
@@ -129,18 +129,18 @@ class Server:
         self.tables = serving
 
     def configure_ann(self, **settings) -> None:
-        """Settings of mode="ann"'s index (:class:`slide.ann.LabelIndex`), checked now; the
+        """Settings of mode="ann"'s index (:func:`slide.ann.make_index`), checked now; the
         index is built at the next such query."""
-        LabelIndex(**settings)  # checks them, and that a backend is installed
+        make_index(**settings)  # checks them, and that the backend is installed
         self.ann = dict(settings)
         self._built.pop("ann", None)
 
-    def label_index(self) -> LabelIndex:
+    def label_index(self):
         """mode="ann"'s index of the output layer: built at the first such query, and again at
-        the first after the weights move (a new graph; hnswlib's updates of moved points cost
-        about as much as inserting them)."""
+        the first after the weights move (new clusters, or a new graph: hnswlib's updates of
+        moved points cost about as much as inserting them)."""
         s = self.state
-        return self._once("ann", lambda: LabelIndex(**self.ann).build(s.params["W"], self.bias(),
+        return self._once("ann", lambda: make_index(**self.ann).build(s.params["W"], self.bias(),
                                                                       numba.get_num_threads()))
 
     def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None):
@@ -201,15 +201,22 @@ class ServingSettings:
         self.server_.configure(tables, candidates, center)
         return self
 
-    def set_ann(self, backend: str | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
+    def set_ann(self, backend: str | None = None, probe: float = DEFAULT_PROBE,
+                clusters: int | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
                 ef_construction: int = EF_CONSTRUCTION):
-        """The index of ``predict_topk(mode="ann")``: an HNSW graph over the label vectors
-        (output rows with their biases) from hnswlib, else FAISS (the ``ann`` extra;
-        :mod:`slide.ann`). ``ef``: the query beam (more finds more of the exact top-k, slower);
-        ``M``, ``ef_construction``: the graph's degree and build beam. Built at the first such
+        """The index of ``predict_topk(mode="ann")`` (:mod:`slide.ann`).
+
+        ``backend="clusters"`` (the default) is the engine's own: k-means clusters of the label
+        vectors (output rows with their biases); a query scores the ``probe`` share of the
+        labels in the clusters whose centroids score best, from an int8 copy, and rescores the
+        best of them in float32. ``clusters``: how many (default 8 √labels, a power of two).
+        ``"hnswlib"`` or ``"faiss"``: an HNSW graph from that library (the ``ann`` extra), with
+        ``ef`` the query beam and ``M``, ``ef_construction`` the graph's degree and build beam.
+        More ``probe`` or ``ef`` finds more of the exact top-k, slower. Built at the first such
         query, and again at the first after the weights change; not saved with the model."""
         self._require_fitted()
-        self.server_.configure_ann(backend=backend, ef=ef, M=M, ef_construction=ef_construction)
+        self.server_.configure_ann(backend=backend, ef=ef, M=M, ef_construction=ef_construction,
+                                   probe=probe, clusters=clusters)
         return self
 
     def _query_threads(self) -> int:

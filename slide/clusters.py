@@ -1,0 +1,407 @@
+"""The engine's own index for ``mode="ann"``: the label vectors ``[w, b]`` cut into k-means
+clusters (an inverted file). A query scores every cluster's centroid with ``[h, 1]``, takes the
+labels of the best clusters until it holds its budget of candidates, and finds their exact
+top-k through the int8 screen that LSH serving uses (:func:`slide.screen.screened_candidates`).
+
+Where LSH's tables find a label only when a random projection agrees, the centroids are the
+layer's own summary: on git_openstack, a tenth of the labels taken this way holds 0.95 of the
+exact top-10 (docs/serving.md). A batch's centroid scores are one BLAS product, so batches gain
+as much as single rows.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numba
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from slide.blas import gemm
+from slide.metrics import heap_push, heap_sorted
+from slide.runtime import blas_threads, configure_threading, prefetch
+from slide.screen import BIAS, SCALE, has_int8_dot, quantize_labels
+from slide.vecmath import REASSOC, dot
+
+__all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT"]
+
+#: clusters per square root of the labels (a power of two near it): small clusters rank
+#: candidates finely, and their centroids still cost a few percent of the labels
+CLUSTERS_PER_ROOT = 8
+#: the share of the labels scored a query by default: 0.95 of the exact top-10 on git_openstack
+DEFAULT_PROBE = 0.1
+#: candidates rescored in float32 a row, per label asked for: the int8 estimates rank them
+KEEP_PER_K = 2
+#: Lloyd's iterations, over a sample of this many label vectors per cluster
+ITERATIONS, SAMPLE_PER_CLUSTER = 10, 32
+#: label vectors per block of the assignment's product (a block of scores is about 32 MB)
+_BLOCK_BYTES = 1 << 25
+
+
+def cluster_count(n: int) -> int:
+    """Clusters for ``n`` labels: the power of two nearest ``CLUSTERS_PER_ROOT √n``, 1..n."""
+    if n <= 1:
+        return 1
+    return int(min(n, 2 ** round(math.log2(CLUSTERS_PER_ROOT * math.sqrt(n)))))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _nearest(P, half_norms, out):
+    # argmax of v·c - |c|²/2 is the nearest centroid
+    for i in prange(P.shape[0]):
+        best, arg = -np.inf, 0
+        for c in range(P.shape[1]):
+            s = P[i, c] - half_norms[c]
+            if s > best:
+                best, arg = s, c
+        out[i] = arg
+
+
+@njit(cache=True, nogil=True)
+def _means(V, assign, C):
+    """Each cluster's mean of the rows of ``V`` assigned to it into ``C``; an empty cluster
+    keeps its centroid."""
+    sums = np.zeros(C.shape, np.float64)
+    counts = np.zeros(C.shape[0], np.int64)
+    for i in range(V.shape[0]):
+        c = assign[i]
+        counts[c] += 1
+        for j in range(V.shape[1]):
+            sums[c, j] += V[i, j]
+    for c in range(C.shape[0]):
+        if counts[c]:
+            for j in range(C.shape[1]):
+                C[c, j] = sums[c, j] / counts[c]
+
+
+def _assign(V, C, threads: int) -> np.ndarray:
+    """The nearest centroid of each row of ``V``, int64 [n], block by block."""
+    out = np.empty(V.shape[0], np.int64)
+    half = 0.5 * np.einsum("ij,ij->i", C, C)
+    block = max(1, _BLOCK_BYTES // (4 * C.shape[0]))
+    with blas_threads(threads):
+        for lo in range(0, V.shape[0], block):
+            _nearest(V[lo:lo + block] @ C.T, half, out[lo:lo + block])
+    return out
+
+
+def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1):
+    """Lloyd's k-means of the rows of ``V`` float32 [n, d]: ``(centroids [n_clusters, d],
+    assignment int64 [n])``, from ``n_clusters`` distinct rows of a sample of
+    ``SAMPLE_PER_CLUSTER`` rows per cluster, ``ITERATIONS`` steps over that sample."""
+    rng = np.random.default_rng(seed)
+    n = V.shape[0]
+    sample = V if n <= SAMPLE_PER_CLUSTER * n_clusters else \
+        V[np.sort(rng.choice(n, SAMPLE_PER_CLUSTER * n_clusters, replace=False))]
+    C = np.array(sample[rng.choice(sample.shape[0], n_clusters, replace=False)], np.float32)
+    for _ in range(ITERATIONS):
+        _means(sample, _assign(sample, C, threads), C)
+    return C, _assign(V, C, threads)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _coarse(H, C, c, T, out):
+    """``out = H @ C.T + c``: a single-threaded BLAS product on each of ``T`` threads, over its
+    block of clusters."""
+    for t in prange(T):
+        lo, hi = t * C.shape[0] // T, (t + 1) * C.shape[0] // T
+        gemm(H, False, C[lo:hi], True, out[:, lo:hi], 0.0)
+        for r in range(H.shape[0]):
+            for j in range(lo, hi):
+                out[r, j] += c[j]
+
+
+#: bins of a row's centroid scores for choosing its clusters
+_BINS = 256
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gather(coarse, starts, budget, chosen, n_chosen):
+    """Each row's best clusters by ``coarse`` score, whole, until they hold ``budget`` labels:
+    those of the score bins above the one where the budget runs out, then that bin's in
+    cluster order. Two passes over the scores, where sorting them took longer than scoring
+    the candidates."""
+    n_clusters = coarse.shape[1]
+    for r in prange(coarse.shape[0]):
+        row = coarse[r]
+        lo, hi = np.inf, -np.inf
+        for c in range(n_clusters):
+            lo, hi = min(lo, row[c]), max(hi, row[c])
+        scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+        labels = np.zeros(_BINS, np.int64)  # the labels of the clusters in each bin
+        for c in range(n_clusters):
+            labels[int((hi - row[c]) * scale)] += starts[c + 1] - starts[c]
+        last, held = 0, labels[0]  # the bin where the budget runs out
+        while held < budget and last + 1 < _BINS:
+            last += 1
+            held += labels[last]
+        m, held = 0, 0
+        for whole in (True, False):
+            for c in range(n_clusters):
+                bin_ = int((hi - row[c]) * scale)
+                if (bin_ < last) if whole else (bin_ == last and held < budget):
+                    chosen[r, m] = c
+                    m += 1
+                    held += starts[c + 1] - starts[c]
+        n_chosen[r] = m
+
+
+@njit(cache=True, nogil=True)
+def _by_cluster(chosen, n_chosen, starts, tasks):
+    """The rows that chose each cluster (CSR ``ptr`` [C + 1], ``rows``), and ``tasks`` + 1
+    bounds that split the clusters into runs of about equal work (labels times rows)."""
+    n_clusters = starts.size - 1
+    ptr = np.zeros(n_clusters + 1, np.int64)
+    for r in range(chosen.shape[0]):
+        for j in range(n_chosen[r]):
+            ptr[chosen[r, j] + 1] += 1
+    work = np.zeros(n_clusters + 1, np.int64)
+    for c in range(n_clusters):
+        work[c + 1] = work[c] + ptr[c + 1] * (starts[c + 1] - starts[c])
+        ptr[c + 1] += ptr[c]
+    rows = np.empty(ptr[-1], np.int32)
+    fill = ptr[:-1].copy()
+    for r in range(chosen.shape[0]):
+        for j in range(n_chosen[r]):
+            c = chosen[r, j]
+            rows[fill[c]] = r
+            fill[c] += 1
+    bounds = np.searchsorted(work, np.arange(tasks + 1) * (work[-1] / tasks))
+    bounds[0], bounds[-1] = 0, n_clusters
+    return ptr, rows, bounds
+
+
+#: the int8 rows' depth is padded to a multiple of this: one VNNI instruction's bytes
+_LANE_BYTES = 64
+#: independent accumulators in a row's dot product
+_CHAINS = 4
+
+
+@intrinsic
+def _dpbusd(typingctx, hq, wq):
+    """``sum_i hq[i] * wq[i]`` in int32 for a uint8 row ``hq`` and an int8 row ``wq`` (both
+    contiguous, of the same length, a multiple of 64) by AVX-512 VNNI's ``vpdpbusd``, 64
+    multiply-adds an instruction; only machines with it may compile it."""
+    sig = types.int32(hq, wq)
+
+    def codegen(context, builder, signature, args):
+        h = context.make_array(signature.args[0])(context, builder, args[0])
+        w = context.make_array(signature.args[1])(context, builder, args[1])
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        v16 = ir.VectorType(i32, 16)
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
+        total = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i32, [v16]), "llvm.vector.reduce.add.v16i32")
+        n = cgutils.unpack_tuple(builder, h.shape, 1)[0]
+        chunks = builder.sdiv(n, ir.Constant(i64, _LANE_BYTES))
+        # _CHAINS accumulators: one would wait out the instruction's latency at every chunk
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None))
+                for _ in range(_CHAINS)]
+        hp, wp = builder.ptrtoint(h.data, i64), builder.ptrtoint(w.data, i64)
+
+        def step(chunk, acc):
+            off = builder.mul(chunk, ir.Constant(i64, _LANE_BYTES))
+            hv = builder.load(builder.inttoptr(builder.add(hp, off), v16.as_pointer()), align=1)
+            wv = builder.load(builder.inttoptr(builder.add(wp, off), v16.as_pointer()), align=1)
+            builder.store(builder.call(dpbusd, [builder.load(acc), hv, wv]), acc)
+
+        rounds = builder.sdiv(chunks, ir.Constant(i64, _CHAINS))
+        with cgutils.for_range(builder, rounds) as loop:
+            for c in range(_CHAINS):
+                step(builder.add(builder.mul(loop.index, ir.Constant(i64, _CHAINS)),
+                                 ir.Constant(i64, c)), accs[c])
+        done = builder.mul(rounds, ir.Constant(i64, _CHAINS))
+        with cgutils.for_range(builder, builder.sub(chunks, done)) as loop:
+            step(builder.add(done, loop.index), accs[0])
+        acc = builder.load(accs[0])
+        for c in range(1, _CHAINS):
+            acc = builder.add(acc, builder.load(accs[c]))
+        return builder.call(total, [acc])
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _quantize_queries(H, hq, t, z):
+    """uint8 rows of ``H`` [n, d] into ``hq`` [n, >= d] (zero beyond d), each over its own
+    range [min(0, min h), max(0, max h)] in 255 steps: h ~ t (q - z)."""
+    n, d = H.shape
+    for r in prange(n):
+        lo, hi = 0.0, 0.0
+        for i in range(d):
+            lo, hi = min(lo, H[r, i]), max(hi, H[r, i])
+        s = (hi - lo) / 255.0
+        zr = 0 if s == 0.0 else min(255, round(-lo / s))
+        for i in range(d):
+            hq[r, i] = zr if s == 0.0 else min(255, max(0, round(H[r, i] / s) + zr))
+        t[r], z[r] = s, zr
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _estimate_vnni(r, i, H, hq, t, z, q, meta, sums):
+    return meta[i, SCALE] * t[r] * np.float32(_dpbusd(hq[r], q[i]) - z[r] * sums[i]) + meta[i, BIAS]
+
+
+@njit(cache=True, nogil=True, fastmath=REASSOC)
+def _dot_bytes(q, h):
+    acc = np.float32(0.0)
+    for i in range(h.size):
+        acc += np.float32(q[i]) * h[i]
+    return acc
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _estimate_float(r, i, H, hq, t, z, q, meta, sums):
+    # where the CPU has no int8 dot product: the float32 query against the int8 row
+    return meta[i, SCALE] * _dot_bytes(q[i, :H.shape[1]], H[r]) + meta[i, BIAS]
+
+
+def _scan_kernel(estimate):
+    @njit(cache=True, nogil=True, parallel=True)
+    def scan(H, hq, t, z, q, meta, sums, starts, ptr, rows, bounds, pos, best, held):
+        """Cluster by cluster, each task its run of them: every label's int8 estimate for
+        each row that chose its cluster, offered to the task's heap of ``keep`` for that row
+        (a cluster's int8 rows stay in cache while its rows are scored)."""
+        keep = pos.shape[2]
+        for task in prange(bounds.size - 1):
+            held[task] = 0
+            for c in range(bounds[task], bounds[task + 1]):
+                for j in range(ptr[c], ptr[c + 1]):
+                    r = rows[j]
+                    m = held[task, r]
+                    for i in range(starts[c], starts[c + 1]):
+                        v = estimate(r, i, H, hq, t, z, q, meta, sums)
+                        if v == v:
+                            m = heap_push(v, i, keep, m, pos[task, r], best[task, r])
+                    held[task, r] = m
+    return scan
+
+
+_scan_vnni = _scan_kernel(_estimate_vnni)
+_scan_float = _scan_kernel(_estimate_float)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _rescore(H, W, b, members, pos, best, held, ids, scores):
+    """Each row's top-k (``ids``: W's rows), in float32, of the ``keep`` best estimates its
+    tasks' heaps hold."""
+    d = H.shape[1]
+    tasks, _, keep = pos.shape
+    k = ids.shape[1]
+    for r in prange(H.shape[0]):
+        top = np.empty(keep, np.int64)
+        top_est = np.empty(keep, np.float32)
+        m = 0
+        for task in range(tasks):
+            for j in range(held[task, r]):
+                m = heap_push(best[task, r, j], pos[task, r, j], keep, m, top, top_est)
+        for j in range(m):  # the rows are scattered through the layer: asked for ahead
+            prefetch(W[members[top[j]]])
+        n = 0
+        for j in range(m):
+            row = members[top[j]]
+            n = heap_push(b[row] + dot(W[row, :d], H[r]), row, k, n, ids[r], scores[r])
+        heap_sorted(n, k, ids[r], scores[r])
+
+
+class LabelClusters:
+    """An inverted file of a layer's label vectors (see the module docstring).
+
+    ``clusters``: how many (default :func:`cluster_count` of the layer's rows); ``probe``: the
+    share of the labels a query scores (default ``DEFAULT_PROBE``; more finds more of the exact
+    top-k, slower). Ids are the layer's rows.
+    """
+
+    backend = "clusters"
+
+    def __init__(self, clusters: int | None = None, probe: float = DEFAULT_PROBE, seed: int = 0):
+        if clusters is not None and (isinstance(clusters, bool) or
+                                     not isinstance(clusters, (int, np.integer)) or clusters < 1):
+            raise ValueError(f"clusters must be a positive integer, got {clusters!r}")
+        if isinstance(probe, bool) or not isinstance(probe, (float, int)) or not 0 < probe <= 1:
+            raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
+        self.clusters, self.probe, self.seed = clusters, float(probe), seed
+        self.centroids = self.starts = self.members = None
+        self.n = 0
+
+    def build(self, W, b, threads: int = 1) -> "LabelClusters":
+        """Cluster the rows of ``W`` [n, H] with biases ``b`` [n]."""
+        configure_threading()
+        W = np.asarray(W, np.float32)
+        V = np.ascontiguousarray(np.hstack((W, np.asarray(b, np.float32)[:, None])))
+        self.n = V.shape[0]
+        n_clusters = min(self.n, self.clusters or cluster_count(self.n))
+        C, assign = kmeans(V, n_clusters, self.seed, threads)
+        self.members = np.argsort(assign, kind="stable").astype(np.int32)
+        self.starts = np.searchsorted(assign[self.members], np.arange(n_clusters + 1)).astype(np.int64)
+        self.centroids = C
+        self.weights = np.ascontiguousarray(C[:, :-1])
+        self.bias = np.ascontiguousarray(C[:, -1])
+        # the int8 rows in cluster order, so that a cluster's labels are read in one piece,
+        # their depth padded with zeros for VNNI
+        d = W.shape[1]
+        padded = np.zeros((self.n, -(-d // _LANE_BYTES) * _LANE_BYTES), np.float32)
+        padded[:, :d] = W[self.members]
+        self.rows = quantize_labels(padded, V[self.members, d])
+        self.sums = self.rows.q.sum(axis=1, dtype=np.int32)
+        self.W, self.b = W, V[:, d]
+        return self
+
+    @property
+    def budget(self) -> int:
+        """Candidates a query scores."""
+        return max(1, min(self.n, int(round(self.probe * self.n))))
+
+    @property
+    def nbytes(self) -> int:
+        """What the index holds beside the layer: centroids, members, cluster bounds and the
+        int8 copy of the layer in cluster order."""
+        return (self.centroids.nbytes + self.weights.nbytes + self.members.nbytes +
+                self.starts.nbytes + self.rows.nbytes + self.sums.nbytes)
+
+    def chosen(self, H) -> tuple[np.ndarray, np.ndarray]:
+        """``(clusters int32 [n, C], counts int64 [n])``: the clusters each row of ``H`` [n,
+        hidden] scores, the first ``counts[r]`` of its row."""
+        H = np.ascontiguousarray(H, np.float32)
+        n_clusters = self.weights.shape[0]
+        coarse = np.empty((H.shape[0], n_clusters), np.float32)
+        # BLAS's own threads would spin after the product and take the cores from numba's
+        with blas_threads(1):
+            _coarse(H, self.weights, self.bias, min(numba.get_num_threads(), n_clusters), coarse)
+        chosen = np.empty((H.shape[0], n_clusters), np.int32)
+        counts = np.empty(H.shape[0], np.int64)
+        _gather(coarse, self.starts, self.budget, chosen, counts)
+        return chosen, counts
+
+    def query(self, H, k: int, threads: int = 1, keep: int | None = None):
+        """Top-k ``(rows int64 [n, k], scores float32 [n, k])`` of hidden vectors ``H`` [n,
+        hidden], best first: the labels of each row's clusters (:meth:`chosen`) scored from
+        the int8 copy, the ``keep`` best (default ``KEEP_PER_K`` k) again in float32."""
+        H = np.ascontiguousarray(H, np.float32)
+        n = H.shape[0]
+        chosen, counts = self.chosen(H)
+        tasks = numba.get_num_threads()
+        ptr, rows, bounds = _by_cluster(chosen, counts, self.starts, tasks)
+        keep = max(k, min(self.n, keep or KEEP_PER_K * k))
+        pos = np.empty((tasks, n, keep), np.int64)
+        best = np.empty((tasks, n, keep), np.float32)
+        held = np.empty((tasks, n), np.int64)
+        q, meta = self.rows.q, self.rows.meta
+        if has_int8_dot():
+            hq = np.zeros((n, q.shape[1]), np.uint8)
+            t = np.empty(n, np.float32)
+            z = np.empty(n, np.int32)
+            _quantize_queries(H, hq, t, z)
+            _scan_vnni(H, hq, t, z, q, meta, self.sums, self.starts, ptr, rows, bounds, pos,
+                       best, held)
+        else:
+            _scan_float(H, H[:, :0].astype(np.uint8), np.empty(0, np.float32),
+                        np.empty(0, np.int32), q, meta, self.sums, self.starts, ptr, rows, bounds,
+                        pos, best, held)
+        ids = np.empty((n, k), np.int64)
+        scores = np.empty((n, k), np.float32)
+        _rescore(H, self.W, self.b, self.members, pos, best, held, ids, scores)
+        return ids, scores
