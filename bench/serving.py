@@ -12,9 +12,11 @@ for LSH the memory it holds beside the model (its tables and the int8 copy by la
 ``--clients 1,2,4``, single rows also come from that many Python threads at once, as a
 recommender's pool of workers sends them: queries/s over the run, p50 and p99 latency, and how
 many answers differ from the same rows answered in one call (none: each query borrows its own
-scratch). With ``--ann-backends hnswlib,faiss --ann-ef 32,64,128``, the same for
-``mode="ann"`` (an HNSW index of the label vectors from each library at each query beam ef),
-with the index's build seconds and size. ``--data TRAIN --test TEST`` reads files instead of
+scratch). With ``--ann-backends clusters,faiss-ivf,hnswlib,faiss``, the same for
+``mode="ann"``: the engine's clusters at each share of the labels in ``--ann-probe``, FAISS's
+IndexIVFFlat with as many lists probing the same share (a peer, asked directly), and an HNSW
+graph from each library at each query beam in ``--ann-ef``; with each index's build seconds
+(the first query's, compile included) and size. ``--data TRAIN --test TEST`` reads files instead of
 a preset; ``--save-model DIR`` keeps the trained model for ``--model``. Writes ``OUT.json`` and
 prints a table.
 """

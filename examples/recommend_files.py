@@ -8,16 +8,15 @@
    order stands in for time). Files first touched by the newest commits have no row yet.
 2. The newest commits arrive: ``partial_fit`` on them gives each new file its row (started from
    the hidden vectors of the commits that touch it) and trains.
-3. Serve the top-10 files of the test commits through a sub-linear index (``mode="ann"``, an
-   HNSW graph from hnswlib or FAISS: ``pip install -e ".[ann]"``; without it the engine's own
-   LSH serving), printing its recall against the exact top-10 and its latency beside the
-   exact mode's, and one commit's recommendations by name.
+3. Serve the top-10 files of the test commits through a sub-linear index (``mode="ann"``: the
+   files of the k-means clusters of file vectors that score best), printing its recall against
+   the exact top-10 and its latency beside the exact mode's, and one commit's recommendations
+   by name.
 4. Export the file and commit vectors for other tools (``slide export --embeddings``).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import time
 
@@ -75,7 +74,7 @@ def main(argv=None):
     print(f"2. {X.shape[0] - cut:,} newest commits: {model.n_outputs_ - known:,} new files got a "
           f"row; {time.perf_counter() - t0:.1f} s; test P@1 {model.evaluate(Xte, Yte)['P@1']:.3f}")
 
-    mode = "ann" if any(importlib.util.find_spec(b) for b in ("hnswlib", "faiss")) else "lsh"
+    mode = "ann"
     exact = model.predict_topk(Xte, 10)[0]
     t0 = time.perf_counter()
     found = model.predict_topk(Xte, 10, mode=mode)[0]  # builds the index

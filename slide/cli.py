@@ -143,7 +143,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="report P@j and nDCG@j at j = 1, 3, 5 (up to k) and at k (default: 5)")
     e.add_argument("--mode", choices=["exact", "lsh", "ann"], default="exact",
                    help="exact: score every label; lsh: only the hash tables' candidates (faster, "
-                        "lower recall); ann: an HNSW index of the labels (the ann extra)")
+                        "lower recall); ann: the labels of the clusters that score best")
     e.add_argument("--threads", type=_positive, default=None,
                    help="CPU threads (default: the model's setting, all cores where it has none)")
 
@@ -154,8 +154,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pr.add_argument("input", help="file of rows to label (its label fields, if any, are ignored)")
     pr.add_argument("--top-k", type=_positive, default=5, help="labels per row (default: 5)")
     pr.add_argument("--mode", choices=["exact", "lsh", "ann"], default="exact",
-                    help="exact: score every label; lsh: only the hash tables' candidates; ann: an "
-                         "HNSW index of the labels (the ann extra)")
+                    help="exact: score every label; lsh: only the hash tables' candidates; ann: the "
+                         "labels of the clusters that score best")
     pr.add_argument("--threads", type=_positive, default=None,
                     help="CPU threads (default: the model's setting, all cores where it has none)")
     pr.add_argument("--proba", action="store_true",
