@@ -19,9 +19,16 @@ from slide.synthetic import make_dataset
 
 
 def machine() -> dict:
+    """The machine, and the instruction set the kernels were compiled for: a run with
+    ``NUMBA_CPU_NAME=haswell`` (and AVX-512 features off in ``NUMBA_CPU_FEATURES``,
+    ``OPENBLAS_CORETYPE=Haswell``, ``FAISS_OPT_LEVEL=avx2``) stands for a CPU without AVX-512."""
+    from slide.screen import has_int8_dot
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "numba_threads": numba.config.NUMBA_NUM_THREADS, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "numba_cpu": numba.config.CPU_NAME or "host",
+            "int8_dot": has_int8_dot(),
+            **{v.lower(): os.environ[v] for v in ("OPENBLAS_CORETYPE", "FAISS_OPT_LEVEL")
+               if v in os.environ}}
 
 
 def dataset(preset: str, n_train: int, n_test: int, seed: int = 0):

@@ -11,6 +11,7 @@ as much as single rows.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 import numba
@@ -22,7 +23,7 @@ from numba.extending import intrinsic
 from slide.blas import gemm
 from slide.metrics import heap_push, heap_sorted
 from slide.runtime import blas_threads, configure_threading, prefetch
-from slide.screen import BIAS, SCALE, has_int8_dot, quantize_labels
+from slide.screen import BIAS, SCALE, has_int8_dot, quantize_labels, target_has
 from slide.vecmath import REASSOC, dot
 
 __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT"]
@@ -179,34 +180,67 @@ _LANE_BYTES = 64
 _CHAINS = 4
 
 
+@lru_cache(maxsize=None)
+def int8_kind() -> str | None:
+    """The int8 dot product the target CPU has (:func:`slide.screen.target_has`): ``"vnni"``
+    (AVX-512 VNNI's ``vpdpbusd``, 64 multiply-adds an instruction), ``"avx2"``
+    (``vpmaddubsw`` then ``vpmaddwd``, 32 in two), or None."""
+    return "vnni" if has_int8_dot() else "avx2" if target_has("avx2") else None
+
+
+#: the query's uint8 levels for each: AVX2's pairwise sums are int16 and saturate above
+#: 2 · 127 · 127, so its query takes 7 bits
+LEVELS = {"vnni": 255, "avx2": 127}
+
+
 @intrinsic
-def _dpbusd(typingctx, hq, wq):
-    """``sum_i hq[i] * wq[i]`` in int32 for a uint8 row ``hq`` and an int8 row ``wq`` (both
-    contiguous, of the same length, a multiple of 64) by AVX-512 VNNI's ``vpdpbusd``, 64
-    multiply-adds an instruction; only machines with it may compile it."""
+def _dot_u8s8(typingctx, hq, wq):
+    """``sum_i hq[i] * wq[i]`` in int32 for a uint8 row ``hq`` (at most 127 a byte where the
+    kind is AVX2) and an int8 row ``wq``, both contiguous, of the same length, a multiple of
+    64, by the target's int8 dot product (:func:`int8_kind`; only such targets compile it)."""
+    kind = int8_kind()
+    if kind is None:
+        return None
     sig = types.int32(hq, wq)
+    width = 16 if kind == "vnni" else 8  # int32 lanes of a register
+    step_bytes = 4 * width
 
     def codegen(context, builder, signature, args):
         h = context.make_array(signature.args[0])(context, builder, args[0])
         w = context.make_array(signature.args[1])(context, builder, args[1])
-        i64, i32 = ir.IntType(64), ir.IntType(32)
-        v16 = ir.VectorType(i32, 16)
-        dpbusd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
+        i64, i32, i16, i8 = (ir.IntType(b) for b in (64, 32, 16, 8))
+        acc_t = ir.VectorType(i32, width)
         total = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(i32, [v16]), "llvm.vector.reduce.add.v16i32")
+            builder.module, ir.FunctionType(i32, [acc_t]), f"llvm.vector.reduce.add.v{width}i32")
+        if kind == "vnni":
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(acc_t, [acc_t] * 3), "llvm.x86.avx512.vpdpbusd.512")
+            load_t = acc_t
+        else:
+            load_t = ir.VectorType(i8, 32)
+            pairs_t = ir.VectorType(i16, 16)
+            maddubs = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(pairs_t, [load_t, load_t]), "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(acc_t, [pairs_t, pairs_t]), "llvm.x86.avx2.pmadd.wd")
+            ones = ir.Constant(pairs_t, [1] * 16)
         n = cgutils.unpack_tuple(builder, h.shape, 1)[0]
-        chunks = builder.sdiv(n, ir.Constant(i64, _LANE_BYTES))
+        chunks = builder.sdiv(n, ir.Constant(i64, step_bytes))
         # _CHAINS accumulators: one would wait out the instruction's latency at every chunk
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(v16, None))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None))
                 for _ in range(_CHAINS)]
         hp, wp = builder.ptrtoint(h.data, i64), builder.ptrtoint(w.data, i64)
 
         def step(chunk, acc):
-            off = builder.mul(chunk, ir.Constant(i64, _LANE_BYTES))
-            hv = builder.load(builder.inttoptr(builder.add(hp, off), v16.as_pointer()), align=1)
-            wv = builder.load(builder.inttoptr(builder.add(wp, off), v16.as_pointer()), align=1)
-            builder.store(builder.call(dpbusd, [builder.load(acc), hv, wv]), acc)
+            off = builder.mul(chunk, ir.Constant(i64, step_bytes))
+            hv = builder.load(builder.inttoptr(builder.add(hp, off), load_t.as_pointer()), align=1)
+            wv = builder.load(builder.inttoptr(builder.add(wp, off), load_t.as_pointer()), align=1)
+            if kind == "vnni":
+                out = builder.call(dpbusd, [builder.load(acc), hv, wv])
+            else:
+                out = builder.add(builder.load(acc),
+                                  builder.call(maddwd, [builder.call(maddubs, [hv, wv]), ones]))
+            builder.store(out, acc)
 
         rounds = builder.sdiv(chunks, ir.Constant(i64, _CHAINS))
         with cgutils.for_range(builder, rounds) as loop:
@@ -225,24 +259,24 @@ def _dpbusd(typingctx, hq, wq):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _quantize_queries(H, hq, t, z):
+def _quantize_queries(H, levels, hq, t, z):
     """uint8 rows of ``H`` [n, d] into ``hq`` [n, >= d] (zero beyond d), each over its own
-    range [min(0, min h), max(0, max h)] in 255 steps: h ~ t (q - z)."""
+    range [min(0, min h), max(0, max h)] in ``levels`` steps: h ~ t (q - z)."""
     n, d = H.shape
     for r in prange(n):
         lo, hi = 0.0, 0.0
         for i in range(d):
             lo, hi = min(lo, H[r, i]), max(hi, H[r, i])
-        s = (hi - lo) / 255.0
-        zr = 0 if s == 0.0 else min(255, round(-lo / s))
+        s = (hi - lo) / levels
+        zr = 0 if s == 0.0 else min(levels, round(-lo / s))
         for i in range(d):
-            hq[r, i] = zr if s == 0.0 else min(255, max(0, round(H[r, i] / s) + zr))
+            hq[r, i] = zr if s == 0.0 else min(levels, max(0, round(H[r, i] / s) + zr))
         t[r], z[r] = s, zr
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _estimate_vnni(r, i, H, hq, t, z, q, meta, sums):
-    return meta[i, SCALE] * t[r] * np.float32(_dpbusd(hq[r], q[i]) - z[r] * sums[i]) + meta[i, BIAS]
+def _estimate_int8(r, i, H, hq, t, z, q, meta, sums):
+    return meta[i, SCALE] * t[r] * np.float32(_dot_u8s8(hq[r], q[i]) - z[r] * sums[i]) + meta[i, BIAS]
 
 
 @njit(cache=True, nogil=True, fastmath=REASSOC)
@@ -280,7 +314,7 @@ def _scan_kernel(estimate):
     return scan
 
 
-_scan_vnni = _scan_kernel(_estimate_vnni)
+_scan_int8 = _scan_kernel(_estimate_int8)
 _scan_float = _scan_kernel(_estimate_float)
 
 
@@ -390,12 +424,13 @@ class LabelClusters:
         best = np.empty((tasks, n, keep), np.float32)
         held = np.empty((tasks, n), np.int64)
         q, meta = self.rows.q, self.rows.meta
-        if has_int8_dot():
+        kind = int8_kind()
+        if kind is not None:
             hq = np.zeros((n, q.shape[1]), np.uint8)
             t = np.empty(n, np.float32)
             z = np.empty(n, np.int32)
-            _quantize_queries(H, hq, t, z)
-            _scan_vnni(H, hq, t, z, q, meta, self.sums, self.starts, ptr, rows, bounds, pos,
+            _quantize_queries(H, LEVELS[kind], hq, t, z)
+            _scan_int8(H, hq, t, z, q, meta, self.sums, self.starts, ptr, rows, bounds, pos,
                        best, held)
         else:
             _scan_float(H, H[:, :0].astype(np.uint8), np.empty(0, np.float32),

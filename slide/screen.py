@@ -42,7 +42,8 @@ from slide.kernels import AHEAD, FAR
 from slide.vecmath import REASSOC, dot
 from slide.metrics import heap_push, heap_sorted, heaps_merge, check_k, topk_product
 
-__all__ = ["Int8Rows", "quantize_rows", "screened_topk", "has_int8_dot", "SCREEN_MIN_LABELS",
+__all__ = ["Int8Rows", "quantize_rows", "screened_topk", "has_int8_dot", "target_has",
+           "SCREEN_MIN_LABELS",
            "Int8Labels", "quantize_labels", "screened_candidates"]
 
 #: label rows per micro-tile (4 vectors of 16 int32 lanes) and batch rows per micro-tile
@@ -61,13 +62,24 @@ def rounding_allowance(d: int) -> np.float32:
     return np.float32(max(1e-4, 2 * d * 2.0 ** -24))
 
 
+def target_has(feature: str) -> bool:
+    """Whether numba compiles for a CPU with ``feature`` (LLVM's name: ``"avx2"``,
+    ``"avx512vnni"``): the host's, unless ``NUMBA_CPU_NAME`` names another target, which then
+    has only what ``NUMBA_CPU_FEATURES`` turns on (so that ``NUMBA_CPU_NAME=haswell`` with
+    AVX-512 off runs as an AVX2 machine would)."""
+    from numba import config
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return f"+{feature}" in (config.CPU_FEATURES or "").split(",")
+    from llvmlite import binding
+    return bool(binding.get_host_cpu_features().get(feature, False))
+
+
 @lru_cache(maxsize=None)
 def has_int8_dot() -> bool:
-    """Whether this CPU has AVX-512 VNNI (the screen's instruction); numba compiles for the host.
-    Asked once per process (LLVM's answer costs a quarter of a millisecond, a single-row query's
-    budget)."""
-    from llvmlite import binding
-    return bool(binding.get_host_cpu_features().get("avx512vnni", False))
+    """Whether numba compiles for a CPU with AVX-512 VNNI, the screen's instruction
+    (:func:`target_has`). Asked once per process (LLVM's answer costs a quarter of a
+    millisecond, a single-row query's budget)."""
+    return target_has("avx512vnni")
 
 
 @intrinsic

@@ -2,6 +2,7 @@
 them from hnswlib or FAISS (the ann extra; skipped where neither is installed, except the error
 that says so)."""
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -86,13 +87,9 @@ def _layer(n=3000, d=40, seed=0):
     return W, b, H
 
 
-@pytest.mark.parametrize("int8_dot", [True, False] if slide.clusters.has_int8_dot() else [False])
-def test_clusters_score_every_label_exactly_when_probing_all(monkeypatch, int8_dot):
+def _probe_all(W, b, H):
     """With every cluster probed and every estimate rescored the answer is the exact top-k;
-    with the default rescoring the int8 estimates alone must rank the top-k first (the VNNI
-    dot products, and the float fallback on CPUs without them)."""
-    monkeypatch.setattr(slide.clusters, "has_int8_dot", lambda: int8_dot)
-    W, b, H = _layer()
+    with the default rescoring the int8 estimates alone must rank the top-k first."""
     S = H @ W.T + b
     exact = np.argsort(-S, axis=1, kind="stable")[:, :10]
     index = LabelClusters(probe=1.0).build(W, b)
@@ -101,6 +98,32 @@ def test_clusters_score_every_label_exactly_when_probing_all(monkeypatch, int8_d
     np.testing.assert_allclose(scores, np.take_along_axis(S, exact, 1), rtol=1e-5, atol=1e-5)
     rows = index.query(H, 10)[0]
     assert np.mean([np.intersect1d(a, e).size for a, e in zip(rows, exact)]) >= 9.9
+
+
+@pytest.mark.parametrize("kind", sorted({slide.clusters.int8_kind(), None}, key=str))
+def test_clusters_score_every_label_exactly_when_probing_all(monkeypatch, kind):
+    """The host's int8 dot product, and the float fallback of CPUs without one."""
+    monkeypatch.setattr(slide.clusters, "int8_kind", lambda: kind)
+    _probe_all(*_layer())
+
+
+AVX2 = ",".join(["+avx", "+avx2", "+fma", "+f16c", "+bmi", "+bmi2", "+popcnt", "+sse4.2",
+                 "-avx512f", "-avx512bw", "-avx512vl", "-avx512dq", "-avx512cd", "-avx512vnni"])
+
+
+@pytest.mark.skipif(not slide.clusters.target_has("avx2"), reason="the CPU has no AVX2")
+def test_clusters_on_an_avx2_target(tmp_path):
+    """numba compiling for an AVX2 machine (``vpmaddubsw``, 7-bit queries), in a process of
+    its own: the same answers as the host's kernels."""
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=AVX2,
+               NUMBA_CACHE_DIR=str(tmp_path))
+    code = ("import slide.clusters as c, tests.test_ann as t; assert c.int8_kind() == 'avx2'; "
+            "t._probe_all(*t._layer()); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():

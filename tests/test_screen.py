@@ -236,3 +236,16 @@ def test_screened_candidates_separate_scores_closer_than_the_int8_step(rng, thre
             np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
     finally:
         numba.set_num_threads(previous)
+
+
+def test_a_named_numba_target_has_vnni_only_where_its_features_say(monkeypatch):
+    """``NUMBA_CPU_NAME=haswell`` compiles for an AVX2 machine: the int8 paths must not emit
+    VNNI there, whatever the host has."""
+    from numba import config
+    from slide.screen import target_has
+    monkeypatch.setattr(config, "CPU_NAME", "haswell")
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,-avx512f,-avx512vnni")
+    assert has_int8_dot.__wrapped__() is False
+    assert target_has("avx2") and not target_has("avx512f")
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx512f,+avx512vnni")
+    assert has_int8_dot.__wrapped__() is True
