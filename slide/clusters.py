@@ -34,7 +34,8 @@ CLUSTERS_PER_ROOT = 8
 #: the share of the labels scored a query by default: 0.95 of the exact top-10 on git_openstack
 DEFAULT_PROBE = 0.1
 #: candidates rescored in float32 a row, per label asked for: the int8 estimates rank them
-KEEP_PER_K = 2
+#: (on git_openstack, k + 2 found what 3k did)
+KEEP_PER_K = 1.5
 #: Lloyd's iterations, over a sample of this many label vectors per cluster
 ITERATIONS, SAMPLE_PER_CLUSTER = 10, 32
 #: label vectors per block of the assignment's product (a block of scores is about 32 MB)
@@ -299,18 +300,26 @@ def _scan_kernel(estimate):
         """Cluster by cluster, each task its run of them: every label's int8 estimate for
         each row that chose its cluster, offered to the task's heap of ``keep`` for that row
         (a cluster's int8 rows stay in cache while its rows are scored)."""
-        keep = pos.shape[2]
+        n, keep = H.shape[0], pos.shape[2]
         for task in prange(bounds.size - 1):
-            held[task] = 0
+            # the task's own heaps: views of the shared arrays would count references to
+            # them from both threads at every row of every cluster
+            my_pos = np.empty((n, keep), np.int64)
+            my_best = np.empty((n, keep), np.float32)
+            my_held = np.zeros(n, np.int64)
             for c in range(bounds[task], bounds[task + 1]):
                 for j in range(ptr[c], ptr[c + 1]):
                     r = rows[j]
-                    m = held[task, r]
+                    m = my_held[r]
+                    row_pos, row_best = my_pos[r], my_best[r]
                     for i in range(starts[c], starts[c + 1]):
                         v = estimate(r, i, H, hq, t, z, q, meta, sums)
                         if v == v:
-                            m = heap_push(v, i, keep, m, pos[task, r], best[task, r])
-                    held[task, r] = m
+                            m = heap_push(v, i, keep, m, row_pos, row_best)
+                    my_held[r] = m
+            pos[task] = my_pos
+            best[task] = my_best
+            held[task] = my_held
     return scan
 
 
@@ -419,7 +428,7 @@ class LabelClusters:
         chosen, counts = self.chosen(H)
         tasks = numba.get_num_threads()
         ptr, rows, bounds = _by_cluster(chosen, counts, self.starts, tasks)
-        keep = max(k, min(self.n, keep or KEEP_PER_K * k))
+        keep = max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
         pos = np.empty((tasks, n, keep), np.int64)
         best = np.empty((tasks, n, keep), np.float32)
         held = np.empty((tasks, n), np.int64)
