@@ -82,8 +82,9 @@ class LabelIndex:
         self.M, self.ef_construction, self.ef, self.seed = int(M), int(ef_construction), int(ef), seed
         self.index, self.n, self.dim = None, 0, 0
 
-    def build(self, W, b, threads: int = -1) -> "LabelIndex":
-        """Index the rows of ``W`` [n, H] with biases ``b`` [n] (a new graph)."""
+    def build(self, W, b, threads: int = -1, start=None) -> "LabelIndex":
+        """Index the rows of ``W`` [n, H] with biases ``b`` [n] (a new graph; ``start``, an
+        earlier index, is not used)."""
         V = label_vectors(W, b)
         self.n, self.dim = V.shape
         if self.backend == "hnswlib":

@@ -36,10 +36,11 @@ DEFAULT_PROBE = 0.1
 #: candidates rescored in float32 a row, per label asked for: the int8 estimates rank them
 #: (on git_openstack, k + 2 found what 3k did)
 KEEP_PER_K = 1.5
-#: Lloyd's iterations, over a sample of this many label vectors per cluster
-ITERATIONS, SAMPLE_PER_CLUSTER = 10, 32
-#: label vectors per block of the assignment's product (a block of scores is about 32 MB)
-_BLOCK_BYTES = 1 << 25
+#: Lloyd's iterations, over a sample of this many label vectors per cluster; from the last
+#: index's centroids, fewer
+ITERATIONS, WARM_ITERATIONS, SAMPLE_PER_CLUSTER = 10, 3, 32
+#: a thread's block of the assignment's scores (4 MB; 1 MB made BLAS's products too thin)
+_BLOCK_BYTES = 1 << 22
 
 
 def cluster_count(n: int) -> int:
@@ -49,16 +50,28 @@ def cluster_count(n: int) -> int:
     return int(min(n, 2 ** round(math.log2(CLUSTERS_PER_ROOT * math.sqrt(n)))))
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _nearest(P, half_norms, out):
-    # argmax of v·c - |c|²/2 is the nearest centroid
-    for i in prange(P.shape[0]):
-        best, arg = -np.inf, 0
-        for c in range(P.shape[1]):
-            s = P[i, c] - half_norms[c]
-            if s > best:
-                best, arg = s, c
-        out[i] = arg
+@njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
+def _nearest(V, C, half_norms, tasks, block, out):
+    """The nearest centroid of each row of ``V`` into ``out``: argmax of v·c - |c|²/2, a block of
+    rows at a time on each of ``tasks`` threads (one single-threaded BLAS product a block, its
+    scores still in cache for the argmax)."""
+    n = V.shape[0]
+    n_blocks = (n + block - 1) // block
+    for task in prange(tasks):
+        P = np.empty((block, C.shape[0]), np.float32)
+        for blk in range(task, n_blocks, tasks):
+            lo, hi = blk * block, min(n, (blk + 1) * block)
+            gemm(V[lo:hi], False, C, True, P[:hi - lo], 0.0)
+            for i in range(hi - lo):
+                # the row's max first (a reduction that vectorises, where a running argmax
+                # does not), then where it is
+                best = -np.inf
+                for c in range(C.shape[0]):
+                    best = max(best, P[i, c] - half_norms[c])
+                for c in range(C.shape[0]):
+                    if P[i, c] - half_norms[c] == best:
+                        out[lo + i] = c
+                        break
 
 
 @njit(cache=True, nogil=True)
@@ -79,26 +92,31 @@ def _means(V, assign, C):
 
 
 def _assign(V, C, threads: int) -> np.ndarray:
-    """The nearest centroid of each row of ``V``, int64 [n], block by block."""
-    out = np.empty(V.shape[0], np.int64)
+    """The nearest centroid of each row of ``V``, int64 [n]."""
+    out = np.zeros(V.shape[0], np.int64)
     half = 0.5 * np.einsum("ij,ij->i", C, C)
     block = max(1, _BLOCK_BYTES // (4 * C.shape[0]))
-    with blas_threads(threads):
-        for lo in range(0, V.shape[0], block):
-            _nearest(V[lo:lo + block] @ C.T, half, out[lo:lo + block])
+    # BLAS's own threads would spin after each product and take the cores from numba's
+    with blas_threads(1):
+        _nearest(V, C, half, max(1, min(threads, numba.get_num_threads())), block, out)
     return out
 
 
-def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1):
+def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None):
     """Lloyd's k-means of the rows of ``V`` float32 [n, d]: ``(centroids [n_clusters, d],
-    assignment int64 [n])``, from ``n_clusters`` distinct rows of a sample of
-    ``SAMPLE_PER_CLUSTER`` rows per cluster, ``ITERATIONS`` steps over that sample."""
+    assignment int64 [n])``, ``ITERATIONS`` steps over a sample of ``SAMPLE_PER_CLUSTER`` rows
+    per cluster from ``n_clusters`` distinct rows of it, or ``WARM_ITERATIONS`` from the
+    centroids ``start`` (the last index's, the weights having moved since)."""
     rng = np.random.default_rng(seed)
     n = V.shape[0]
     sample = V if n <= SAMPLE_PER_CLUSTER * n_clusters else \
         V[np.sort(rng.choice(n, SAMPLE_PER_CLUSTER * n_clusters, replace=False))]
-    C = np.array(sample[rng.choice(sample.shape[0], n_clusters, replace=False)], np.float32)
-    for _ in range(ITERATIONS):
+    if start is not None and np.shape(start) == (n_clusters, V.shape[1]):
+        C, steps = np.array(start, np.float32), WARM_ITERATIONS
+    else:
+        C = np.array(sample[rng.choice(sample.shape[0], n_clusters, replace=False)], np.float32)
+        steps = ITERATIONS
+    for _ in range(steps):
         _means(sample, _assign(sample, C, threads), C)
     return C, _assign(V, C, threads)
 
@@ -370,14 +388,15 @@ class LabelClusters:
         self.centroids = self.starts = self.members = None
         self.n = 0
 
-    def build(self, W, b, threads: int = 1) -> "LabelClusters":
-        """Cluster the rows of ``W`` [n, H] with biases ``b`` [n]."""
+    def build(self, W, b, threads: int = 1, start: "LabelClusters | None" = None) -> "LabelClusters":
+        """Cluster the rows of ``W`` [n, H] with biases ``b`` [n]; from the centroids of
+        ``start`` (an index of an earlier state of the same layer) where it has as many."""
         configure_threading()
         W = np.asarray(W, np.float32)
         V = np.ascontiguousarray(np.hstack((W, np.asarray(b, np.float32)[:, None])))
         self.n = V.shape[0]
         n_clusters = min(self.n, self.clusters or cluster_count(self.n))
-        C, assign = kmeans(V, n_clusters, self.seed, threads)
+        C, assign = kmeans(V, n_clusters, self.seed, threads, getattr(start, "centroids", None))
         self.members = np.argsort(assign, kind="stable").astype(np.int32)
         self.starts = np.searchsorted(assign[self.members], np.arange(n_clusters + 1)).astype(np.int64)
         self.centroids = C

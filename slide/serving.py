@@ -58,6 +58,8 @@ class Server:
         if self.tables is not None:
             out.configure(self.tables.config.L, self.candidates, self.tables.center)
         out.ann = dict(self.ann)
+        if "ann" in self._built:  # not current (no version is None), but clusters start from it
+            out._built["ann"] = (None, self._built["ann"][1])
         return out
 
     def current(self) -> None:
@@ -137,11 +139,15 @@ class Server:
 
     def label_index(self):
         """mode="ann"'s index of the output layer: built at the first such query, and again at
-        the first after the weights move (new clusters, or a new graph: hnswlib's updates of
-        moved points cost about as much as inserting them)."""
+        the first after the weights move (clusters from the last ones' centroids, or a new
+        graph: hnswlib's updates of moved points cost about as much as inserting them)."""
         s = self.state
-        return self._once("ann", lambda: make_index(**self.ann).build(s.params["W"], self.bias(),
-                                                                      numba.get_num_threads()))
+        held = self._built.get("ann")  # the index of an earlier state: clusters start from it
+
+        def build():
+            return make_index(**self.ann).build(s.params["W"], self.bias(), numba.get_num_threads(),
+                                                start=None if held is None else held[1])
+        return self._once("ann", build)
 
     def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None):
         """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of the rows whose last hidden

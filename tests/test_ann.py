@@ -153,3 +153,41 @@ def test_clusters_settings_are_checked():
         with pytest.raises(ValueError):
             LabelClusters(**bad)
     assert cluster_count(1) == 1 and cluster_count(21316) == 1024 and cluster_count(10) == 10
+
+
+def test_clusters_rebuilt_from_the_last_centroids(fitted, tiny_data, monkeypatch):
+    """After the weights move (training, added labels) the clusters start from the last
+    index's centroids; new settings start afresh."""
+    import copy
+    model, Xte = fitted
+    model = copy.deepcopy(model)
+    starts = []
+    kmeans = slide.clusters.kmeans
+
+    def recording(V, n_clusters, seed=0, threads=1, start=None):
+        starts.append(None if start is None else np.array(start))
+        return kmeans(V, n_clusters, seed, threads, start)
+    monkeypatch.setattr(slide.clusters, "kmeans", recording)
+    model.set_ann(probe=0.5)
+    model.predict_topk(Xte[:5], 5, mode="ann")
+    first = model.server_.label_index()
+    assert starts[-1] is None
+    X, Y = tiny_data[0], tiny_data[1]
+    model.partial_fit(X[1500:1600], Y[1500:1600])
+    ids, scores = model.predict_topk(Xte[:50], 5, mode="ann")
+    np.testing.assert_array_equal(starts[-1], first.centroids)
+    assert np.isclose(scores, model.predict_topk(Xte[:50], 5)[1], rtol=1e-4, atol=1e-5).mean() > 0.95
+    second = model.server_.label_index()
+    # rows that carry two labels new to the model: they get output rows, the server restarts
+    import scipy.sparse as sp
+    rows = Y[1600:1700]
+    fresh = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20) % 2)),
+                          shape=(rows.shape[0], 2))
+    outputs = model.n_outputs_
+    model.partial_fit(X[1600:1700], sp.hstack([rows, fresh]).tocsr())
+    assert model.n_outputs_ >= outputs + 2
+    assert model.server_.label_index().n == model.n_outputs_
+    np.testing.assert_array_equal(starts[-1], second.centroids)
+    model.set_ann(probe=0.4)
+    model.predict_topk(Xte[:5], 5, mode="ann")
+    assert starts[-1] is None
