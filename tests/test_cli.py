@@ -46,6 +46,13 @@ def test_train_eval_predict_round_trip(synth, capsys):
         assert "P@1=" in capsys.readouterr().out and numba.get_num_threads() == 1
     finally:
         numba.set_num_threads(previous)
+    # mode ann: the engine's clusters, no library needed; near the exact mode's figures
+    import re
+    figures = {}
+    for mode in ("exact", "ann"):
+        assert main(["eval", str(d / "model"), str(d / "eur_test.txt"), "--mode", mode]) == 0
+        figures[mode] = float(re.search(r"P@1=([0-9.]+)", capsys.readouterr().out).group(1))
+    assert abs(figures["ann"] - figures["exact"]) <= 0.05, figures
     (d / "names.txt").write_text("".join(f"label_{i}\n" for i in range(3993)))
     assert main(["predict", str(d / "model"), str(d / "eur_test.txt"), "--top-k", "2", "--proba",
                  "--label-names", str(d / "names.txt"), "-o", str(d / "q.txt")]) == 0
