@@ -26,6 +26,10 @@ __all__ = ["Server", "ServingSettings", "EXACT_BLOCK_ROWS", "CANDIDATES_PER_SLOT
 
 #: rows per block of exact top-k (its kernel holds a tile of scores, not a block's matrix)
 EXACT_BLOCK_ROWS = 1024
+#: exact top-k of at most this many rows at a time goes through the int8 screen by label where
+#: the tiled screen is not used (docs/serving.md: 1.7-10× faster up to here, slower at 16 rows
+#: at 670K labels)
+FEW_ROWS = 8
 #: LSH serving's default candidates a row, per slot of training's bounded tables (tables ×
 #: bucket size): a budget that does not grow with the serving tables, so that more tables find
 #: better candidates within it (docs/serving.md)
@@ -108,6 +112,18 @@ class Server:
         s = self.state
         return self._once("labels", lambda: quantize_labels(s.params["W"], self.bias()))
 
+    def _every_label(self, h, ids, scores) -> None:
+        """The exact top-k of a few rows ``h``: every label a candidate of the int8 screen by
+        label (:func:`slide.screen.screened_candidates`), which reads a quarter of the float32
+        layer's bytes and rescores only what its bounds cannot rule out."""
+        s = self.state
+        labels = self._once("every", lambda: np.arange(s.n_labels, dtype=np.int32))
+        n = h.shape[0]
+        parts = max(1, numba.get_num_threads() // n)
+        screened_candidates(h, s.weight_rows("W"), self.bias(), self.candidate_screen(),
+                            np.broadcast_to(labels, (n, labels.size)),
+                            np.full(n, labels.size, np.int64), parts, ids, scores)
+
     def configure(self, tables: int | None = None, candidates: int | None = None,
                   center: bool = True) -> None:
         """Build the serving tables (see :meth:`slide.SlideClassifier.set_serving`)."""
@@ -165,8 +181,12 @@ class Server:
             # the fused kernels never form a block's score matrix, so blocks can be larger
             screen = self.exact_screen()
             for lo, hi, h in hidden_blocks(block or EXACT_BLOCK_ROWS):
-                ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k) if screen is None \
-                    else screened_topk(h, W, b, k, screen)
+                if screen is not None:
+                    ids[lo:hi], scores[lo:hi] = screened_topk(h, W, b, k, screen)
+                elif hi - lo <= FEW_ROWS:
+                    self._every_label(h, ids[lo:hi], scores[lo:hi])
+                else:
+                    ids[lo:hi], scores[lo:hi] = topk_product(h, W, b, k)
             return ids, scores
         if self.tables is None:
             with _LOCK:

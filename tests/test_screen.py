@@ -126,6 +126,41 @@ def test_exact_predictions_go_through_the_screen_and_follow_training(monkeypatch
     assert len(calls) == 2
 
 
+def test_exact_predictions_of_few_rows_screen_every_label(monkeypatch, tiny_data):
+    """Blocks of a few rows, where the tiled screen is not used, take the int8 screen by label
+    over every label: the same top-k and scores as the score matrix's, also after training
+    and with duplicated output rows (ties to the lower id)."""
+    from slide import SlideClassifier, serving
+    calls = []
+    real = serving.screened_candidates
+
+    def counted(*args, **kw):
+        calls.append(args[4].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(serving, "SCREEN_MIN_LABELS", 1 << 40)
+    monkeypatch.setattr(serving, "screened_candidates", counted)
+    X, Y = tiny_data[0], tiny_data[1]
+    m = SlideClassifier(hidden=16, epochs=1, early_stopping=False, seed=0, threads=2).fit(X, Y)
+    # a tie at the top of every row, which the screen must break as the matrix does
+    m.params_["W"][7] = m.params_["W"][3]
+    m.params_["b"][[3, 7]] = 10.0
+    m.state_.version += 1
+    assert (topk(m.decision_function(X[:24]), 2)[0] == m.labels_.to_labels(np.array([3, 7]))).all()
+    for _ in range(2):  # the int8 copy is rebuilt after the weights move
+        ref_ids, ref_vals = topk(m.decision_function(X[:24]), 5)
+        for n in (1, 3, serving.FEW_ROWS):
+            for lo in range(0, 24, n):
+                ids, vals = m.predict_topk(X[lo:lo + n], 5)
+                np.testing.assert_array_equal(ids, ref_ids[lo:lo + n])
+                np.testing.assert_allclose(vals, ref_vals[lo:lo + n], rtol=1e-5, atol=1e-6)
+        m.partial_fit(X[:64], Y[:64])
+    assert calls and max(calls) == serving.FEW_ROWS
+    calls.clear()
+    m.predict_topk(X[:serving.FEW_ROWS + 1], 5)
+    assert not calls  # more rows: the float32 tiles
+
+
 def test_labels_quantized_by_label_and_their_bounds(rng):
     W = rng.standard_normal((70, 9)).astype(np.float32)
     W[3] = 0  # a zero row: scale 0, no error
