@@ -1,16 +1,19 @@
 """The engine's own index for ``mode="ann"``: the label vectors ``[w, b]`` cut into k-means
-clusters (an inverted file). A query scores every cluster's centroid with ``[h, 1]``, takes the
-labels of the best clusters until it holds its budget of candidates, and finds their exact
-top-k through the int8 screen that LSH serving uses (:func:`slide.screen.screened_candidates`).
+clusters (an inverted file), the layer copied to int8 in cluster order. A query scores every
+cluster's centroid with ``[h, 1]``, takes the labels of the best clusters until they hold its
+budget of candidates, estimates their scores from the int8 copy (the CPU's int8 dot product:
+AVX-512 VNNI, else AVX2, else float32) and rescores the best estimates in float32.
 
 Where LSH's tables find a label only when a random projection agrees, the centroids are the
-layer's own summary: on git_openstack, a tenth of the labels taken this way holds 0.95 of the
-exact top-10 (docs/serving.md). A batch's centroid scores are one BLAS product, so batches gain
-as much as single rows.
+layer's own summary: on git_openstack, a tenth of the labels taken this way holds 0.957 of the
+exact top-10. A batch's centroid scores are one product, and its candidates are scored cluster
+by cluster while each cluster's rows are in cache, so batches gain as much as single rows
+(docs/serving.md).
 """
 from __future__ import annotations
 
 import math
+import numbers
 from functools import lru_cache
 
 import numpy as np
@@ -382,7 +385,7 @@ class LabelClusters:
         if clusters is not None and (isinstance(clusters, bool) or
                                      not isinstance(clusters, (int, np.integer)) or clusters < 1):
             raise ValueError(f"clusters must be a positive integer, got {clusters!r}")
-        if isinstance(probe, bool) or not isinstance(probe, (float, int)) or not 0 < probe <= 1:
+        if isinstance(probe, bool) or not isinstance(probe, numbers.Real) or not 0 < probe <= 1:
             raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
         self.clusters, self.probe, self.seed = clusters, float(probe), seed
         self.centroids = self.starts = self.members = None
