@@ -43,8 +43,7 @@ from slide.vecmath import REASSOC, dot
 from slide.metrics import heap_push, heap_sorted, heaps_merge, check_k, topk_product
 
 __all__ = ["Int8Rows", "quantize_rows", "screened_topk", "has_int8_dot", "target_has",
-           "SCREEN_MIN_LABELS",
-           "Int8Labels", "quantize_labels", "screened_candidates"]
+           "SCREEN_MIN_LABELS", "Int8Labels", "quantize_labels", "screened_candidates", "dot_int8"]
 
 #: label rows per micro-tile (4 vectors of 16 int32 lanes) and batch rows per micro-tile
 TILE_LABELS, TILE_ROWS = 64, 4
@@ -488,9 +487,9 @@ def quantize_labels(W, b) -> Int8Labels:
 
 
 @njit(cache=True, nogil=True, fastmath=REASSOC)
-def _dot_int8(q, h):
-    """``q · h`` in float32 for an int8 row ``q`` [d] (its own function, so that LLVM keeps
-    the reassociation that vectorises it where it inlines it)."""
+def dot_int8(q, h):
+    """``q · h`` in float32 for an int8 row ``q`` [d] and a float32 ``h`` [d] (its own
+    function, so that LLVM keeps the reassociation that vectorises it where it inlines it)."""
     acc = np.float32(0.0)
     for i in range(h.size):
         acc += np.float32(q[i]) * h[i]
@@ -498,12 +497,9 @@ def _dot_int8(q, h):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, keep, approx, ids,
-                       scores):
+def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx, ids, scores):
     d = H.shape[1]
     k = ids.shape[1]
-    bound = keep == 0  # else the int8 estimates alone pick the keep rescored
-    kept = k if bound else keep
     n_rows = cand.shape[0]
     part_pos = np.empty((parts, n_rows, k), np.int64)
     part_top = np.empty((parts, n_rows, k), np.float32)
@@ -519,8 +515,8 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, keep, a
         lo, hi = lengths[r] * p // parts, lengths[r] * (p + 1) // parts
         ups = approx[r]
         # the run's k best lower bounds
-        low_pos = np.empty(kept, np.int64)
-        lows = np.empty(kept, np.float32)
+        low_pos = np.empty(k, np.int64)
+        lows = np.empty(k, np.float32)
         m = 0
         for a in range(lo, hi):
             # the rows are scattered through the layer: each asked for a few ahead, a miss
@@ -535,16 +531,15 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, keep, a
                 prefetch_l2(q[far])
                 prefetch_l2(meta[far])
             i = cand[r, a]
-            v = meta[i, SCALE] * _dot_int8(q[i], h) + meta[i, BIAS]
+            v = meta[i, SCALE] * dot_int8(q[i], h) + meta[i, BIAS]
             # |h·w - h·ŵ| <= |h| |w - ŵ|, and float32 rounding in this score and the rescored
             # one (see the module docstring)
-            e = slack * meta[i, NORM] + nh * meta[i, ERROR] + rounding * abs(meta[i, BIAS]) \
-                if bound else np.float32(0.0)
+            e = slack * meta[i, NORM] + nh * meta[i, ERROR] + rounding * abs(meta[i, BIAS])
             ups[a] = v + e
             low = v - e
             if low == low:  # NaN (an infinite bias) never rules a label out
-                m = heap_push(low, a, kept, m, low_pos, lows)
-        floor = lows[0] if m >= kept else np.float32(-np.inf)
+                m = heap_push(low, a, k, m, low_pos, lows)
+        floor = lows[0] if m >= k else np.float32(-np.inf)
         # float32 scores of the labels whose upper bound reaches the run's k-th best lower
         # bound (at most the row's), in candidate order: the run's top-k, exactly
         pos, top = part_pos[p, r], part_top[p, r]
@@ -562,8 +557,7 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, keep, a
             pos[j] = cand[r, pos[j]] if pos[j] >= 0 and np.isfinite(top[j]) else -1
 
 
-def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, ids, scores,
-                        keep: int = 0):
+def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, ids, scores):
     """Each row's exact top-k of its first ``lengths[r]`` candidates ``cand[r]`` by score
     ``W[i] · h_r + b[i]``, screened through the int8 copy ``labels`` (:func:`quantize_labels`
     of the same W and b; build it again whenever they change).
@@ -582,10 +576,6 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
     candidates are cut into ``parts`` runs, each a task for a thread with a heap of its own,
     merged after: more parts than 1 a row where there are fewer rows than threads (one row's
     thousands of candidates on every thread).
-
-    ``keep`` > 0 trades exactness for speed where the candidates are all near the top (a
-    cluster index's, whose bounds overlap): the ``keep`` best int8 estimates of a run are
-    rescored in float32, with no bound, so a label whose estimate falls below theirs is missed.
     """
     configure_threading()
     H = np.ascontiguousarray(H, dtype=np.float32)
@@ -603,7 +593,5 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
                          f"be within the {cand.shape[1]} candidates a row, got {np.shape(b)} and "
                          f"lengths {lengths.min()}..{lengths.max()}")
     approx = np.empty(cand.shape, np.float32)
-    if keep and keep < ids.shape[1]:
-        raise ValueError(f"keep must be 0 (exact) or at least k ({ids.shape[1]}), got {keep}")
     _screen_candidates(H, W, b, labels.q, labels.meta, rounding_allowance(d), cand, lengths,
-                       max(1, int(parts)), int(keep), approx, ids, scores)
+                       max(1, int(parts)), approx, ids, scores)
