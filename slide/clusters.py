@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 from slide.blas import gemm
 from slide.metrics import heap_push, heap_sorted
 from slide.runtime import blas_threads, configure_threading, prefetch
-from slide.screen import BIAS, SCALE, has_int8_dot, quantize_labels, target_has
+from slide.screen import BIAS, SCALE, dot_int8, has_int8_dot, quantize_labels, target_has
 from slide.vecmath import REASSOC, dot
 
 __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT"]
@@ -153,9 +153,11 @@ def _gather(coarse, starts, budget, chosen, n_chosen):
         for c in range(n_clusters):
             lo, hi = min(lo, row[c]), max(hi, row[c])
         scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+        bins = np.empty(n_clusters, np.int64)
         labels = np.zeros(_BINS, np.int64)  # the labels of the clusters in each bin
         for c in range(n_clusters):
-            labels[int((hi - row[c]) * scale)] += starts[c + 1] - starts[c]
+            bins[c] = int((hi - row[c]) * scale)
+            labels[bins[c]] += starts[c + 1] - starts[c]
         last, held = 0, labels[0]  # the bin where the budget runs out
         while held < budget and last + 1 < _BINS:
             last += 1
@@ -163,8 +165,7 @@ def _gather(coarse, starts, budget, chosen, n_chosen):
         m, held = 0, 0
         for whole in (True, False):
             for c in range(n_clusters):
-                bin_ = int((hi - row[c]) * scale)
-                if (bin_ < last) if whole else (bin_ == last and held < budget):
+                if (bins[c] < last) if whole else (bins[c] == last and held < budget):
                     chosen[r, m] = c
                     m += 1
                     held += starts[c + 1] - starts[c]
@@ -301,18 +302,10 @@ def _estimate_int8(r, i, H, hq, t, z, q, meta, sums):
     return meta[i, SCALE] * t[r] * np.float32(_dot_u8s8(hq[r], q[i]) - z[r] * sums[i]) + meta[i, BIAS]
 
 
-@njit(cache=True, nogil=True, fastmath=REASSOC)
-def _dot_bytes(q, h):
-    acc = np.float32(0.0)
-    for i in range(h.size):
-        acc += np.float32(q[i]) * h[i]
-    return acc
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _estimate_float(r, i, H, hq, t, z, q, meta, sums):
     # where the CPU has no int8 dot product: the float32 query against the int8 row
-    return meta[i, SCALE] * _dot_bytes(q[i, :H.shape[1]], H[r]) + meta[i, BIAS]
+    return meta[i, SCALE] * dot_int8(q[i, :H.shape[1]], H[r]) + meta[i, BIAS]
 
 
 def _scan_kernel(estimate):
@@ -403,8 +396,6 @@ class LabelClusters:
         self.members = np.argsort(assign, kind="stable").astype(np.int32)
         self.starts = np.searchsorted(assign[self.members], np.arange(n_clusters + 1)).astype(np.int64)
         self.centroids = C
-        self.weights = np.ascontiguousarray(C[:, :-1])
-        self.bias = np.ascontiguousarray(C[:, -1])
         # the int8 rows in cluster order, so that a cluster's labels are read in one piece,
         # their depth padded with zeros for VNNI
         d = W.shape[1]
@@ -412,8 +403,19 @@ class LabelClusters:
         padded[:, :d] = W[self.members]
         self.rows = quantize_labels(padded, V[self.members, d])
         self.sums = self.rows.q.sum(axis=1, dtype=np.int32)
-        self.W, self.b = W, V[:, d]
+        # the biases as given: a view of V would hold its whole copy of the layer
+        self.W, self.b = W, np.ascontiguousarray(b, np.float32)
         return self
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The centroids' weights, float32 [C, H] (a view of ``centroids``)."""
+        return self.centroids[:, :-1]
+
+    @property
+    def bias(self) -> np.ndarray:
+        """The centroids' biases, float32 [C] (a view of ``centroids``)."""
+        return self.centroids[:, -1]
 
     @property
     def budget(self) -> int:
@@ -424,8 +426,8 @@ class LabelClusters:
     def nbytes(self) -> int:
         """What the index holds beside the layer: centroids, members, cluster bounds and the
         int8 copy of the layer in cluster order."""
-        return (self.centroids.nbytes + self.weights.nbytes + self.members.nbytes +
-                self.starts.nbytes + self.rows.nbytes + self.sums.nbytes)
+        return (self.centroids.nbytes + self.members.nbytes + self.starts.nbytes +
+                self.rows.nbytes + self.sums.nbytes)
 
     def chosen(self, H) -> tuple[np.ndarray, np.ndarray]:
         """``(clusters int32 [n, C], counts int64 [n])``: the clusters each row of ``H`` [n,
