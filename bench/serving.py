@@ -72,6 +72,10 @@ def _clients(fn, rows, clients, queries, rng, want):
             "p99_ms": float(np.percentile(lat, 99) * 1e3), "answers_differing": int(sum(wrong))}
 
 
+#: ann backends whose knob is the share of the labels scored (the others': the query beam ef)
+PROBED = ("clusters", "faiss-ivf")
+
+
 def _faiss_ivf(model):
     """FAISS's inverted file over the same label vectors, with as many lists as the engine's
     clusters (a peer of backend="clusters"; its lists scanned in float32)."""
@@ -155,12 +159,13 @@ def main(argv=None):
                                           if model.tables_ is not None]
     # (mode, backend or tables, its knob: ef, probe or candidates)
     for b in args.ann_backends.split(","):
-        knobs = args.ann_probe if b in ("clusters", "faiss-ivf") else args.ann_ef
+        knobs = args.ann_probe if b in PROBED else args.ann_ef
         settings += [("ann", b, float(v)) for v in knobs.split(",") if b]
     built = {}
     for mode, tables, candidates in settings:
         if mode == "lsh":
             model.set_serving(tables or None, candidates or None)
+        predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
         if mode == "ann" and tables == "faiss-ivf":
             if built.get("backend") != tables:
                 built = _faiss_ivf(model)
@@ -173,12 +178,10 @@ def main(argv=None):
                 built = {"backend": tables, "seconds": time.perf_counter() - t0,
                          "mib": model.server_.label_index().nbytes / 2**20}
             index = model.server_.label_index()  # the same index, another beam or share
-            if tables == "clusters":
+            if tables in PROBED:
                 index.probe = candidates
             else:
                 index.ef = int(candidates)
-        if not (mode == "ann" and tables == "faiss-ivf"):
-            predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
         ids = predict(Xte)[0]  # also the warm-up
         hits = [np.intersect1d(a[a >= 0], b).size for a, b in zip(ids, exact_ids)]
         res = evaluate(Yte, ids, k)
@@ -190,12 +193,13 @@ def main(argv=None):
         W = model.params_["W"]
         extra = model.serving_tables_.nbytes + W.shape[0] * (W.shape[1] + 16) if lsh else None
         ann = mode == "ann"
+        probed = ann and tables in PROBED
         row = {"mode": mode, "tables": model.serving_tables_.config.L if lsh else None,
                "candidates": model.serving_candidates_ if lsh else None,
                "serving_mib": extra / 2**20 if lsh else built["mib"] if ann else None,
                "backend": tables if ann else None,
-               "ef": candidates if ann and "ivf" not in tables and tables != "clusters" else None,
-               "probe": candidates if ann and ("ivf" in tables or tables == "clusters") else None,
+               "ef": candidates if ann and not probed else None,
+               "probe": candidates if probed else None,
                "build_seconds": built["seconds"] if ann else None,
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
                "single_p50_ms": single[0], "single_p99_ms": single[1],
@@ -206,7 +210,7 @@ def main(argv=None):
         if rows:
             row["single_speedup"] = rows[0]["single_p50_ms"] / single[0]
             row["batch_speedup"] = rows[0]["batch128_p50_ms"] / batch[0]
-        setting = (f"{tables} {'ef' if row['ef'] else 'probe'}={candidates:g}" if ann else
+        setting = (f"{tables} {'probe' if probed else 'ef'}={candidates:g}" if ann else
                    f"tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}")
         print(f"{mode:5s} {setting}  "
               f"recall@{k} {row[f'recall@{k}']:.3f}  "

@@ -34,8 +34,7 @@ from slide.plan import Plan
 from slide.selection import offered
 
 __all__ = ["Probe", "Prediction", "Planner", "candidates", "predict", "seconds_to", "choose",
-           "PROBE_SHARE",
-           "MARGIN", "RECHECK", "TARGET_SHARE", "PROBE_VALIDATION_ROWS"]
+           "PROBE_SHARE", "MARGIN", "RECHECK", "TARGET_SHARE", "PROBE_VALIDATION_ROWS"]
 
 #: the share of the default plan's predicted run that the probes take (every probed sample is
 #: a sample of the run: only the slower plans' extra seconds are lost)
