@@ -24,7 +24,7 @@ from slide import signals
 
 __all__ = ["Trainable", "EpochRunner", "FitRecord", "EarlyStopping", "run_epochs",
            "refit_epochs", "epoch_learning_rate", "epoch_order", "validation_split",
-           "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS", "MIN_RATE_SHARE"]
+           "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS", "MIN_RATE_SHARE", "FLAT_GAIN"]
 
 # After half the patience without improvement the learning rate is multiplied by this
 # (ReduceLROnPlateau): the plateau is usually Adam's noise floor, which a lower rate gets under.
@@ -33,6 +33,10 @@ PLATEAU_FACTOR = 0.3
 # rate below this share of its start: the epochs left would move the weights too little to
 # change the ranking (docs/early-stopping.md).
 MIN_RATE_SHARE = 0.01
+# While the rate is the plan's first, an epoch whose validation score rises by less than this
+# share of the score ends that first phase: the plan is cut to three times the epochs run, so
+# that its halvings follow at once, each phase half as long as the first (docs/learning-rate.md).
+FLAT_GAIN = 0.02
 # Validation rows scored per evaluation, at most. Scoring is exact (every label), so on wide
 # output layers a larger slice would cost more than the epoch it judges; 5,000 rows give P@1
 # to about ±0.007.
@@ -95,7 +99,8 @@ class EarlyStopping:
     ``"nDCG@5"`` for a sampled output layer, whose training never sees the full softmax's
     normaliser (docs/early-stopping.md). ``patience`` evaluations without an improvement larger
     than ``tol`` (relative) stop the run; after every ``max(1, patience // 2)`` of them the
-    learning rate is lowered.
+    learning rate is lowered. ``plan_end``: the epochs the learning-rate plan was cut to when
+    the score flattened at its first rate (:meth:`cut_plan`; 0: not cut).
     """
     patience: int = 5
     metric: str = "loss"
@@ -106,6 +111,7 @@ class EarlyStopping:
     lowered: int = 0
     stopped: str = ""
     scores: list = field(default_factory=list)
+    plan_end: int = 0
 
     def score(self, metrics: dict) -> float:
         if self.metric == "loss":
@@ -126,6 +132,21 @@ class EarlyStopping:
         lower = not self.stopped and self.bad_epochs % max(1, self.patience // 2) == 0
         self.lowered += lower
         return False, lower
+
+    def cut_plan(self, epoch: int, planned: int, first_rate: bool) -> int:
+        """The planned epochs after epoch ``epoch`` (1-based) of a plan of ``planned``:
+        ``3 x epoch`` where this epoch, still at the plan's first rate (``first_rate``), gained
+        less than :data:`FLAT_GAIN` of its score, and the plan was not cut before; the plan as
+        it stands otherwise. A score that falls is not flat: the rate is too high for the data,
+        which the plateau's drop answers without shortening the plan."""
+        if self.plan_end:
+            return min(planned, self.plan_end)
+        if first_rate and len(self.scores) >= 2 and not self.lowered:
+            gain = self.scores[-1] - self.scores[-2]
+            if 0 <= gain < FLAT_GAIN * abs(self.scores[-1]) and 3 * epoch < planned:
+                self.plan_end = 3 * epoch
+                return self.plan_end
+        return planned
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -234,9 +255,9 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
     runner = model if runner is None else runner
     metric = model.validation_metric() if stopper is None else stopper.metric
     n_rows = Xp.shape[0]
-    first = record.epoch
-    epochs = max(0, planned - first)
-    for _ in range(epochs):
+    if stopper is not None and stopper.plan_end:  # cut before this call (a resumed run)
+        planned = max(record.epoch, min(planned, stopper.plan_end))
+    while record.epoch < planned:
         if stopper is not None and stopper.stopped:
             break
         rate = epoch_learning_rate(model.resolved_["lr"], record.epoch, planned,
@@ -284,6 +305,10 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
                 # copied now because training moves on; restored at the end if nothing beats it
                 record.best_params = model.snapshot(out=record.best_params)
             entry["best_epoch"] = stopper.best_epoch
+            cut = stopper.cut_plan(record.epoch, planned, rate == model.resolved_["lr"])
+            if cut < planned:
+                planned = max(record.epoch, cut)
+                entry["planned_epochs"] = planned
         record.history.append(entry)
         if on_epoch is not None:
             on_epoch(model, entry)

@@ -284,6 +284,7 @@ class Planner:
             return on_epoch
         rate, rows = pred["samples_per_second"], report["rows"]
         outside = [0.0]  # seconds the caller's on_epoch took: not training
+        planned = [pred["epochs"]]  # the loop may cut the plan (slide.loop.FLAT_GAIN)
 
         def check(model, entry):
             now = time.perf_counter() - self.started_ - outside[0]
@@ -291,14 +292,18 @@ class Planner:
                                   report["probe_seconds"], rate, report["eval_seconds"])
             check = {"epoch": entry["epoch"], "elapsed": now, "predicted": expected}
             off = now / max(expected, 1e-9) - 1
-            if abs(off) > self.recheck:
+            cut = entry.get("planned_epochs")
+            if cut:
+                planned[0] = cut
+            if abs(off) > self.recheck or cut:
                 # re-plan: the remaining epochs at the rate and evaluation cost measured so far
-                left = pred["epochs"] - entry["epoch"]
+                left = planned[0] - entry["epoch"]
                 per_epoch = (now - report["probe_seconds"]) / entry["epoch"]
                 check["replanned_seconds"] = now + left * per_epoch
-                self.log(f"plan: epoch {entry['epoch']} ended at {now:.0f} s, predicted "
-                         f"{expected:.0f} s ({off:+.0%}); the run now ends at about "
-                         f"{check['replanned_seconds']:.0f} s")
+                why = (f"the validation score flattened: the plan is cut to {cut} epochs"
+                       if cut else f"predicted {expected:.0f} s ({off:+.0%})")
+                self.log(f"plan: epoch {entry['epoch']} ended at {now:.0f} s, {why}; the run "
+                         f"now ends at about {check['replanned_seconds']:.0f} s")
             report["checks"].append(check)
             entry["plan_elapsed"] = now
             if on_epoch is not None:

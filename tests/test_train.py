@@ -12,8 +12,8 @@ from slide import SlideClassifier, resources
 from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS, RARE_SHARE,
                           REFIT_ROWS, SAMPLED_DECAY, SlideConfig, checked_choice, idf_weighted,
                           positives_per_step, rare_share, resolve, sampled_width, touched_share)
-from slide.loop import (MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping, epoch_learning_rate,
-                        validation_split)
+from slide.loop import (FLAT_GAIN, MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping,
+                        epoch_learning_rate, validation_split)
 from slide.resources import model_memory_bytes
 from slide.selection import CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, WIDE_HIDDEN, choice_name, offered
 
@@ -119,6 +119,53 @@ def test_a_run_stops_once_its_rate_falls_below_a_hundredth_of_its_start(tiny_dat
     # without early stopping the plan runs whole, however low its rate
     assert SlideClassifier(hidden=(8,), sparsity=0.5, epochs=3, early_stopping=False,
                            seed=0).fit(X, Y).epoch_ == 3
+
+
+def test_the_plan_is_cut_where_the_score_flattens_at_its_first_rate(tmp_path, tiny_data):
+    # gains of 0.1, 0.05, then 0.002 (under FLAT_GAIN x 0.252): the first rate ends with the
+    # 4th epoch and the plan of 30 epochs becomes 12, its halvings every two epochs
+    X, Y = tiny_data[0][:400], tiny_data[1][:400]
+    kw = dict(hidden=(8,), sparsity=0.5, epochs=30, seed=0, lr=1e-3, refit=False, tfidf=False)
+    script = [0.1, 0.2, 0.25, 0.252] + [0.252 + 0.01 * i for i in range(1, 27)]
+    assert 0.002 < FLAT_GAIN * 0.252  # what the script relies on
+    m = _Scripted(**kw)
+    m.script = script
+    m.fit(X, Y)
+    rates = [h["learning_rate"] for h in m.history_]
+    assert rates == pytest.approx([1e-3 * r for r in [1] * 4 + [.5] * 2 + [.25] * 2 + [.125] * 2
+                                   + [.0625] * 2])
+    assert m.early_stopping_.plan_end == 12 and m.stopping_["reason"] == "reached the planned 12 epochs"
+    assert [h.get("planned_epochs") for h in m.history_][2:5] == [None, 12, None]
+
+    # a run resumed from a checkpoint after the cut keeps it, whatever plan it is given
+    def save_then_die(model, record):
+        if record["epoch"] == 6:
+            model.save(tmp_path / "ck")
+            raise KeyboardInterrupt
+
+    first = _Scripted(**kw)
+    first.script = script
+    with pytest.raises(KeyboardInterrupt):
+        first.fit(X, Y, on_epoch=save_then_die)
+    resumed = _Scripted.load(tmp_path / "ck")
+    resumed.script = script
+    resumed.train(X, Y, until_epoch=30, continue_training=True)
+    assert [h["learning_rate"] for h in resumed.history_] == pytest.approx(rates)
+
+    # a score that keeps gaining keeps the plan
+    steady = _Scripted(**kw)
+    steady.script = [0.1 * 1.1 ** i for i in range(30)]
+    steady.fit(X, Y)
+    assert steady.epoch_ == 30 and not steady.early_stopping_.plan_end
+    # so does a score that falls (a rate too high: the plateau's drop is for that), a flat
+    # epoch once the rate is lowered, and a cut that would not shorten the plan
+    for scores, first_rate, planned in [([0.2, 0.19], True, 30), ([0.2, 0.201], False, 30),
+                                        ([0.2, 0.201], True, 6)]:
+        es = EarlyStopping(metric="nDCG@5")
+        for e, s in enumerate(scores):
+            es.update(e + 1, {"val_nDCG@5": s})
+        assert es.cut_plan(2, planned, first_rate) == planned and not es.plan_end
+        assert es.cut_plan(2, 30, True) == (6 if scores[1] > scores[0] else 30)
 
 
 def test_held_out_rows_are_not_trained_on(tiny_data):
