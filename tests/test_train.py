@@ -157,8 +157,9 @@ def test_the_plan_is_cut_where_the_score_flattens_at_its_first_rate(tmp_path, ti
     steady.script = [0.1 * 1.1 ** i for i in range(30)]
     steady.fit(X, Y)
     assert steady.epoch_ == 30 and not steady.early_stopping_.plan_end
-    # so does a score that falls (a rate too high: the plateau's drop is for that), a flat
-    # epoch once the rate is lowered, and a cut that would not shorten the plan
+    # so does a score that falls by more than the floor's noise (a rate too high: the plateau's
+    # drop is for that), a flat epoch once the rate is lowered, and a cut that would not
+    # shorten the plan; a small fall is as flat as a small rise
     for scores, first_rate, planned in [([0.2, 0.19], True, 30), ([0.2, 0.201], False, 30),
                                         ([0.2, 0.201], True, 6)]:
         es = EarlyStopping(metric="nDCG@5")
@@ -166,6 +167,15 @@ def test_the_plan_is_cut_where_the_score_flattens_at_its_first_rate(tmp_path, ti
             es.update(e + 1, {"val_nDCG@5": s})
         assert es.cut_plan(2, planned, first_rate) == planned and not es.plan_end
         assert es.cut_plan(2, 30, True) == (6 if scores[1] > scores[0] else 30)
+    small_fall = EarlyStopping(metric="nDCG@5")
+    for e, s in enumerate([0.2, 0.199]):
+        small_fall.update(e + 1, {"val_nDCG@5": s})
+    assert small_fall.cut_plan(2, 30, True) == 6 == small_fall.plan_end
+    # and a loss, whose small falls can hide large gains in ranking, is never judged
+    whole = EarlyStopping(metric="loss")
+    for e, loss in enumerate([2.0, 1.999]):
+        whole.update(e + 1, {"val_loss": loss})
+    assert whole.cut_plan(2, 30, True) == 30 and not whole.plan_end
 
 
 def test_held_out_rows_are_not_trained_on(tiny_data):
