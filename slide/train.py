@@ -101,7 +101,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         shown = {"epoch": "epoch", "loss": "mean_train_loss", "val_loss": "val_loss",
                  "val_nDCG@5": "val_nDCG@5", "val_P@1": "val_P@1", "learning_rate": "lr",
                  "test_P@1": "test_P@1", "test_P@5": "test_P@5", "samples_per_second": "samples/s",
-                 "refit": "refit"}
+                 "refit": "refit", "planned_epochs": "plan_cut_to"}
         run = f"[{record['choice']}]  " if "choice" in record else ""  # a run fit chooses among
         log(run + "  ".join(f"{name}={_shown_value(k, record[k])}" for k, name in shown.items()
                             if k in record))
