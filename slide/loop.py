@@ -34,8 +34,9 @@ PLATEAU_FACTOR = 0.3
 # change the ranking (docs/early-stopping.md).
 MIN_RATE_SHARE = 0.01
 # While the rate is the plan's first, an epoch whose validation nDCG@5 moves by less than this
-# share of itself ends that first phase: the plan is cut to three times the epochs run, so that
-# its halvings follow at once, each phase half as long as the first (docs/learning-rate.md).
+# share of itself (and by less than twice it over two epochs) ends that first phase: the plan is
+# cut to three times the epochs run, so that its halvings follow at once, each phase half as
+# long as the first (docs/learning-rate.md).
 FLAT_GAIN = 0.02
 # Validation rows scored per evaluation, at most. Scoring is exact (every label), so on wide
 # output layers a larger slice would cost more than the epoch it judges; 5,000 rows give P@1
@@ -135,18 +136,24 @@ class EarlyStopping:
 
     def cut_plan(self, epoch: int, planned: int, first_rate: bool) -> int:
         """The planned epochs after epoch ``epoch`` (1-based) of a plan of ``planned``:
-        ``3 x epoch`` where this epoch, still at the plan's first rate (``first_rate``), moved
-        its score by less than :data:`FLAT_GAIN` of it, up or down (the floor's noise goes
-        both ways), and the plan was not cut before; the plan as it stands otherwise. A score
-        that falls further is not flat: the rate is too high for the data, which the plateau's
-        drop answers without shortening the plan. Only a ranking score
-        (nDCG@5, a sampled output's) is judged: a loss can fall by under 2% an epoch while the
-        ranking it scores still gains, and whole outputs' runs lost P@1 to the cut."""
+        ``3 x epoch`` where the score is flat at the plan's first rate (``first_rate``) and the
+        plan was not cut before; the plan as it stands otherwise.
+
+        Flat: this epoch moved the score by less than :data:`FLAT_GAIN` of it, up or down (the
+        floor's noise goes both ways), and the last two epochs together by less than twice
+        that (one epoch's change is noisy: a dip that the next epoch recovers, or a small step
+        between two large ones, is not the floor). A larger fall is not flat either: the rate is
+        too high for the data, which the plateau's drop answers without shortening the plan.
+        Only a ranking score (nDCG@5, a sampled output's) is judged: a loss can fall by under
+        2% an epoch while the ranking it scores still gains, and whole outputs lost P@1 to the
+        cut."""
         if self.plan_end:
             return min(planned, self.plan_end)
-        if self.metric != "loss" and first_rate and len(self.scores) >= 2 and not self.lowered:
-            gain = self.scores[-1] - self.scores[-2]
-            if abs(gain) < FLAT_GAIN * abs(self.scores[-1]) and 3 * epoch < planned:
+        s = self.scores
+        if self.metric != "loss" and first_rate and len(s) >= 3 and not self.lowered:
+            flat = abs(s[-1] - s[-2]) < FLAT_GAIN * abs(s[-1]) and \
+                abs(s[-1] - s[-3]) < 2 * FLAT_GAIN * abs(s[-1])
+            if flat and 3 * epoch < planned:
                 self.plan_end = 3 * epoch
                 return self.plan_end
         return planned
