@@ -1,4 +1,5 @@
 import json
+import time
 
 import pytest
 
@@ -70,6 +71,23 @@ def test_the_planner_chooses_the_plan_the_speed_curves_make_soonest():
     preds = [predict(probe(d, 1000), ROWS, 0, 0.0, 0.0),
              predict(probe(Plan(threads=1), 1000 / (1 - MARGIN / 2)), ROWS, 0, 0.0, 0.0)]
     assert choose(preds)[0] is preds[0] and choose(preds, margin=0.0)[0] is preds[1]
+
+
+def test_the_run_replans_its_end_where_the_loop_cuts_the_plan():
+    lines, seen = [], []
+    planner = Planner(recheck=1e12, log=lines.append)  # off the prediction never counts here
+    planner.started_ = time.perf_counter()
+    report = {"chosen": {"epochs": 20, "samples_per_second": 1e6}, "rows": 100,
+              "probe_samples": 0, "probe_seconds": 0.0, "eval_seconds": 0.0, "checks": []}
+    check = planner.watch(report, lambda m, entry: seen.append(entry["epoch"]))
+    for entry in ({"epoch": 1}, {"epoch": 2, "planned_epochs": 6}, {"epoch": 3}):
+        check(None, entry)
+    assert seen == [1, 2, 3] and len(report["checks"]) == 3
+    first, cut, after = report["checks"]
+    assert "replanned_seconds" not in first and "replanned_seconds" not in after
+    # the 4 epochs left of the cut plan at the 2 epochs' measured pace
+    assert cut["replanned_seconds"] == pytest.approx(3 * cut["elapsed"], rel=1e-6)
+    assert len(lines) == 1 and "the plan is cut to 6 epochs" in lines[0]
 
 
 def _model(**kw):
