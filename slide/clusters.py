@@ -26,7 +26,8 @@ from numba.extending import intrinsic
 from slide.blas import gemm
 from slide.metrics import heap_push, heap_sorted
 from slide.runtime import blas_threads, configure_threading, prefetch
-from slide.screen import BIAS, SCALE, dot_int8, has_int8_dot, quantize_labels, target_has
+from slide.screen import (BIAS, SCALE, dot_int8, has_int8_dot, quantize_labels, query_range,
+                          target_has)
 from slide.vecmath import REASSOC, dot
 
 __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT"]
@@ -287,11 +288,7 @@ def _quantize_queries(H, levels, hq, t, z):
     range [min(0, min h), max(0, max h)] in ``levels`` steps: h ~ t (q - z)."""
     n, d = H.shape
     for r in prange(n):
-        lo, hi = 0.0, 0.0
-        for i in range(d):
-            lo, hi = min(lo, H[r, i]), max(hi, H[r, i])
-        s = (hi - lo) / levels
-        zr = 0 if s == 0.0 else min(levels, round(-lo / s))
+        s, zr = query_range(H, r, levels)  # the exact screen's range rule
         for i in range(d):
             hq[r, i] = zr if s == 0.0 else min(levels, max(0, round(H[r, i] / s) + zr))
         t[r], z[r] = s, zr

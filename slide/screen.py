@@ -43,7 +43,8 @@ from slide.vecmath import REASSOC, dot
 from slide.metrics import heap_push, heap_sorted, heaps_merge, check_k, topk_product
 
 __all__ = ["Int8Rows", "quantize_rows", "screened_topk", "has_int8_dot", "target_has",
-           "SCREEN_MIN_LABELS", "Int8Labels", "quantize_labels", "screened_candidates", "dot_int8"]
+           "SCREEN_MIN_LABELS", "Int8Labels", "quantize_labels", "screened_candidates", "dot_int8",
+           "query_range"]
 
 #: label rows per micro-tile (4 vectors of 16 int32 lanes) and batch rows per micro-tile
 TILE_LABELS, TILE_ROWS = 64, 4
@@ -221,6 +222,20 @@ def quantize_rows(W, b) -> Int8Rows:
     return Int8Rows(packed, scale, norm, error, sums, bias, L, d)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def query_range(H, r, levels):
+    """Scale ``s`` and zero point ``z`` of row ``r`` of ``H`` over its range [min(0, min h),
+    max(0, max h)] in ``levels`` steps, h ~ s (q - z) with q in [0, levels]; ``s`` is 0 for a
+    row of zeros (every q is then ``z`` = 0)."""
+    lo = 0.0
+    hi = 0.0
+    for i in range(H.shape[1]):
+        lo = min(lo, H[r, i])
+        hi = max(hi, H[r, i])
+    s = (hi - lo) / levels
+    return s, 0 if s == 0.0 else min(levels, round(-lo / s))
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh):
     """uint8 rows of ``H`` [n, d] into ``hq_bytes`` [n', 4 D4], each over its own range
@@ -230,13 +245,7 @@ def _quantize_queries(H, rounding, hq_bytes, t, off, slack, nh):
     ĥ = t (q - off)."""
     n, d = H.shape
     for r in prange(n):
-        lo = 0.0
-        hi = 0.0
-        for i in range(d):
-            lo = min(lo, H[r, i])
-            hi = max(hi, H[r, i])
-        s = (hi - lo) / 255.0
-        z = 0 if s == 0.0 else min(255, round(-lo / s))
+        s, z = query_range(H, r, 255)
         s32 = np.float64(np.float32(s))
         e = 0.0
         nq = 0.0
