@@ -316,8 +316,8 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
                 record.best_params = model.snapshot(out=record.best_params)
             entry["best_epoch"] = stopper.best_epoch
             cut = stopper.cut_plan(record.epoch, planned, rate == model.resolved_["lr"])
-            if cut < planned:
-                planned = max(record.epoch, cut)
+            if cut < planned:  # a new cut: three times the epochs run, so never behind them
+                planned = cut
                 entry["planned_epochs"] = planned
         record.history.append(entry)
         if on_epoch is not None:
