@@ -4,7 +4,11 @@
     python -m bench.plan_auto --train /tmp/amz_train.txt --out bench/results/plan_auto_amazon
 
 Each plan runs as its own ``slide train`` process (the default first, then ``--plan auto``), on
-the same training file and cores, no test file (its scoring is not training time). ``--busy K``
+the same training file and cores, no test file (its scoring is not training time).
+``--repeats N`` runs the pair N times in turn (default, auto, default, ...): two runs of one
+plan differ by Hogwild's races and the early-stopping decisions they move, so one default
+run's final score is a noisy target; the record adds each run's best score and the seconds to
+it, and their medians per plan. ``--busy K``
 keeps K other processes spinning on the machine through both runs (a machine shared with other
 work). From their
 metrics records: the default's final validation score (the score early stopping kept) and
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+
+import numpy as np
 
 from bench.common import machine, slide_train, write_json
 from slide.loop import EarlyStopping
@@ -55,6 +61,33 @@ def compare(default: dict, auto: dict) -> dict:
     }
 
 
+def best_of(run: dict) -> dict:
+    """A run's best validation score (the score early stopping keeps), the seconds (probes
+    included) to the first epoch that reached it, and its seconds to the end."""
+    metric = "nDCG@5" if run["resolved"]["sampled"] else "loss"
+    score = EarlyStopping(metric=metric).score
+    elapsed, curve = 0.0, []
+    for e in run["epochs"]:
+        elapsed += e["train_seconds"] + e.get("eval_seconds", 0.0)
+        curve.append((e.get("plan_elapsed", elapsed), score(e)))
+    best = max(s for _, s in curve)
+    return {"best": best, "seconds_to_best": next(t for t, s in curve if s >= best),
+            "seconds": run["wall_seconds"]}
+
+
+def repeated(defaults: list, autos: list) -> dict:
+    """Each run's :func:`best_of`, and per plan the medians of the best scores and of the
+    seconds to them."""
+    out = {}
+    for name, runs in (("default", defaults), ("auto", autos)):
+        rows = [best_of(r) for r in runs]
+        out[name] = {"runs": rows,
+                     "median_best": float(np.median([r["best"] for r in rows])),
+                     "median_seconds_to_best": float(np.median([r["seconds_to_best"]
+                                                                for r in rows]))}
+    return out
+
+
 def _markdown(r: dict) -> str:
     f = r["figures"]
     rows = [f"# `--plan auto` against the default: {r['train']}", "",
@@ -76,6 +109,19 @@ def _markdown(r: dict) -> str:
     for c in f["candidates"] or []:
         rows.append(f"| {c['plan']} | {c['samples_per_second']:,.0f} | {c['epochs']} | "
                     f"{c['seconds']:.1f} |")
+    rep = r.get("repeated")
+    if rep:
+        rows += ["", f"All {len(rep['default']['runs'])} pairs, in the order they ran (the "
+                 "first is the pair above):", "",
+                 "| plan | best score | seconds to it | seconds to the end |", "|---|---|---|---|"]
+        for i in range(len(rep["default"]["runs"])):
+            for name in ("default", "auto"):
+                x = rep[name]["runs"][i]
+                rows.append(f"| {name} {i + 1} | {x['best']:.4f} | {x['seconds_to_best']:.1f} | "
+                            f"{x['seconds']:.1f} |")
+        for name in ("default", "auto"):
+            rows.append(f"| {name}, median | {rep[name]['median_best']:.4f} | "
+                        f"{rep[name]['median_seconds_to_best']:.1f} | |")
     return "\n".join(rows) + "\n"
 
 
@@ -85,18 +131,24 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--busy", type=int, default=0, help="spinning processes beside the runs")
+    ap.add_argument("--repeats", type=int, default=1, help="pairs of runs, in turn")
     a = ap.parse_args(argv)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(a.busy)]
+    defaults, autos = [], []
     try:
-        default = _train(a.train, [], a.threads)
-        auto = _train(a.train, ["--plan", "auto"], a.threads)
+        for _ in range(max(1, a.repeats)):
+            defaults.append(_train(a.train, [], a.threads))
+            autos.append(_train(a.train, ["--plan", "auto"], a.threads))
     finally:
         for p in spinners:
             p.kill()
+    default, auto = defaults[0], autos[0]
     r = {"machine": machine(), "train": a.train, "busy": a.busy,
          "command": "python -m bench.plan_auto " + " ".join(argv or sys.argv[1:]),
          "figures": compare(default, auto), "default_log": default["log"], "auto_log": auto["log"]}
+    if a.repeats > 1:
+        r["repeated"] = repeated(defaults, autos)
     write_json(a.out + ".json", r)
     _write_markdown(a.out, r)
 
