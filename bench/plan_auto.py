@@ -63,7 +63,8 @@ def compare(default: dict, auto: dict) -> dict:
 
 def best_of(run: dict) -> dict:
     """A run's best validation score (the score early stopping keeps), the seconds (probes
-    included) to the first epoch that reached it, and its seconds to the end."""
+    included) to the first epoch that reached it, its seconds to the end, and for a planned
+    run the seconds the planner predicted."""
     metric = "nDCG@5" if run["resolved"]["sampled"] else "loss"
     score = EarlyStopping(metric=metric).score
     elapsed, curve = 0.0, []
@@ -71,8 +72,12 @@ def best_of(run: dict) -> dict:
         elapsed += e["train_seconds"] + e.get("eval_seconds", 0.0)
         curve.append((e.get("plan_elapsed", elapsed), score(e)))
     best = max(s for _, s in curve)
-    return {"best": best, "seconds_to_best": next(t for t, s in curve if s >= best),
-            "seconds": run["wall_seconds"]}
+    out = {"best": best, "seconds_to_best": next(t for t, s in curve if s >= best),
+           "seconds": run["wall_seconds"]}
+    predicted = ((run.get("plan") or {}).get("chosen") or {}).get("seconds")
+    if predicted is not None:  # the planner's: to the default's final score
+        out["predicted"] = predicted
+    return out
 
 
 def repeated(defaults: list, autos: list) -> dict:
@@ -113,15 +118,17 @@ def _markdown(r: dict) -> str:
     if rep:
         rows += ["", f"All {len(rep['default']['runs'])} pairs, in the order they ran (the "
                  "first is the pair above):", "",
-                 "| plan | best score | seconds to it | seconds to the end |", "|---|---|---|---|"]
+                 "| plan | best score | seconds to it | seconds to the end | predicted |",
+                 "|---|---|---|---|---|"]
         for i in range(len(rep["default"]["runs"])):
             for name in ("default", "auto"):
                 x = rep[name]["runs"][i]
+                pred = f"{x['predicted']:.1f}" if "predicted" in x else ""
                 rows.append(f"| {name} {i + 1} | {x['best']:.4f} | {x['seconds_to_best']:.1f} | "
-                            f"{x['seconds']:.1f} |")
+                            f"{x['seconds']:.1f} | {pred} |")
         for name in ("default", "auto"):
             rows.append(f"| {name}, median | {rep[name]['median_best']:.4f} | "
-                        f"{rep[name]['median_seconds_to_best']:.1f} | |")
+                        f"{rep[name]['median_seconds_to_best']:.1f} | | |")
     return "\n".join(rows) + "\n"
 
 

@@ -13,7 +13,10 @@ def _run(scores, seconds, auto=False):
         if auto:
             e["plan_elapsed"] = clock
         epochs.append(e)
-    return {"resolved": {"sampled": True}, "epochs": epochs, "wall_seconds": clock + 1.0}
+    run = {"resolved": {"sampled": True}, "epochs": epochs, "wall_seconds": clock + 1.0}
+    if auto:
+        run["plan"] = {"chosen": {"seconds": 33.0}}
+    return run
 
 
 def test_each_run_is_read_at_its_first_best_epoch_and_the_medians_are_per_plan():
@@ -25,7 +28,8 @@ def test_each_run_is_read_at_its_first_best_epoch_and_the_medians_are_per_plan()
     a3 = _run([0.33], 10, auto=True)
     assert best_of(d1) == {"best": 0.3, "seconds_to_best": 20.0, "seconds": 41.0}
     # an auto run's seconds are the planner's clock: the probes included
-    assert best_of(a1) == {"best": 0.3, "seconds_to_best": 35.0, "seconds": 36.0}
+    assert best_of(a1) == {"best": 0.3, "seconds_to_best": 35.0, "seconds": 36.0,
+                           "predicted": 33.0}
     r = repeated([d1, d2, d3], [a1, a2, a3])
     assert r["default"]["median_best"] == 0.3 and r["default"]["median_seconds_to_best"] == 20.0
     assert r["auto"]["median_best"] == 0.32 and r["auto"]["median_seconds_to_best"] == 25.0
@@ -41,5 +45,6 @@ def test_the_markdown_lists_every_pair_and_the_medians():
                "prediction_error": -0.04, "candidates": []}
     text = _markdown({"train": "t", "machine": {}, "busy": 0, "command": "c",
                       "figures": figures, "repeated": repeated([d, d], [a, a])})
-    assert "| default 2 | 0.3000 | 20.0 | 21.0 |" in text
-    assert "| auto, median | 0.3100 | 25.0 | |" in text
+    assert "| default 2 | 0.3000 | 20.0 | 21.0 |  |" in text
+    assert "| auto 1 | 0.3100 | 25.0 | 26.0 | 33.0 |" in text
+    assert "| auto, median | 0.3100 | 25.0 | | |" in text
