@@ -4,17 +4,20 @@
     python -m bench.plan_auto --train /tmp/amz_train.txt --out bench/results/plan_auto_amazon
 
 Each plan runs as its own ``slide train`` process (the default first, then ``--plan auto``), on
-the same training file and cores, no test file (its scoring is not training time).
+the same training file and cores, no test file (its scoring is not training time). An epoch of
+the default runs first, unrecorded, so that no run pays numba's compiling. Each run's clock is
+its own, from the start of training (initialisation and, for ``--plan auto``, the probes
+included). ``--busy K`` keeps K other processes spinning on the machine through the runs (a
+machine shared with other work). From their metrics records: the default's final validation
+score (the score early stopping kept) and its training seconds; the seconds ``--plan auto``
+took to first reach that score (None where it never did) and to its end; the planner's
+predicted seconds to the score against the measured, and its candidates' predictions. Writes
+``OUT.json`` and ``OUT.md``.
+
 ``--repeats N`` runs the pair N times in turn (default, auto, default, ...): two runs of one
 plan differ by Hogwild's races and the early-stopping decisions they move, so one default
-run's final score is a noisy target; the record adds each run's best score and the seconds to
-it, and their medians per plan. ``--busy K``
-keeps K other processes spinning on the machine through both runs (a machine shared with other
-work). From their
-metrics records: the default's final validation score (the score early stopping kept) and
-its training seconds; the seconds ``--plan auto`` took, probes included, to first reach that
-score (None where it never did) and to its end; the planner's predicted seconds to the score
-against the measured, and its candidates' predictions. Writes ``OUT.json`` and ``OUT.md``.
+run's final score is a noisy target; the record adds each run's best score, the seconds to it
+and the medians per plan.
 """
 from __future__ import annotations
 
@@ -37,13 +40,9 @@ def compare(default: dict, auto: dict) -> dict:
     metric = "nDCG@5" if default["resolved"]["sampled"] else "loss"
     score = EarlyStopping(metric=metric).score  # the score early stopping keeps
     target = default["stopping"]["best_score"]
-    elapsed = 0.0
-    curve_default = []
-    for e in default["epochs"]:
-        elapsed += e["train_seconds"] + e.get("eval_seconds", 0.0)
-        curve_default.append((e["epoch"], elapsed, score(e)))
+    curve_default = [(e["epoch"], t, score(e)) for e, t in zip(default["epochs"], _clock(default))]
     plan = auto.get("plan") or {}
-    curve_auto = [(e["epoch"], e.get("plan_elapsed"), score(e)) for e in auto["epochs"]]
+    curve_auto = [(e["epoch"], t, score(e)) for e, t in zip(auto["epochs"], _clock(auto))]
     reached = next((t for _, t, s in curve_auto if s >= target - 1e-12), None)
     chosen = plan.get("chosen", {})
     return {
@@ -61,16 +60,24 @@ def compare(default: dict, auto: dict) -> dict:
     }
 
 
+def _clock(run: dict) -> list:
+    """Seconds from the start of training to each epoch's end: the run's own clock
+    (``elapsed``: initialisation and planning included); in records that predate it, the
+    planner's (``plan_elapsed``) or the epochs' training and evaluation seconds summed."""
+    out, total = [], 0.0
+    for e in run["epochs"]:
+        total += e["train_seconds"] + e.get("eval_seconds", 0.0)
+        out.append(e.get("elapsed", e.get("plan_elapsed", total)))
+    return out
+
+
 def best_of(run: dict) -> dict:
     """A run's best validation score (the score early stopping keeps), the seconds (probes
     included) to the first epoch that reached it, its seconds to the end, and for a planned
     run the seconds the planner predicted."""
     metric = "nDCG@5" if run["resolved"]["sampled"] else "loss"
     score = EarlyStopping(metric=metric).score
-    elapsed, curve = 0.0, []
-    for e in run["epochs"]:
-        elapsed += e["train_seconds"] + e.get("eval_seconds", 0.0)
-        curve.append((e.get("plan_elapsed", elapsed), score(e)))
+    curve = [(t, score(e)) for e, t in zip(run["epochs"], _clock(run))]
     best = max(s for _, s in curve)
     out = {"best": best, "seconds_to_best": next(t for t, s in curve if s >= best),
            "seconds": run["wall_seconds"]}
@@ -144,6 +151,9 @@ def main(argv=None):
                 for _ in range(a.busy)]
     defaults, autos = [], []
     try:
+        # an epoch of the default first, not recorded: the first process compiles the kernels
+        # where numba's cache is cold, and that would count as the first run's training
+        _train(a.train, ["--epochs", "1"], a.threads)
         for _ in range(max(1, a.repeats)):
             defaults.append(_train(a.train, [], a.threads))
             autos.append(_train(a.train, ["--plan", "auto"], a.threads))

@@ -86,12 +86,18 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         # keep the records of epochs the checkpoint holds (a crash may have written later ones)
         doc["epochs"] = [r for r in earlier if isinstance(r, dict) and r.get("epoch", 0) <= model.epoch_]
 
+    scoring = [0.0]  # seconds spent scoring the test rows: not training
+
     def on_epoch(m, record):
         record = dict(record)
+        # the run's clock at the epoch's end: from the start of training (initialisation and any
+        # planning included), less the test scoring
+        record["elapsed"] = time.perf_counter() - started - scoring[0]
         if test is not None:
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             record.update({f"test_{k}": v for k, v in m.evaluate(*test).items()})
-            record["test_eval_seconds"] = time.perf_counter() - t0
+            record["test_eval_seconds"] = time.perf_counter() - t1
+            scoring[0] += record["test_eval_seconds"]
         record["peak_rss_mb"] = peak_rss_mb()
         doc["epochs"].append(record)
         doc["peak_rss_mb"] = record["peak_rss_mb"]
@@ -110,7 +116,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         if checkpoint_dir:
             m.save(checkpoint_dir)
 
-    t0 = time.perf_counter()
+    t0 = started = time.perf_counter()
     until = epochs if epochs is not None else (model.resolved_["epochs"] if resume else None)
     callback, report = on_epoch, None
     if planner is not None:

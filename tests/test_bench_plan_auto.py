@@ -48,3 +48,12 @@ def test_the_markdown_lists_every_pair_and_the_medians():
     assert "| default 2 | 0.3000 | 20.0 | 21.0 |  |" in text
     assert "| auto 1 | 0.3100 | 25.0 | 26.0 | 33.0 |" in text
     assert "| auto, median | 0.3100 | 25.0 | | |" in text
+
+
+def test_a_run_is_read_on_its_own_clock_where_it_records_one():
+    run = _run([0.1, 0.3], 10)
+    for e, t in zip(run["epochs"], (14.0, 26.0)):  # initialisation before the first epoch
+        e["elapsed"] = t
+    assert best_of(run)["seconds_to_best"] == 26.0
+    del run["epochs"][1]["elapsed"]  # an older record: the epochs' own seconds
+    assert best_of(run)["seconds_to_best"] == 20.0

@@ -29,6 +29,11 @@ def test_train_eval_predict_round_trip(synth, capsys):
                 "test_P@1", "test_P@3", "test_P@5", "test_nDCG@5", "peak_rss_mb"):
         assert key in doc["epochs"][-1]
     assert doc["config"]["hidden"] == [32] and doc["peak_rss_mb"] > 0
+    # the run's clock: every epoch's training in it, the test scoring not
+    clock = [r["elapsed"] for r in doc["epochs"]]
+    assert clock == sorted(clock) and clock[-1] <= doc["wall_seconds"]
+    assert clock[-1] >= sum(r["train_seconds"] for r in doc["epochs"])
+    assert clock[-1] < doc["wall_seconds"] - sum(r["test_eval_seconds"] for r in doc["epochs"][:-1]) + 1e-6
     assert main(["eval", str(d / "model"), str(d / "eur_test.txt")]) == 0
     assert "P@1=" in capsys.readouterr().out
     assert main(["predict", str(d / "model"), str(d / "eur_test.txt"), "--top-k", "3", "-o", str(d / "p.txt")]) == 0
