@@ -37,12 +37,10 @@ def _train(train: str, extra: list, threads: int | None) -> dict:
 
 def compare(default: dict, auto: dict) -> dict:
     """The figures of one side-by-side run from the two metrics records."""
-    metric = "nDCG@5" if default["resolved"]["sampled"] else "loss"
-    score = EarlyStopping(metric=metric).score  # the score early stopping keeps
+    metric = _metric(default)
     target = default["stopping"]["best_score"]
-    curve_default = [(e["epoch"], t, score(e)) for e, t in zip(default["epochs"], _clock(default))]
+    curve_default, curve_auto = _curve(default), _curve(auto)
     plan = auto.get("plan") or {}
-    curve_auto = [(e["epoch"], t, score(e)) for e, t in zip(auto["epochs"], _clock(auto))]
     reached = next((t for _, t, s in curve_auto if s >= target - 1e-12), None)
     chosen = plan.get("chosen", {})
     return {
@@ -60,6 +58,17 @@ def compare(default: dict, auto: dict) -> dict:
     }
 
 
+def _metric(run: dict) -> str:
+    """The validation metric early stopping judged the run by."""
+    return "nDCG@5" if run["resolved"]["sampled"] else "loss"
+
+
+def _curve(run: dict) -> list:
+    """``(epoch, seconds on the run's clock, the score early stopping keeps)`` per epoch."""
+    score = EarlyStopping(metric=_metric(run)).score
+    return [(e["epoch"], t, score(e)) for e, t in zip(run["epochs"], _clock(run))]
+
+
 def _clock(run: dict) -> list:
     """Seconds from the start of training to each epoch's end: the run's own clock
     (``elapsed``: initialisation and planning included); in records that predate it, the
@@ -75,11 +84,9 @@ def best_of(run: dict) -> dict:
     """A run's best validation score (the score early stopping keeps), the seconds (probes
     included) to the first epoch that reached it, its seconds to the end, and for a planned
     run the seconds the planner predicted."""
-    metric = "nDCG@5" if run["resolved"]["sampled"] else "loss"
-    score = EarlyStopping(metric=metric).score
-    curve = [(t, score(e)) for e, t in zip(run["epochs"], _clock(run))]
-    best = max(s for _, s in curve)
-    out = {"best": best, "seconds_to_best": next(t for t, s in curve if s >= best),
+    curve = _curve(run)
+    best = max(s for _, _, s in curve)
+    out = {"best": best, "seconds_to_best": next(t for _, t, s in curve if s >= best),
            "seconds": run["wall_seconds"]}
     predicted = ((run.get("plan") or {}).get("chosen") or {}).get("seconds")
     if predicted is not None:  # the planner's: to the default's final score

@@ -58,6 +58,15 @@ def _make(engine, args):
     raise ValueError(f"unknown engine {engine!r}")
 
 
+def _chunk(engine, model, args) -> int:
+    """Rows per ``partial_fit`` call of ``engine``'s ``model``."""
+    chunk = args.batch_size * args.chunk_batches
+    # a hetero call ends both workers' streams: let it hold several of the GPU's batches
+    if engine.startswith("hetero"):
+        chunk = max(chunk, 8 * model.config.gpu_batch)
+    return chunk
+
+
 def _warm_up(engine, args, Xtr, Ytr, Xte, Yte):
     """Train and evaluate a throwaway model of ``engine`` on the first ``--warmup-rows`` rows,
     so that the kernels the run needs (numba's, cupy's, a rehash's) are compiled before its
@@ -66,8 +75,7 @@ def _warm_up(engine, args, Xtr, Ytr, Xte, Yte):
         return
     t0 = time.perf_counter()
     warm = _make(engine, args)
-    chunk = max(args.batch_size * args.chunk_batches,
-                8 * warm.config.gpu_batch if engine.startswith("hetero") else 0)
+    chunk = _chunk(engine, warm, args)
     for start in range(0, min(args.warmup_rows, Xtr.shape[0]), chunk):
         rows = np.arange(start, min(start + chunk, Xtr.shape[0]))
         warm.partial_fit(Xtr[rows], Ytr[rows])
@@ -84,9 +92,7 @@ def _run(engine, args, queue):
     model = _make(engine, args)
     evaluated = model.model if hetero else model
     workers = {w: {"samples": 0, "updates": 0, "busy_seconds": 0.0} for w in ("cpu", "gpu")}
-    chunk = args.batch_size * args.chunk_batches
-    if hetero:  # each call ends both workers' streams: let it hold several of the GPU's batches
-        chunk = max(chunk, 8 * model.config.gpu_batch)
+    chunk = _chunk(engine, model, args)
     points = []
     train_seconds, samples, epoch = 0.0, 0, 0
     next_eval = 0.0  # the first point comes after the first chunk

@@ -94,9 +94,9 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         # planning included), less the test scoring
         record["elapsed"] = time.perf_counter() - started - scoring[0]
         if test is not None:
-            t1 = time.perf_counter()
+            t0 = time.perf_counter()
             record.update({f"test_{k}": v for k, v in m.evaluate(*test).items()})
-            record["test_eval_seconds"] = time.perf_counter() - t1
+            record["test_eval_seconds"] = time.perf_counter() - t0
             scoring[0] += record["test_eval_seconds"]
         record["peak_rss_mb"] = peak_rss_mb()
         doc["epochs"].append(record)
@@ -116,7 +116,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
         if checkpoint_dir:
             m.save(checkpoint_dir)
 
-    t0 = started = time.perf_counter()
+    started = time.perf_counter()
     until = epochs if epochs is not None else (model.resolved_["epochs"] if resume else None)
     callback, report = on_epoch, None
     if planner is not None:
@@ -142,7 +142,7 @@ def run_training(model, Xtr, Ytr, Xte=None, Yte=None, epochs=None, metrics_json=
             model.save(checkpoint_dir)
         e.position = (model.epoch_, model.epoch_position_) if model._is_fitted() else (0, 0)
         raise
-    doc["wall_seconds"] = time.perf_counter() - t0
+    doc["wall_seconds"] = time.perf_counter() - started
     doc["stopping"] = model.stopping_
     if report is not None:
         model.record_.plan = report
