@@ -14,6 +14,11 @@ took to first reach that score (None where it never did) and to its end; the pla
 predicted seconds to the score against the measured, and its candidates' predictions. Writes
 ``OUT.json`` and ``OUT.md``.
 
+``--splits`` runs, instead of ``--plan auto``, the default against rank splits of the host's
+cores (:func:`split_plans`: 2 ranks of half the threads averaging every 64 steps, ``local`` and
+``delayed``, and 4 ranks of a quarter, ``local``), each under ``mpiexec``, and reads each at the
+seconds to the default's final score (where it gets there) and its own best.
+
 ``--repeats N`` runs the pair N times in turn (default, auto, default, ...): two runs of one
 plan differ by Hogwild's races and the early-stopping decisions they move, so one default
 run's final score is a noisy target; the record adds each run's best score, the seconds to it
@@ -22,12 +27,14 @@ and the medians per plan.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
 import numpy as np
 
-from bench.common import machine, slide_train, write_json
+from bench.common import machine, mpiexec, slide_train, write_json
+from slide.plan import Plan
 from slide.loop import EarlyStopping
 
 
@@ -65,8 +72,9 @@ def _metric(run: dict) -> str:
 
 def _curve(run: dict) -> list:
     """``(epoch, seconds on the run's clock, the score early stopping keeps)`` per epoch."""
-    score = EarlyStopping(metric=_metric(run)).score
-    return [(e["epoch"], t, score(e)) for e, t in zip(run["epochs"], _clock(run))]
+    score, key = EarlyStopping(metric=_metric(run)).score, f"val_{_metric(run)}"
+    # epochs without a validation score (a refit on every row) are not on the curve
+    return [(e["epoch"], t, score(e)) for e, t in zip(run["epochs"], _clock(run)) if key in e]
 
 
 def _clock(run: dict) -> list:
@@ -105,6 +113,38 @@ def repeated(defaults: list, autos: list) -> dict:
                      "median_seconds_to_best": float(np.median([r["seconds_to_best"]
                                                                 for r in rows]))}
     return out
+
+
+def split_plans(cores: int) -> list:
+    """Rank splits of one host's ``cores``, each rank its share of the threads."""
+    return [Plan(ranks=2, threads=max(1, cores // 2), mode="local", every=64),
+            Plan(ranks=2, threads=max(1, cores // 2), mode="delayed", every=64, delay=8),
+            Plan(ranks=4, threads=max(1, cores // 4), mode="local", every=64)]
+
+
+def against(default: dict, runs: dict) -> list:
+    """Each run of ``runs`` (plan description: metrics record), the default's first, read at
+    its :func:`best_of` and the seconds to the default's final score (None: not reached)."""
+    target = default["stopping"]["best_score"]
+    out = []
+    for plan, run in {"default": default, **runs}.items():
+        reached = next((t for _, t, s in _curve(run) if s >= target - 1e-12), None)
+        out.append({"plan": plan, "target": target, "seconds_to_target": reached,
+                    **best_of(run)})
+    return out
+
+
+def _splits_markdown(r: dict) -> str:
+    rows = [f"# The default against rank splits: {r['train']}", "",
+            f"Machine: {r['machine']}. Command: `{r['command']}`.", "",
+            f"Target: the default's final score, {r['splits'][0]['target']:.4f}.", "",
+            "| plan | seconds to the target | best score | seconds to it | seconds to the end |",
+            "|---|---|---|---|---|"]
+    for x in r["splits"]:
+        reached = x["seconds_to_target"]
+        rows.append(f"| {x['plan']} | {f'{reached:.1f}' if reached else 'not reached'} | "
+                    f"{x['best']:.4f} | {x['seconds_to_best']:.1f} | {x['seconds']:.1f} |")
+    return "\n".join(rows) + "\n"
 
 
 def _markdown(r: dict) -> str:
@@ -153,14 +193,19 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--busy", type=int, default=0, help="spinning processes beside the runs")
     ap.add_argument("--repeats", type=int, default=1, help="pairs of runs, in turn")
+    ap.add_argument("--splits", action="store_true",
+                    help="the default against rank splits of the cores, not --plan auto")
     a = ap.parse_args(argv)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(a.busy)]
     defaults, autos = [], []
+    command = "python -m bench.plan_auto " + " ".join(argv or sys.argv[1:])
     try:
         # an epoch of the default first, not recorded: the first process compiles the kernels
         # where numba's cache is cold, and that would count as the first run's training
         _train(a.train, ["--epochs", "1"], a.threads)
+        if a.splits:
+            return _run_splits(a, command)
         for _ in range(max(1, a.repeats)):
             defaults.append(_train(a.train, [], a.threads))
             autos.append(_train(a.train, ["--plan", "auto"], a.threads))
@@ -169,12 +214,29 @@ def main(argv=None):
             p.kill()
     default, auto = defaults[0], autos[0]
     r = {"machine": machine(), "train": a.train, "busy": a.busy,
-         "command": "python -m bench.plan_auto " + " ".join(argv or sys.argv[1:]),
+         "command": command,
          "figures": compare(default, auto), "default_log": default["log"], "auto_log": auto["log"]}
     if a.repeats > 1:
         r["repeated"] = repeated(defaults, autos)
     write_json(a.out + ".json", r)
     _write_markdown(a.out, r)
+
+
+def _run_splits(a, command):
+    cores = a.threads or os.cpu_count() or 1
+    plans = split_plans(cores)
+    # the ranks' own kernels (the averaging) compile once too, before any clock
+    slide_train(a.train, "--epochs", "1", *plans[0].argv(), launcher=mpiexec(2))
+    default = _train(a.train, [], cores)
+    runs = {p.describe(): slide_train(a.train, *p.argv(), launcher=mpiexec(p.ranks))
+            for p in plans}
+    r = {"machine": machine(), "train": a.train, "command": command,
+         "splits": against(default, runs),
+         "logs": {name: run["log"] for name, run in {"default": default, **runs}.items()}}
+    write_json(a.out + ".json", r)
+    with open(a.out + ".md", "w") as fh:
+        fh.write(_splits_markdown(r))
+    print(_splits_markdown(r))
 
 
 def _write_markdown(out, r):

@@ -138,6 +138,7 @@ def _run(engine, args, queue):
             s["utilisation"] = s["busy_seconds"] / max(train_seconds, 1e-9)
             s["share"] = s["samples"] / max(samples, 1)
         run = {"workers": workers, "gpu_retired": bool(model.policy_.retired),
+               "gpu_judgement": model.policy_.judgement,
                "final_batch": dict(model.policy_.batch)}
     queue.put({"engine": engine, "label": label, "points": points, **run})
 

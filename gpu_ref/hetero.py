@@ -16,6 +16,15 @@ CPU to GPU updates approaches ``target_ratio``: with measured speeds s (samples 
 update rates are s / batch, so it sets gpu_batch / cpu_batch = target_ratio · s_gpu / s_cpu while
 keeping their product fixed, each within a factor ``threshold`` of its initial value.
 
+Under either policy the GPU worker must earn its cores: it retires (the engine gets every core
+back) where the pair trains fewer samples a second than ``min_gain`` times the engine alone.
+The engine runs alone for a first window (its first step, which compiles, not counted), the GPU
+worker's first ``warmup_updates`` steps are not counted either (cupy compiles its kernels in
+them), and the next window of both workers side by side is compared with the first. The
+engine runs one thread fewer beside the GPU worker, whose host thread is busy too (CUDA's
+spin-wait, the gathers, the row-wise Adam), so that the engine's threads do not wait on a core
+it holds (docs/heterogeneous.md).
+
 Under either policy the end of a stream is shared out: a worker never takes more than the share
 of the samples left that its measured speed gives it (nor fewer than the smaller configured
 batch), so that both finish together instead of one waiting out the other's last large batch.
@@ -32,7 +41,7 @@ import numpy as np
 
 from gpu_ref.dense import batch_rows, get_array_module, softmax_grads, uniform_targets
 from gpu_ref.ops import PRECISIONS, matmul_precision
-from slide.runtime import engine_threads
+from slide.runtime import engine_threads, set_num_threads
 from slide.config import hidden_blocks
 from slide.data import take_rows
 
@@ -53,13 +62,15 @@ class HeteroConfig:
     target_ratio : CPU updates per GPU update that ``adaptive`` aims at.
     threshold : ``adaptive`` keeps each batch size within [initial / threshold, initial · threshold].
     device : the GPU worker's device: "auto" (cupy if a GPU is present), "gpu" or "cpu".
-    cpu_threads : the CPU worker's numba threads (default: the model's, one fewer when the GPU
-        worker runs on the CPU).
-    min_speed : the GPU worker retires (for the rest of the run; the CPU worker then gets every
-        core back) when, after ``warmup_updates`` updates of each, its samples per busy second
-        fall below ``min_speed`` times the CPU worker's: a worker that slow takes cores and
-        samples from the engine without speeding the run up.
-    warmup_updates : updates of each worker before ``min_speed`` is judged.
+    cpu_threads : the CPU worker's numba threads while the GPU worker runs (default: the
+        model's, or every core, less one for the GPU worker's host thread).
+    min_gain : the GPU worker retires (for the rest of the run; the CPU worker then gets every
+        core back) when the pair's samples a second, measured side by side, fall below
+        ``min_gain`` times the engine's alone: a worker that gains less takes cores and samples
+        from the engine without speeding the run up (0: never).
+    warmup_updates : the GPU worker's first steps, not timed for the policy (they compile).
+    window : busy seconds of each worker in each of the two measured windows (the engine
+        alone, then side by side); each speed is the median of its steps' rates.
     precision : the GPU worker's matrix products, "tf32" or "fp32" (see ``DenseClassifier``).
     """
     policy: str = "adaptive"
@@ -70,8 +81,9 @@ class HeteroConfig:
     threshold: float = 8.0
     device: str = "auto"
     cpu_threads: int | None = None
-    min_speed: float = 0.5
+    min_gain: float = 1.1
     warmup_updates: int = 5
+    window: float = 1.0
     precision: str = "tf32"
 
     def __post_init__(self):
@@ -81,41 +93,70 @@ class HeteroConfig:
             raise ValueError("batch sizes must be positive and gpu_pool non-negative")
         if self.target_ratio <= 0 or self.threshold < 1:
             raise ValueError("target_ratio must be positive and threshold at least 1")
-        if self.min_speed < 0 or self.warmup_updates < 1:
-            raise ValueError("min_speed must be non-negative and warmup_updates at least 1")
+        if self.min_gain < 0 or self.warmup_updates < 0 or self.window < 0:
+            raise ValueError("min_gain, warmup_updates and window must be non-negative")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 class BatchPolicy:
-    """Batch sizes of the two workers, fixed or adapted from their measured speeds."""
+    """Batch sizes of the two workers, fixed or adapted from their measured speeds, and whether
+    the GPU worker has earned its place (:attr:`judgement`)."""
 
     def __init__(self, config: HeteroConfig, smoothing: float = 0.3):
         self.config = config
         self.batch = {"cpu": config.cpu_batch, "gpu": config.gpu_batch}
         self.retired = False
+        #: the speeds the retirement was judged on (samples a second), once judged
+        self.judgement = None
         self._updates = {"cpu": 0, "gpu": 0}
         self._speed = {}
+        # per-step rates of the two windows: the engine alone, then both side by side
+        self._alone, self._beside = [], {"cpu": [], "gpu": []}
+        self._alone_seconds, self._beside_seconds = 0.0, {"cpu": 0.0, "gpu": 0.0}
         self._alpha = smoothing
         self._lock = threading.Lock()
+
+    def alone_measured(self) -> bool:
+        """Whether the engine's window alone is complete (the GPU worker waits for it)."""
+        with self._lock:
+            return self._alone_seconds >= self.config.window and \
+                len(self._alone) >= max(1, self.config.warmup_updates)
 
     def observe(self, worker: str, samples: int, seconds: float) -> None:
         if seconds <= 0:
             return
         with self._lock:
+            self._updates[worker] += 1
             s = samples / seconds
+            if worker == "cpu" and self._updates["gpu"] == 0:
+                if self._updates["cpu"] > 1:  # the first step compiles
+                    self._alone.append(s)
+                    self._alone_seconds += seconds
+            if worker == "gpu" and self._updates["gpu"] <= self.config.warmup_updates:
+                return  # compiling: its speed would mislead the policy
+            if self._updates["gpu"] > self.config.warmup_updates:
+                self._beside[worker].append(s)
+                self._beside_seconds[worker] += seconds
             old = self._speed.get(worker)
             self._speed[worker] = s if old is None else (1 - self._alpha) * old + self._alpha * s
-            self._updates[worker] += 1
             if len(self._speed) < 2:
                 return
-            if min(self._updates.values()) >= self.config.warmup_updates and \
-                    self._speed["gpu"] < self.config.min_speed * self._speed["cpu"]:
-                self.retired = True
+            if self.judgement is None and self._alone and \
+                    min(self._beside_seconds.values()) >= self.config.window and \
+                    min(map(len, self._beside.values())) >= max(1, self.config.warmup_updates):
+                self._judge()
             if self.retired:  # the engine alone again, at the batch size it learns with
                 self.batch = {"cpu": self.config.cpu_batch, "gpu": self.config.gpu_batch}
             elif self.config.policy == "adaptive":
                 self._adapt()
+
+    def _judge(self):
+        alone = float(np.median(self._alone))
+        cpu, gpu = (float(np.median(self._beside[w])) for w in ("cpu", "gpu"))
+        self.judgement = {"alone": alone, "cpu_beside": cpu, "gpu": gpu, "pair": cpu + gpu,
+                          "gain": (cpu + gpu) / alone}
+        self.retired = cpu + gpu < self.config.min_gain * alone
 
     def take_size(self, worker: str, remaining: int) -> int:
         """How many of the ``remaining`` samples of a stream ``worker`` takes next: its batch,
@@ -211,6 +252,7 @@ class HeteroTrainer:
                   **{f"{w}_{k}": v for w, s in stats.items() for k, v in s.items()}}
         record["update_ratio"] = stats["cpu"]["updates"] / max(stats["gpu"]["updates"], 1)
         record["gpu_retired"] = self.policy_.retired
+        record["gpu_judgement"] = self.policy_.judgement
         record["gpu_share"] = stats["gpu"]["samples"] / max(order.size, 1)
         return record
 
@@ -225,9 +267,10 @@ class HeteroTrainer:
         if state is not self._state:
             self._state = state
             self._blocks = hidden_blocks(state.resolved["hidden"])
-            # set once the engine has made its first step (its kernels compiled): only the
-            # first pass of a fitted model holds the GPU worker back
+            # set once the engine's window alone is measured (its first step compiled its
+            # kernels): only the first pass of a fitted model holds the GPU worker back
             self._engine_ready = threading.Event()
+            self._gpu_active = threading.Event()  # the GPU worker is stepping this pass
             self.policy_ = BatchPolicy(self.config)
             self._rng = np.random.default_rng([state.config.seed, 3, state.step])
         return state
@@ -257,16 +300,22 @@ class HeteroTrainer:
         return float(loss)
 
     def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads):
+        """One worker's loop over ``stream``; ``threads``: its numba threads, for the CPU
+        worker a pair (alone, beside the GPU worker)."""
         clock = self.clock
+        alone, beside = threads if name == "cpu" else (threads, threads)
         try:
-            with engine_threads(threads):
+            with engine_threads(alone):
                 t_start = clock()
-                if name == "gpu":  # the engine's first step compiles its kernels: don't race it
+                if name == "gpu":  # wait for the engine's window alone (and its compile)
                     while not (self._engine_ready.wait(0.05) or stop.is_set()):
                         pass
+                    self._gpu_active.set()
                 while not stop.is_set():
                     if name == "gpu" and self.policy_.retired:
                         break
+                    if name == "cpu":
+                        set_num_threads(beside if self._gpu_active.is_set() else alone)
                     idx = stream.take(self.policy_.take_size(name, stream.remaining))
                     if idx is None:
                         break
@@ -280,7 +329,7 @@ class HeteroTrainer:
                     stats["busy_seconds"] += dt
                     stats["loss_sum"] += loss * idx.size
                     self.epoch_indices_[name].append(idx)
-                    if name == "cpu":
+                    if name == "cpu" and self.policy_.alone_measured():
                         self._engine_ready.set()
                 stats["wall_seconds"] = clock() - t_start
         except BaseException as e:  # reported by the caller, after the other worker stopped
@@ -289,6 +338,8 @@ class HeteroTrainer:
         finally:
             if name == "cpu":  # a CPU worker that never stepped must not hold the other back
                 self._engine_ready.set()
+            else:
+                self._gpu_active.clear()
             self._worker_done(name)
 
     def _worker_done(self, name) -> None:
@@ -304,10 +355,8 @@ class HeteroTrainer:
                      "loss_sum": 0.0} for w in ("cpu", "gpu")}
         self.epoch_indices_ = {"cpu": [], "gpu": []}
         retired = self.policy_.retired
-        cpu_threads = self.config.cpu_threads or self._state.config.threads
-        if cpu_threads is None:
-            cores = os.cpu_count() or 1
-            cpu_threads = max(1, cores - 1) if self.xp is np and not retired else cores
+        alone = self._state.config.threads or os.cpu_count() or 1
+        cpu_threads = (alone, self.config.cpu_threads or max(1, alone - 1))
         t0 = self.clock()
         # The CPU worker runs in the calling thread: each Python thread that opens the engine's
         # OpenMP regions keeps a team of its own, and a worker thread's team beside the

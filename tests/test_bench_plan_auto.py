@@ -57,3 +57,18 @@ def test_a_run_is_read_on_its_own_clock_where_it_records_one():
     assert best_of(run)["seconds_to_best"] == 26.0
     del run["epochs"][1]["elapsed"]  # an older record: the epochs' own seconds
     assert best_of(run)["seconds_to_best"] == 20.0
+
+
+def test_rank_splits_are_read_against_the_default_final_score():
+    from bench.plan_auto import _splits_markdown, against, split_plans
+    plans = split_plans(16)
+    assert [(p.ranks, p.threads, p.mode) for p in plans] == \
+        [(2, 8, "local"), (2, 8, "delayed"), (4, 4, "local")]
+    assert plans[1].command("t.txt").startswith("mpiexec -n 2 slide train t.txt --threads 8")
+    default = _run([0.1, 0.3, 0.28], 10)
+    default["stopping"] = {"best_score": 0.3}
+    rows = against(default, {"2x8": _run([0.2, 0.25, 0.31], 5), "4x4": _run([0.29], 3)})
+    assert [(x["plan"], x["seconds_to_target"], x["best"]) for x in rows] == \
+        [("default", 20.0, 0.3), ("2x8", 15.0, 0.31), ("4x4", None, 0.29)]
+    text = _splits_markdown({"train": "t", "machine": {}, "command": "c", "splits": rows})
+    assert "| 4x4 | not reached | 0.2900 | 3.0 | 4.0 |" in text

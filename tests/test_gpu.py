@@ -85,7 +85,7 @@ def test_hetero_with_cupy_worker_learns_and_reports_shares(tiny_data):
     Xtr, Ytr, Xte, Yte = tiny_data
     model = SlideClassifier(hidden=(32,), sparsity=0.25, seed=0, early_stopping=False, lr=3e-3, epochs=4)
     h = HeteroTrainer(model, HeteroConfig(policy="hogbatch", cpu_batch=32, gpu_batch=256, gpu_pool=64,
-                                          device="gpu", min_speed=0.0))
+                                          device="gpu", min_gain=0.0))
     h.fit(Xtr, Ytr, validation=(Xte, Yte))
     rec = h.model.history_[-1]
     assert rec["device"] == "gpu" and rec["gpu_updates"] > 0 and rec["cpu_updates"] > 0
@@ -100,7 +100,7 @@ def test_adaptive_hogbatch_moves_batches_with_measured_speeds(tiny_data):
     Xtr, Ytr = tiny_data[0], tiny_data[1]
     model = SlideClassifier(hidden=(32,), sparsity=0.25, seed=0, early_stopping=False, epochs=2)
     cfg = HeteroConfig(policy="adaptive", cpu_batch=64, gpu_batch=256, gpu_pool=64, device="gpu",
-                       target_ratio=1.0, threshold=4, min_speed=0.0)
+                       target_ratio=1.0, threshold=4, min_gain=0.0)
     h = HeteroTrainer(model, cfg).fit(Xtr, Ytr)
     speeds, rec = h.policy_.speeds, h.model.history_[-1]
     # equal update rates want gpu/cpu batch = s_gpu / s_cpu: the GPU's batch moves up when it is

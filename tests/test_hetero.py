@@ -1,5 +1,6 @@
 import threading
 
+import numba
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
 @pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
 def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
     Xtr, Ytr, Xte, Yte = tiny_data
-    h = _trainer(policy, cls=_PacedWorkers, epochs=6, min_speed=0.0).fit(Xtr, Ytr,
+    h = _trainer(policy, cls=_PacedWorkers, epochs=6, min_gain=0.0).fit(Xtr, Ytr,
                                                                         validation=(Xte, Yte))
     seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
     np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
@@ -120,7 +121,7 @@ def test_adaptive_balances_update_ratio_when_one_worker_is_slow(tiny_data):
         # 51 and 10 (one CPU update of 51 takes 5 ms, one GPU update of 10 takes 10 ms), about 30
         # rounds an epoch of 3,000 rows. Fixed at 8 and 64, one GPU update outlasts 80 CPU updates
         h = _trainer(policy, cls=_PacedWorkers, cpu_batch=8, gpu_batch=64, target_ratio=2.0,
-                     threshold=16, min_speed=0.0, epochs=4)
+                     threshold=16, min_gain=0.0, epochs=4, warmup_updates=0, window=0.0)
         h.fit(Xtr, Ytr)
         after_first = h.model.history_[1:]  # the first epoch starts from the fixed batches
         ratios[policy] = sum(r["cpu_updates"] for r in after_first) / \
@@ -134,8 +135,9 @@ def test_slow_worker_retires_and_run_learns_as_cpu_alone(tiny_data):
     the run is the CPU engine's, and it learns as well as the engine alone."""
     Xtr, Ytr, Xte, Yte = tiny_data
     # five epochs: the first, shared with the slow worker, lags; the rest must make it up. Judged
-    # after its first update: in an epoch of 3,000 rows the slow worker makes only one or two
-    h = _trainer("adaptive", cls=_SlowGPU, epochs=5, min_speed=0.5, warmup_updates=1)
+    # after its first update (no warm-up, no window): in an epoch of 3,000 rows the slow worker
+    # makes only one or two, and the pair is only 5% faster than the engine alone
+    h = _trainer("adaptive", cls=_SlowGPU, epochs=5, warmup_updates=0, window=0.0)
     h.fit(Xtr, Ytr, validation=(Xte, Yte))
     first, last = h.model.history_[0], h.model.history_[-1]
     assert first["gpu_retired"] and last["gpu_retired"]
@@ -147,28 +149,60 @@ def test_slow_worker_retires_and_run_learns_as_cpu_alone(tiny_data):
 
 
 def test_policy_rule_and_bounds():
-    p = BatchPolicy(HeteroConfig(policy="adaptive", cpu_batch=100, gpu_batch=400, target_ratio=1.0, threshold=2))
+    p = BatchPolicy(HeteroConfig(policy="adaptive", cpu_batch=100, gpu_batch=400, target_ratio=1.0,
+                                 threshold=2, warmup_updates=0))
     p.observe("cpu", 1000, 1.0)
     p.observe("gpu", 4000, 1.0)  # 4x faster: equal update rates need gpu/cpu batch = 4: unchanged
     assert p.batch == {"cpu": 100, "gpu": 400}
-    p = BatchPolicy(HeteroConfig(policy="adaptive", cpu_batch=100, gpu_batch=400, threshold=2))
+    p = BatchPolicy(HeteroConfig(policy="adaptive", cpu_batch=100, gpu_batch=400, threshold=2,
+                                 warmup_updates=0))
     p.observe("cpu", 1000, 1.0)
     p.observe("gpu", 1e6, 1.0)  # far faster: clipped at threshold
     assert p.batch["gpu"] == 800 and p.batch["cpu"] == 50
-    fixed = BatchPolicy(HeteroConfig(policy="hogbatch", cpu_batch=100, gpu_batch=400))
+    fixed = BatchPolicy(HeteroConfig(policy="hogbatch", cpu_batch=100, gpu_batch=400,
+                                     warmup_updates=0))
     fixed.observe("cpu", 10, 1.0)
     fixed.observe("gpu", 1e6, 1.0)
     assert fixed.batch == {"cpu": 100, "gpu": 400} and not fixed.retired
-    slow = BatchPolicy(HeteroConfig(policy="hogbatch", min_speed=0.5, warmup_updates=2))
+
+
+def _judged(gpu_speed, min_gain=1.1):
+    """A policy fed the engine alone at 1,000 samples a second (after a first, compiling step
+    at 10), the GPU worker's two warm-up steps at 10, then side by side the engine at 800 and
+    the GPU worker at ``gpu_speed``."""
+    p = BatchPolicy(HeteroConfig(policy="hogbatch", min_gain=min_gain, warmup_updates=2,
+                                 window=2.0))
+    p.observe("cpu", 10, 1.0)  # compiling: not the engine's speed
+    assert not p.alone_measured()
+    p.observe("cpu", 1000, 1.0)
+    assert not p.alone_measured()  # one second of the two-second window
+    p.observe("cpu", 1000, 1.0)
+    assert p.alone_measured()
     for _ in range(2):
-        slow.observe("cpu", 1000, 1.0)
-        assert not slow.retired  # judged only after warmup_updates of each
-        slow.observe("gpu", 400, 1.0)
-    assert slow.retired
+        p.observe("gpu", 10, 1.0)  # compiling: not counted
+        p.observe("cpu", 800, 1.0)  # beside a worker still compiling: not counted either
+    for _ in range(2):
+        assert p.judgement is None  # judged after a window of each, side by side
+        p.observe("gpu", gpu_speed, 1.0)
+        p.observe("cpu", 800, 1.0)
+    return p
+
+
+def test_gpu_worker_judged_by_the_pair_against_the_engine_alone():
+    # slower than half the engine, and still worth its cores: the pair trains 1.2x the samples
+    kept = _judged(400)
+    assert not kept.retired
+    assert kept.judgement == {"alone": 1000.0, "cpu_beside": 800.0, "gpu": 400.0,
+                              "pair": 1200.0, "gain": 1.2}
+    # the engine slowed by a fifth for a worker that gives a fifth back: not worth it
+    assert _judged(200).retired and _judged(200).batch == {"cpu": 128, "gpu": 1024}
+    assert _judged(250).retired and not _judged(250, min_gain=1.0).retired
+    assert not _judged(0.001, min_gain=0.0).retired
 
 
 def test_end_of_stream_is_shared_by_speed():
-    p = BatchPolicy(HeteroConfig(policy="hogbatch", cpu_batch=100, gpu_batch=400))
+    p = BatchPolicy(HeteroConfig(policy="hogbatch", cpu_batch=100, gpu_batch=400,
+                                 warmup_updates=0))
     assert p.take_size("gpu", 300) == 400  # no speeds measured yet: the batch
     p.observe("cpu", 1000, 1.0)
     p.observe("gpu", 3000, 1.0)
@@ -187,7 +221,8 @@ def test_partial_fit_calls_keep_both_workers_busy(tiny_data):
     GPU worker starts, 48 after), and idle for most of the call. Both paced at 10,000 samples
     a second, the rows are shared about evenly once their speeds are known."""
     Xtr, Ytr = tiny_data[0], tiny_data[1]
-    h = _trainer(cls=_PacedWorkers, cpu_batch=16, gpu_batch=256, min_speed=0.0)
+    h = _trainer(cls=_PacedWorkers, cpu_batch=16, gpu_batch=256, min_gain=0.0,
+                 warmup_updates=0, window=0.0)
     h.cpu_pace = h.gpu_pace = 1e-4
     shares = []
     for lo in range(0, 2240, 320):
@@ -202,11 +237,30 @@ class _ThreadRecorder(HeteroTrainer):
         return super()._cpu_step(X, Y, idx)
 
 
+class _ThreadCounter(_PacedWorkers):
+    def _cpu_step(self, X, Y, idx):
+        self.counts.add((self._gpu_active.is_set(), numba.get_num_threads()))
+        return super()._cpu_step(X, Y, idx)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs two numba threads")
+def test_engine_runs_one_thread_fewer_beside_the_gpu_worker(tiny_data):
+    """The GPU worker's host thread is busy too: beside it the engine's team is one thread
+    smaller, so that none of its threads waits for a core; alone it has every one again."""
+    Xtr, Ytr = tiny_data[0][:1000], tiny_data[1][:1000]
+    h = _trainer(cls=_ThreadCounter, min_gain=0.0, epochs=2, window=0.0)
+    h.model.set_params(threads=2)
+    h.counts = set()
+    h.fit(Xtr, Ytr)
+    # (a step that began as the GPU worker joined can run at the full count)
+    assert {(False, 2), (True, 1)} <= h.counts and (False, 1) not in h.counts
+
+
 def test_engine_steps_on_the_calling_thread(tiny_data):
     """The engine's steps run on the thread that calls fit / partial_fit (whose OpenMP team
     the engine already has), never on a thread started for the run."""
     Xtr, Ytr = tiny_data[0][:1000], tiny_data[1][:1000]
-    h = _trainer(cls=_ThreadRecorder, min_speed=0.0, epochs=2)
+    h = _trainer(cls=_ThreadRecorder, min_gain=0.0, epochs=2)
     h.cpu_threads_seen = set()
     h.fit(Xtr, Ytr)
     h.partial_fit(Xtr[:300], Ytr[:300])
@@ -222,9 +276,9 @@ class _FailingGPU(_PacedWorkers):
 
 def test_worker_error_stops_run_and_keeps_last_checkpoint(tmp_path, tiny_data):
     Xtr, Ytr = tiny_data[0][:1000], tiny_data[1][:1000]
-    # min_speed 0: the worker must not retire in epoch 1 (on numpy it can be slower than half
+    # min_gain 0: the worker must not retire in epoch 1 (on numpy it can be slower than half
     # the engine), or it would never reach the failure injected in epoch 2
-    h = _trainer(cls=_FailingGPU, min_speed=0.0)
+    h = _trainer(cls=_FailingGPU, min_gain=0.0)
     saved_steps = []
 
     def checkpoint(model, record):
