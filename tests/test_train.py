@@ -9,9 +9,10 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, resources
-from slide.config import (HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES, RARE_ROWS, RARE_SHARE,
-                          REFIT_ROWS, SAMPLED_DECAY, SlideConfig, checked_choice, idf_weighted,
-                          positives_per_step, rare_share, resolve, sampled_width, touched_share)
+from slide.config import (FULL_OUTPUT_LABELS, HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES,
+                          RARE_ROWS, RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, SlideConfig,
+                          active_target, checked_choice, idf_weighted, positives_per_step,
+                          rare_share, resolve, sampled_width, touched_share)
 from slide.loop import (FLAT_GAIN, MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping,
                         epoch_learning_rate, validation_split)
 from slide.resources import model_memory_bytes
@@ -343,6 +344,24 @@ def test_defaults_follow_the_data_shape():
     assert resolve(SlideConfig(hidden=(64,), lr=0.01, epochs=3), 10, 5, 100)["hidden"] == [64]
     for r in (small, wide):
         assert r["epochs"] >= 5 and r["lr"] > 0
+
+
+def test_active_set_floor_follows_the_labels_a_row_carries():
+    # every neuron up to FULL_OUTPUT_LABELS labels, whatever the rows carry
+    assert active_target(FULL_OUTPUT_LABELS, 3.0) == FULL_OUTPUT_LABELS
+    assert active_target(300, 40.0) == 300
+    # above it, 128 neurons a label a row carries, within 512 and 1024
+    assert active_target(21_316, 3.54) == 512  # git_openstack's rows
+    assert active_target(21_316, 6.0) == 768
+    assert active_target(21_316, 20.0) == 1024
+    assert active_target(FULL_OUTPUT_LABELS + 1, 1.0) == 512
+    # where the label count asks for more, it has it; unknown rows: the floor's top
+    assert active_target(670_091, 5.0) == 3351
+    assert active_target(21_316, None) == 1024
+    r = resolve(SlideConfig(), 13_964, 21_316, 63_000, labels_per_row=3.54)
+    assert (r["active_target"], r["lsh_cap"], r["pool"]) == (512, 128, 384)
+    assert resolve(SlideConfig(sparsity=0.05), 13_964, 21_316, 63_000,
+                   labels_per_row=3.54)["active_target"] == 1066  # an explicit setting wins
 
 
 def test_sampled_width_and_decay_follow_the_output_layer():
