@@ -17,6 +17,7 @@ import numpy as np
 
 from lsh import autotune
 from lsh.tables import bucket_size_for
+from slide.loop import FIRST_CYCLE, first_cycle
 
 __all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
            "rare_share", "planned_epochs", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
@@ -356,8 +357,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     * batch_size: :func:`default_batch_size` (32 to 128 by rows).
     * epochs: enough for about 3,000 optimizer steps, between 5 and 30; with early stopping,
       which ends the run when the validation score stops improving, the most for about
-      :data:`EARLY_STOPPING_STEPS` steps, between 5 and 100. ``fit``'s learning-rate schedule
-      is laid over these epochs.
+      :data:`EARLY_STOPPING_STEPS` steps, between 5 and 100, and where the output is sampled
+      the learning-rate plan's short first cycle on top (:func:`slide.loop.first_cycle`).
+      ``fit``'s learning-rate schedule is laid over these epochs.
     * output active set: :func:`active_target` (every neuron up to 1,024 labels, else
       ``max(floor, 0.005 · labels)``, the floor 128 per label a row carries, 512 to 1,024);
       a quarter of it, at most :data:`HARD_NEGATIVES`, the sample's LSH hard negatives, the
@@ -403,6 +405,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     else:
         lsh_cap = min(target // 4, HARD_NEGATIVES)
     out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap)
+    if sampled and c.early_stopping and not c.epochs:
+        # the rule's epochs are the plan's second cycle: the first comes on top
+        out["epochs"] = epochs + first_cycle("nDCG@5", epochs + FIRST_CYCLE)
     chosen = checked_choice(choice)
     hidden = c.hidden or ((chosen["width"],) if "width" in chosen else
                           (sampled_width(n_labels),) if sampled else (512,))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from slide.data import shuffle_rows
-from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, FitRecord, refit_epochs, run_epochs,
-                        validation_split)
+from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, FitRecord, first_cycle, refit_epochs,
+                        run_epochs, validation_split)
 from slide.selection import choice_name, offered, select
 
 __all__ = ["fit_model", "hold_out"]
@@ -88,7 +88,7 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
         if validation is not None and alone else []
     if not candidates:
         record = _run(model, X, Yr, on_epoch=on_epoch, continue_training=continue_training, **run)
-        if refit and record.early_stopping.scores:
+        if refit and record.early_stopping.best_epoch:
             record = _refit(model, *every_row, record, s["seed"], progress, on_epoch, runner)
         return record
 
@@ -110,7 +110,7 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
                        "validation": "held out from the training rows" if held_out else "given",
                        "choice": {"chosen": choice_name(best), "settings": dict(best),
                                   "validation_scores": scores}}
-    if refit and record.early_stopping.scores:
+    if refit and record.early_stopping.best_epoch:
         return _refit(model, *every_row, record, s["seed"], progress, on_epoch, runner,
                       choice=best)
     return record
@@ -131,15 +131,18 @@ def _run(model, X, Y, *, seed, validation, until_epoch, patience, early_stopping
     """The loop over the model as it is initialised (or fitted, ``continue_training``)."""
     record = model.record_
     stopper = None
+    target = record.epoch + model.resolved_["epochs"] if until_epoch is None else int(until_epoch)
     if early_stopping and validation is not None:
         previous = record.early_stopping if continue_training else None
-        stopper = previous if previous is not None and not previous.stopped else \
-            EarlyStopping(patience=patience, metric=model.validation_metric())
-        if stopper is not previous:
+        stopper = previous
+        if previous is None or previous.stopped:
+            metric = model.validation_metric()
+            # a model that has trained whole epochs trains on (warm start) without a first cycle
+            stopper = EarlyStopping(patience=patience, metric=metric, first_cycle=0 if record.epoch
+                                    else first_cycle(metric, target))
             record.best_params = None
     record.early_stopping = stopper
     Xp = model.preprocess(X)
-    target = record.epoch + model.resolved_["epochs"] if until_epoch is None else int(until_epoch)
     return run_epochs(model, Xp, Y, record=record, seed=seed, validation=validation,
                       stopper=stopper, planned=max(record.epoch, target), on_epoch=on_epoch,
                       continue_training=continue_training, **kw)

@@ -24,7 +24,8 @@ from slide import signals
 
 __all__ = ["Trainable", "EpochRunner", "FitRecord", "EarlyStopping", "run_epochs",
            "refit_epochs", "epoch_learning_rate", "epoch_order", "validation_split",
-           "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS", "MIN_RATE_SHARE", "FLAT_GAIN"]
+           "PLATEAU_FACTOR", "MAX_VALIDATION_ROWS", "MIN_RATE_SHARE", "FLAT_GAIN", "FIRST_CYCLE",
+           "first_cycle"]
 
 # After half the patience without improvement the learning rate is multiplied by this
 # (ReduceLROnPlateau): the plateau is usually Adam's noise floor, which a lower rate gets under.
@@ -38,6 +39,11 @@ MIN_RATE_SHARE = 0.01
 # cut to three times the epochs run, so that its halvings follow at once, each phase half as
 # long as the first (docs/learning-rate.md).
 FLAT_GAIN = 0.02
+# A sampled output's learning-rate plan starts with a cycle of this many epochs (its rates: the
+# first, half of it, an eighth), then runs again from its first rate: the first cycle's end is
+# ranked well after a few epochs, which the long plan reaches only after its first halving
+# (docs/learning-rate.md).
+FIRST_CYCLE = 3
 # Validation rows scored per evaluation, at most. Scoring is exact (every label), so on wide
 # output layers a larger slice would cost more than the epoch it judges; 5,000 rows give P@1
 # to about ±0.007.
@@ -102,6 +108,13 @@ class EarlyStopping:
     than ``tol`` (relative) stop the run; after every ``max(1, patience // 2)`` of them the
     learning rate is lowered. ``plan_end``: the epochs the learning-rate plan was cut to when
     the score flattened at its first rate (:meth:`cut_plan`; 0: not cut).
+
+    ``first_cycle``: the epochs of a short first cycle of the learning-rate plan
+    (:func:`epoch_learning_rate`; 0: none). At its end (:meth:`restart`) the plan starts again
+    from its first rate, and patience, plateau drops and the cut judge that second cycle's
+    scores alone (``scores``, ``cycle_best``), while ``best_score`` and ``best_epoch`` stay the
+    whole run's, whose weights are kept: a second cycle that never passes the first's best
+    ends with the first's weights.
     """
     patience: int = 5
     metric: str = "loss"
@@ -113,6 +126,8 @@ class EarlyStopping:
     stopped: str = ""
     scores: list = field(default_factory=list)
     plan_end: int = 0
+    first_cycle: int = 0
+    cycle_best: float = -math.inf
 
     def score(self, metrics: dict) -> float:
         if self.metric == "loss":
@@ -120,12 +135,15 @@ class EarlyStopping:
         return float(metrics[f"val_{self.metric}"])
 
     def update(self, epoch: int, metrics: dict) -> tuple[bool, bool]:
-        """Record epoch ``epoch``'s metrics; returns ``(improved, lower_learning_rate)``."""
+        """Record epoch ``epoch``'s metrics; returns ``(best of the run, lower_learning_rate)``."""
         s = self.score(metrics)
         self.scores.append(s)
-        if not self.scores[:-1] or s > self.best_score + self.tol * abs(self.best_score):
-            self.best_score, self.best_epoch, self.bad_epochs = s, epoch, 0
-            return True, False
+        best = self.best_epoch == 0 or s > self.best_score + self.tol * abs(self.best_score)
+        if best:
+            self.best_score, self.best_epoch = s, epoch
+        if len(self.scores) == 1 or s > self.cycle_best + self.tol * abs(self.cycle_best):
+            self.cycle_best, self.bad_epochs = s, 0
+            return best, False
         self.bad_epochs += 1
         if self.bad_epochs >= self.patience:
             self.stopped = (f"no improvement of the validation score for {self.patience} epochs "
@@ -134,10 +152,15 @@ class EarlyStopping:
         self.lowered += lower
         return False, lower
 
+    def restart(self) -> None:
+        """The learning-rate plan's second cycle begins (see the class docstring)."""
+        self.scores, self.cycle_best, self.bad_epochs, self.lowered = [], -math.inf, 0, 0
+
     def cut_plan(self, epoch: int, planned: int, first_rate: bool) -> int:
         """The planned epochs after epoch ``epoch`` (1-based) of a plan of ``planned``:
-        ``3 x epoch`` where the score is flat at the plan's first rate (``first_rate``) and the
-        plan was not cut before; the plan as it stands otherwise.
+        ``3 x`` the epochs of the plan's cycle so far (after the first cycle, where there is
+        one) where the score is flat at the plan's first rate (``first_rate``) and the plan
+        was not cut before; the plan as it stands otherwise.
 
         Flat: this epoch moved the score by less than :data:`FLAT_GAIN` of it, up or down (the
         floor's noise goes both ways), and the last two epochs together by less than twice
@@ -150,23 +173,29 @@ class EarlyStopping:
         if self.plan_end:
             return min(planned, self.plan_end)
         s = self.scores
-        if self.metric != "loss" and first_rate and len(s) >= 3 and not self.lowered:
+        if self.metric != "loss" and first_rate and len(s) >= 3 and not self.lowered and \
+                epoch > self.first_cycle:
             flat = abs(s[-1] - s[-2]) < FLAT_GAIN * abs(s[-1]) and \
                 abs(s[-1] - s[-3]) < 2 * FLAT_GAIN * abs(s[-1])
-            if flat and 3 * epoch < planned:
-                self.plan_end = 3 * epoch
+            cut = self.first_cycle + 3 * (epoch - self.first_cycle)
+            if flat and cut < planned:
+                self.plan_end = cut
                 return self.plan_end
         return planned
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["best_score"] = None if d["best_score"] == -math.inf else d["best_score"]
+        for k in ("best_score", "cycle_best"):
+            d[k] = None if d[k] == -math.inf else d[k]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "EarlyStopping":
         d = dict(d)
         d["best_score"] = -math.inf if d.get("best_score") is None else float(d["best_score"])
+        # written before cycles: one cycle, whose best is the run's
+        d["cycle_best"] = d["best_score"] if "cycle_best" not in d else \
+            -math.inf if d["cycle_best"] is None else float(d["cycle_best"])
         return cls(**d)
 
 
@@ -222,13 +251,31 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
-def epoch_learning_rate(base: float, epoch: int, planned: int, lowered: int = 0) -> float:
+def epoch_learning_rate(base: float, epoch: int, planned: int, lowered: int = 0,
+                        first_cycle: int = 0) -> float:
     """The learning rate of epoch ``epoch`` (0-based) of a run planned for ``planned`` epochs
     after ``lowered`` plateau drops: ``base`` for the first third of the plan, then halved at
     1/3, 1/2, 2/3 and 5/6 of it, times ``PLATEAU_FACTOR ** lowered``. At a constant rate Adam's
-    lazily updated rows settle at a noise floor the rate sets (docs/learning-rate.md)."""
+    lazily updated rows settle at a noise floor the rate sets (docs/learning-rate.md).
+
+    With a ``first_cycle``, the plan runs twice: first over that many epochs (three: ``base``,
+    ``base / 2``, ``base / 8``), which gives a model ranked well early, then over the rest from
+    ``base`` again, which gives the final one (docs/learning-rate.md)."""
+    if epoch < first_cycle:
+        return epoch_learning_rate(base, epoch, first_cycle)
+    epoch, planned = epoch - first_cycle, planned - first_cycle
     halvings = min(4, max(0, int(6 * epoch / max(planned, 1)) - 1))  # past the plan: the last
     return base * 0.5 ** halvings * PLATEAU_FACTOR ** lowered
+
+
+def first_cycle(metric: str, planned: int) -> int:
+    """The epochs of the learning-rate plan's short first cycle for a run of ``planned`` epochs
+    judged by ``metric``: :data:`FIRST_CYCLE` where the score ranks (a sampled output's) and the
+    plan leaves the second cycle at least twice as many epochs; none otherwise (whole outputs
+    stop early long before a second cycle would matter)."""
+    if metric == "loss" or planned < 3 * FIRST_CYCLE:
+        return 0
+    return FIRST_CYCLE
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -267,11 +314,14 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
     n_rows = Xp.shape[0]
     if stopper is not None and stopper.plan_end:  # cut before this call (a resumed run)
         planned = max(record.epoch, min(planned, stopper.plan_end))
+    first_cycle = stopper.first_cycle if stopper is not None else 0
     while record.epoch < planned:
         if stopper is not None and stopper.stopped:
             break
+        if first_cycle and record.epoch == first_cycle:
+            stopper.restart()  # idempotent: a resumed run may come here twice
         rate = epoch_learning_rate(model.resolved_["lr"], record.epoch, planned,
-                                   stopper.lowered if stopper is not None else 0)
+                                   stopper.lowered if stopper is not None else 0, first_cycle)
         if stopper is not None and stopper.scores and rate < MIN_RATE_SHARE * model.resolved_["lr"]:
             stopper.stopped = (f"the learning rate fell below {MIN_RATE_SHARE:g} of its start "
                                f"(best {stopper.best_score:.4f} at epoch {stopper.best_epoch})")
@@ -316,7 +366,7 @@ def run_epochs(model: Trainable, Xp, Y, *, record: FitRecord, seed: int, validat
                 record.best_params = model.snapshot(out=record.best_params)
             entry["best_epoch"] = stopper.best_epoch
             cut = stopper.cut_plan(record.epoch, planned, rate == model.resolved_["lr"])
-            if cut < planned:  # a new cut: three times the epochs run, so never behind them
+            if cut < planned:  # a new cut: three times the cycle's epochs, so never behind them
                 planned = cut
                 entry["planned_epochs"] = planned
         record.history.append(entry)
@@ -386,7 +436,7 @@ class _EpochProgress:
 
 def _outcome(model, record: FitRecord, stopper, held_out, planned) -> dict:
     """Put the best weights back if training went past them; say what was kept and why."""
-    if stopper is None or not stopper.scores:
+    if stopper is None or not stopper.best_epoch:
         return {"kept_epoch": record.epoch, "reason": f"ran the planned {planned} epochs",
                 "validation": None}
     if stopper.best_epoch != record.epoch and record.best_params is not None:

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from slide.config import planned_epochs
 from slide.data import shuffle_rows
 from slide.fitting import hold_out
-from slide.loop import MAX_VALIDATION_ROWS, EarlyStopping, epoch_learning_rate, epoch_order
+from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, epoch_learning_rate, epoch_order,
+                        first_cycle)
 from slide.plan import Plan
 from slide.selection import offered
 
@@ -102,11 +103,14 @@ def seconds_to(epoch: int, rows: int, done: int, spent: float, rate: float,
     return spent + max(0.0, epoch * rows - done) / rate + epoch * eval_seconds
 
 
-def predict(probe: Probe, rows: int, done: int, spent: float, eval_seconds: float) -> Prediction:
+def predict(probe: Probe, rows: int, done: int, spent: float, eval_seconds: float,
+            metric: str = "nDCG@5") -> Prediction:
     """``probe``'s plan run on until it has its final score (:data:`TARGET_SHARE` of its
     planned epochs of ``rows`` rows), ``done`` samples of the first epoch trained and ``spent``
-    seconds gone (probes, evaluation)."""
-    target = max(1, math.ceil(TARGET_SHARE * probe.epochs - 1e-9))
+    seconds gone (probes, evaluation); ``metric``: the run's early-stopping score."""
+    # the share is of the plan's second cycle where it has two (slide.loop.first_cycle)
+    first = first_cycle(metric, probe.epochs)
+    target = first + max(1, math.ceil(TARGET_SHARE * (probe.epochs - first) - 1e-9))
     seconds = seconds_to(target, rows, done, spent, probe.samples_per_second, eval_seconds)
     return Prediction(probe.plan, probe.epochs, seconds, probe.samples_per_second)
 
@@ -213,7 +217,7 @@ class Planner:
         probes, done = self._probe(plans, default, state, Xp, Yr, order, done, eval_seconds)
         model.record_.epoch_position = done
         spent = time.perf_counter() - t0
-        predictions = [predict(p, n, done, spent, eval_seconds) for p in probes]
+        predictions = [predict(p, n, done, spent, eval_seconds, metric.metric) for p in probes]
         chosen, why = choose(predictions, self.margin)
         report.update(candidates=[p.to_json(default) for p in predictions],
                       probes=[p.to_json() for p in probes], probe_seconds=spent,

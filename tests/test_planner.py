@@ -4,6 +4,7 @@ import time
 import pytest
 
 from slide.estimator import SlideClassifier
+from slide.loop import first_cycle
 from slide.plan import Plan
 from slide.planner import MARGIN, TARGET_SHARE, Planner, Probe, candidates, choose, predict
 
@@ -44,10 +45,16 @@ def probe(plan, rate, epochs=10, batch=128):
 
 def test_prediction_is_the_remaining_samples_at_the_probes_rate_plus_evaluations():
     p = predict(probe(Plan(threads=1), 2000.0, epochs=12), ROWS, done=6000, spent=30.0,
-                eval_seconds=2.0)
+                eval_seconds=2.0, metric="loss")
     # the final score where the last halving begins: epoch 10 of 12
     assert p.epochs == 12 and TARGET_SHARE * 12 == pytest.approx(10)
     assert p.seconds == pytest.approx(30.0 + (10 * ROWS - 6000) / 2000 + 10 * 2.0)
+    # a ranked score's plan runs a first cycle of three epochs, then nine: its last halving
+    # begins at epoch 3 + 7.5
+    p = predict(probe(Plan(threads=1), 2000.0, epochs=12), ROWS, done=6000, spent=30.0,
+                eval_seconds=2.0, metric="nDCG@5")
+    assert first_cycle("nDCG@5", 12) == 3
+    assert p.seconds == pytest.approx(30.0 + (11 * ROWS - 6000) / 2000 + 11 * 2.0)
 
 
 def test_the_planner_chooses_the_plan_the_speed_curves_make_soonest():

@@ -8,12 +8,12 @@ import pytest
 
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
-from slide import SlideClassifier, resources
+from slide import SlideClassifier, loop, resources
 from slide.config import (FULL_OUTPUT_LABELS, HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES,
                           RARE_ROWS, RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, SlideConfig,
                           active_target, checked_choice, idf_weighted, positives_per_step,
-                          rare_share, resolve, sampled_width, touched_share)
-from slide.loop import (FLAT_GAIN, MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping,
+                          planned_epochs, rare_share, resolve, sampled_width, touched_share)
+from slide.loop import (FIRST_CYCLE, FLAT_GAIN, MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping,
                         epoch_learning_rate, validation_split)
 from slide.resources import model_memory_bytes
 from slide.selection import CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, WIDE_HIDDEN, choice_name, offered
@@ -69,6 +69,13 @@ def test_schedule_runs_in_fit_and_a_checkpoint_resumes_it(tmp_path, tiny_data):
     np.testing.assert_array_equal(resumed.params_["W"], straight.params_["W"])
 
 
+@pytest.fixture
+def one_cycle(monkeypatch):
+    """The learning-rate plan without its first cycle, for the tests of what it does within a
+    cycle (the first cycle has its own test)."""
+    monkeypatch.setattr(loop, "FIRST_CYCLE", 0)
+
+
 class _Scripted(SlideClassifier):
     """An engine whose validation scores follow a script (the loop's decisions are what is
     tested), recording the learning rate each epoch trained with."""
@@ -80,7 +87,7 @@ class _Scripted(SlideClassifier):
         return {"P@1": s, "nDCG@5": s, "loss": 1 - s}
 
 
-def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
+def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data, one_cycle):
     X, Y = tiny_data[0][:400], tiny_data[1][:400]
     m = _Scripted(hidden=(8,), sparsity=0.5, epochs=20, n_iter_no_change=4, seed=0, lr=1e-3,
                   refit=False, tfidf=False)
@@ -104,7 +111,7 @@ def test_loop_keeps_best_weights_lowers_rate_and_says_why(tiny_data):
     assert [h["best_epoch"] for h in m.history_] == [1, 2, 2, 2, 2, 2]
 
 
-def test_a_run_stops_once_its_rate_falls_below_a_hundredth_of_its_start(tiny_data):
+def test_a_run_stops_once_its_rate_falls_below_a_hundredth_of_its_start(tiny_data, one_cycle):
     # every third epoch a new best, two worse ones between: a plateau drop (x0.3) after each
     # pair, never patience's stop; with the plan's halvings (20 planned epochs) the rate of the
     # 11th epoch would be 0.25 x 0.3^3 = 0.0068 of the start, so the run ends after the 10th
@@ -122,7 +129,7 @@ def test_a_run_stops_once_its_rate_falls_below_a_hundredth_of_its_start(tiny_dat
                            seed=0).fit(X, Y).epoch_ == 3
 
 
-def test_the_plan_is_cut_where_the_score_flattens_at_its_first_rate(tmp_path, tiny_data):
+def test_the_plan_is_cut_where_the_score_flattens_at_its_first_rate(tmp_path, tiny_data, one_cycle):
     # gains of 0.1, 0, then 0.002 (under FLAT_GAIN x 0.202, and 0.002 over two epochs): the
     # first rate ends with the 4th epoch and the plan of 30 epochs becomes 12, its halvings
     # every two epochs
@@ -180,6 +187,64 @@ def test_the_plan_is_cut_where_the_score_flattens_at_its_first_rate(tmp_path, ti
     for e, loss in enumerate([2.0, 1.999, 1.998]):
         whole.update(e + 1, {"val_loss": loss})
     assert whole.cut_plan(3, 30, True) == 30 and not whole.plan_end
+
+
+def test_a_sampled_output_plan_starts_with_a_short_first_cycle(tmp_path, tiny_data):
+    # 15 planned epochs: a first cycle of three (rates 1, 1/2, 1/8), then the plan of twelve
+    # from the first rate again; the second cycle's scores start below the first's best
+    # (0.3) and pass it at epoch 8. Judged against the first cycle's best, epochs 4-7 would be
+    # four without improvement: a plateau drop after two, and patience's stop after four.
+    X, Y = tiny_data[0][:400], tiny_data[1][:400]
+    kw = dict(hidden=(8,), sparsity=0.5, epochs=15, n_iter_no_change=4, seed=0, lr=1e-3,
+              refit=False, tfidf=False)
+    second = [0.2 * 1.12 ** i for i in range(12)]  # gains of 12%: never flat, never cut
+    assert second[3] < 0.3 < second[4]
+    weights = {}
+
+    def record(model, rec):
+        weights[rec["epoch"]] = model.params_["W"].copy()
+
+    m = _Scripted(**kw)
+    m.script = [0.1, 0.2, 0.3] + second
+    m.fit(X, Y, on_epoch=record)
+    rates = [h["learning_rate"] / 1e-3 for h in m.history_]
+    assert rates == pytest.approx([1, .5, .125] + [1] * 4 + [.5] * 2 + [.25] * 2 + [.125] * 2
+                                  + [.0625] * 2)
+    assert [h["best_epoch"] for h in m.history_] == [1, 2, 3, 3, 3, 3, 3] + list(range(8, 16))
+    assert m.epoch_ == 15 and m.stopping_["kept_epoch"] == 15 and m.early_stopping_.lowered == 0
+
+    # a second cycle that never passes the first's best ends with the first's weights
+    low = _Scripted(**kw)
+    low.script = [0.1, 0.2, 0.3] + [0.2 * 1.025 ** i for i in range(12)]  # never flat
+    low.fit(X, Y, on_epoch=record)
+    assert low.stopping_["kept_epoch"] == 3 and low.epoch_ == 15
+    np.testing.assert_array_equal(low.params_["W"], weights[3])
+
+    # the cut counts the second cycle's epochs: flat at its 4th (epoch 7), it ends at 3 + 12
+    cut = _Scripted(**{**kw, "epochs": 30})
+    cut.script = [0.1, 0.2, 0.3, 0.15, 0.25, 0.25, 0.252] + [0.26 + 0.01 * i for i in range(30)]
+    cut.fit(X, Y)
+    assert cut.early_stopping_.plan_end == 15 and cut.epoch_ == 15
+    assert [h["learning_rate"] / 1e-3 for h in cut.history_][3:] == pytest.approx(
+        [1] * 4 + [.5] * 2 + [.25] * 2 + [.125] * 2 + [.0625] * 2)
+
+    # none where the output is computed whole (its loss is judged) or the plan leaves the
+    # second cycle fewer than six epochs
+    whole = _Scripted(**{**kw, "sparsity": 1.0})
+    whole.script = [0.1 * i for i in range(1, 16)]
+    whole.fit(X, Y)
+    assert whole.early_stopping_.first_cycle == 0
+    assert [h["learning_rate"] for h in whole.history_][:5] == pytest.approx([1e-3] * 5)
+    short = _Scripted(**{**kw, "epochs": 8})
+    short.script = [0.1 * i for i in range(1, 16)]
+    short.fit(X, Y)
+    assert short.early_stopping_.first_cycle == 0
+
+    # the rule's epochs for a sampled output put the first cycle on top of its steps' plan
+    r = resolve(SlideConfig(), n_features=100, n_labels=100_000, n_train=64_000)
+    assert r["sampled"] and r["epochs"] == planned_epochs(64_000, r["batch_size"]) + FIRST_CYCLE
+    r = resolve(SlideConfig(early_stopping=False), n_features=100, n_labels=100_000, n_train=64_000)
+    assert r["epochs"] == planned_epochs(64_000, r["batch_size"], early_stopping=False)
 
 
 def test_held_out_rows_are_not_trained_on(tiny_data):
@@ -294,7 +359,7 @@ def test_every_engine_runs_the_same_loop(tiny_data, make):
         assert ("val_loss" in rec) == isinstance(m, DenseClassifier)
 
 
-def test_refit_trains_again_on_every_row_for_the_kept_epochs(tiny_data):
+def test_refit_trains_again_on_every_row_for_the_kept_epochs(tiny_data, one_cycle):
     X, Y = tiny_data[0][:600], tiny_data[1][:600]
     kw = dict(hidden=(8,), sparsity=0.5, epochs=20, seed=3, lr=1e-3, threads=1)
     m = _Scripted(n_iter_no_change=4, **kw)
