@@ -141,36 +141,41 @@ def _coarse(H, C, c, T, out):
 _BINS = 256
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _choose(row, starts, budget, chosen):
+    """One row's best clusters by its centroid scores ``row``, whole, until they hold ``budget``
+    labels, into ``chosen``; returns how many. Those of the score bins above the one where
+    the budget runs out, then that bin's in cluster order: two passes over the scores, where
+    sorting them took longer than scoring the candidates."""
+    n_clusters = row.size
+    lo, hi = np.inf, -np.inf
+    for c in range(n_clusters):
+        lo, hi = min(lo, row[c]), max(hi, row[c])
+    scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
+    bins = np.empty(n_clusters, np.int64)
+    labels = np.zeros(_BINS, np.int64)  # the labels of the clusters in each bin
+    for c in range(n_clusters):
+        bins[c] = int((hi - row[c]) * scale)
+        labels[bins[c]] += starts[c + 1] - starts[c]
+    last, held = 0, labels[0]  # the bin where the budget runs out
+    while held < budget and last + 1 < _BINS:
+        last += 1
+        held += labels[last]
+    m, held = 0, 0
+    for whole in (True, False):
+        for c in range(n_clusters):
+            if (bins[c] < last) if whole else (bins[c] == last and held < budget):
+                chosen[m] = c
+                m += 1
+                held += starts[c + 1] - starts[c]
+    return m
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _gather(coarse, starts, budget, chosen, n_chosen):
-    """Each row's best clusters by ``coarse`` score, whole, until they hold ``budget`` labels:
-    those of the score bins above the one where the budget runs out, then that bin's in
-    cluster order. Two passes over the scores, where sorting them took longer than scoring
-    the candidates."""
-    n_clusters = coarse.shape[1]
+    """Each row's clusters (:func:`_choose`) by its ``coarse`` scores."""
     for r in prange(coarse.shape[0]):
-        row = coarse[r]
-        lo, hi = np.inf, -np.inf
-        for c in range(n_clusters):
-            lo, hi = min(lo, row[c]), max(hi, row[c])
-        scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
-        bins = np.empty(n_clusters, np.int64)
-        labels = np.zeros(_BINS, np.int64)  # the labels of the clusters in each bin
-        for c in range(n_clusters):
-            bins[c] = int((hi - row[c]) * scale)
-            labels[bins[c]] += starts[c + 1] - starts[c]
-        last, held = 0, labels[0]  # the bin where the budget runs out
-        while held < budget and last + 1 < _BINS:
-            last += 1
-            held += labels[last]
-        m, held = 0, 0
-        for whole in (True, False):
-            for c in range(n_clusters):
-                if (bins[c] < last) if whole else (bins[c] == last and held < budget):
-                    chosen[r, m] = c
-                    m += 1
-                    held += starts[c + 1] - starts[c]
-        n_chosen[r] = m
+        n_chosen[r] = _choose(coarse[r], starts, budget, chosen[r])
 
 
 @njit(cache=True, nogil=True)
@@ -286,12 +291,16 @@ def _dot_u8s8(typingctx, hq, wq):
 def _quantize_queries(H, levels, hq, t, z):
     """uint8 rows of ``H`` [n, d] into ``hq`` [n, >= d] (zero beyond d), each over its own
     range [min(0, min h), max(0, max h)] in ``levels`` steps: h ~ t (q - z)."""
-    n, d = H.shape
-    for r in prange(n):
-        s, zr = query_range(H, r, levels)  # the exact screen's range rule
-        for i in range(d):
-            hq[r, i] = zr if s == 0.0 else min(levels, max(0, round(H[r, i] / s) + zr))
-        t[r], z[r] = s, zr
+    for r in prange(H.shape[0]):
+        _quantize_row(H, r, levels, hq, t, z)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantize_row(H, r, levels, hq, t, z):
+    s, zr = query_range(H, r, levels)  # the exact screen's range rule
+    for i in range(H.shape[1]):
+        hq[r, i] = zr if s == 0.0 else min(levels, max(0, round(H[r, i] / s) + zr))
+    t[r], z[r] = s, zr
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -342,9 +351,7 @@ _scan_float = _scan_kernel(_estimate_float)
 def _rescore(H, W, b, members, pos, best, held, ids, scores):
     """Each row's top-k (``ids``: W's rows), in float32, of the ``keep`` best estimates its
     tasks' heaps hold."""
-    d = H.shape[1]
     tasks, _, keep = pos.shape
-    k = ids.shape[1]
     for r in prange(H.shape[0]):
         top = np.empty(keep, np.int64)
         top_est = np.empty(keep, np.float32)
@@ -352,13 +359,74 @@ def _rescore(H, W, b, members, pos, best, held, ids, scores):
         for task in range(tasks):
             for j in range(held[task, r]):
                 m = heap_push(best[task, r, j], pos[task, r, j], keep, m, top, top_est)
-        for j in range(m):  # the rows are scattered through the layer: asked for ahead
-            prefetch(W[members[top[j]]])
+        _rescore_row(H, r, W, b, members, top, m, ids[r], scores[r])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rescore_row(H, r, W, b, members, top, m, ids, scores):
+    """Row ``r``'s top-k into ``ids``, ``scores`` [k], in float32, of the label positions
+    ``top[:m]``."""
+    d = H.shape[1]
+    k = ids.size
+    for j in range(m):  # the rows are scattered through the layer: asked for ahead
+        prefetch(W[members[top[j]]])
+    n = 0
+    for j in range(m):
+        row = members[top[j]]
+        n = heap_push(b[row] + dot(W[row, :d], H[r]), row, k, n, ids, scores)
+    heap_sorted(n, k, ids, scores)
+
+
+def _row_kernel(estimate):
+    @njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
+    def query_row(H, C, starts, budget, levels, q, meta, sums, W, b, members, keep, T, ids,
+                  scores):
+        """The whole query of one row ``H`` [1, d] in one call, into ``ids``, ``scores`` [1,
+        k]: its centroid scores against ``C`` [n, d + 1] (biases last), its clusters
+        (:func:`_choose`), their labels' estimates (the query quantized to ``levels`` where
+        the estimate is int8), each of ``T`` threads over every T-th cluster, and the
+        ``keep`` best rescored."""
+        d = H.shape[1]
+        coarse = np.empty(C.shape[0], np.float32)
+        for t in prange(T):
+            for c in range(t * C.shape[0] // T, (t + 1) * C.shape[0] // T):
+                s = C[c, d]
+                for i in range(d):
+                    s += C[c, i] * H[0, i]
+                coarse[c] = s
+        chosen = np.empty(C.shape[0], np.int32)
+        m = _choose(coarse, starts, budget, chosen)
+        hq = np.zeros((1, q.shape[1]), np.uint8)
+        scale = np.zeros(1, np.float32)
+        zero = np.zeros(1, np.int32)
+        if levels:
+            _quantize_row(H, 0, levels, hq, scale, zero)
+        pos = np.empty((T, keep), np.int64)
+        best = np.empty((T, keep), np.float32)
+        held = np.zeros(T, np.int64)
+        for task in prange(T):
+            my_pos = np.empty(keep, np.int64)
+            my_best = np.empty(keep, np.float32)
+            n = 0
+            for j in range(task, m, T):
+                c = chosen[j]
+                for i in range(starts[c], starts[c + 1]):
+                    v = estimate(0, i, H, hq, scale, zero, q, meta, sums)
+                    if v == v:
+                        n = heap_push(v, i, keep, n, my_pos, my_best)
+            pos[task], best[task], held[task] = my_pos, my_best, n
+        top = np.empty(keep, np.int64)
+        top_est = np.empty(keep, np.float32)
         n = 0
-        for j in range(m):
-            row = members[top[j]]
-            n = heap_push(b[row] + dot(W[row, :d], H[r]), row, k, n, ids[r], scores[r])
-        heap_sorted(n, k, ids[r], scores[r])
+        for task in range(T):
+            for j in range(held[task]):
+                n = heap_push(best[task, j], pos[task, j], keep, n, top, top_est)
+        _rescore_row(H, 0, W, b, members, top, n, ids[0], scores[0])
+    return query_row
+
+
+_row_int8 = _row_kernel(_estimate_int8)
+_row_float = _row_kernel(_estimate_float)
 
 
 class LabelClusters:
@@ -446,15 +514,24 @@ class LabelClusters:
         the int8 copy, the ``keep`` best (default ``KEEP_PER_K`` k) again in float32."""
         H = np.ascontiguousarray(H, np.float32)
         n = H.shape[0]
+        keep = max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
+        q, meta = self.rows.q, self.rows.meta
+        kind = int8_kind()
+        ids = np.empty((n, k), np.int64)
+        scores = np.empty((n, k), np.float32)
+        if n == 1:  # one kernel: a batch's five cost more to start, and BLAS's product packs
+            # its operands at every call (docs/serving.md)
+            (_row_float if kind is None else _row_int8)(
+                H, self.centroids, self.starts, self.budget, LEVELS.get(kind, 0), q, meta,
+                self.sums, self.W, self.b, self.members, keep, numba.get_num_threads(), ids,
+                scores)
+            return ids, scores
         chosen, counts = self.chosen(H)
         tasks = numba.get_num_threads()
         ptr, rows, bounds = _by_cluster(chosen, counts, self.starts, tasks)
-        keep = max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
         pos = np.empty((tasks, n, keep), np.int64)
         best = np.empty((tasks, n, keep), np.float32)
         held = np.empty((tasks, n), np.int64)
-        q, meta = self.rows.q, self.rows.meta
-        kind = int8_kind()
         if kind is not None:
             hq = np.zeros((n, q.shape[1]), np.uint8)
             t = np.empty(n, np.float32)
@@ -466,7 +543,5 @@ class LabelClusters:
             _scan_float(H, H[:, :0].astype(np.uint8), np.empty(0, np.float32),
                         np.empty(0, np.int32), q, meta, self.sums, self.starts, ptr, rows, bounds,
                         pos, best, held)
-        ids = np.empty((n, k), np.int64)
-        scores = np.empty((n, k), np.float32)
         _rescore(H, self.W, self.b, self.members, pos, best, held, ids, scores)
         return ids, scores

@@ -87,17 +87,26 @@ def _layer(n=3000, d=40, seed=0):
     return W, b, H
 
 
+def _single_rows(index, H, k=10, **kw):
+    """Each row of ``H`` asked alone (one kernel of its own), stacked."""
+    answers = [index.query(H[r:r + 1], k, **kw) for r in range(H.shape[0])]
+    return np.vstack([a[0] for a in answers]), np.vstack([a[1] for a in answers])
+
+
 def _probe_all(W, b, H):
-    """With every cluster probed and every estimate rescored the answer is the exact top-k;
-    with the default rescoring the int8 estimates alone must rank the top-k first."""
+    """With every cluster probed and every estimate rescored the answer is the exact top-k,
+    in a batch and a row at a time; with the default rescoring the int8 estimates alone must
+    rank the top-k first."""
     S = H @ W.T + b
     exact = np.argsort(-S, axis=1, kind="stable")[:, :10]
     index = LabelClusters(probe=1.0).build(W, b)
-    rows, scores = index.query(H, 10, keep=W.shape[0])
-    np.testing.assert_array_equal(rows, exact)
-    np.testing.assert_allclose(scores, np.take_along_axis(S, exact, 1), rtol=1e-5, atol=1e-5)
-    rows = index.query(H, 10)[0]
-    assert np.mean([np.intersect1d(a, e).size for a, e in zip(rows, exact)]) >= 9.9
+    for rows, scores in (index.query(H, 10, keep=W.shape[0]),
+                         _single_rows(index, H[:40], keep=W.shape[0])):
+        np.testing.assert_array_equal(rows, exact[:len(rows)])
+        np.testing.assert_allclose(scores, np.take_along_axis(S[:len(rows)], rows, 1),
+                                   rtol=1e-5, atol=1e-5)
+    for rows in (index.query(H, 10)[0], _single_rows(index, H)[0]):
+        assert np.mean([np.intersect1d(a, e).size for a, e in zip(rows, exact)]) >= 9.9
 
 
 @pytest.mark.parametrize("kind", sorted({slide.clusters.int8_kind(), None}, key=str))
@@ -136,6 +145,8 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
     rows = index.query(H, 10)[0]
     recall = np.mean([np.intersect1d(a, e).size / 10 for a, e in zip(rows, exact)])
     assert recall > 0.9
+    # a row alone takes the batch's clusters (its centroid scores may round otherwise)
+    assert np.mean(np.all(_single_rows(index, H)[0] == rows, axis=1)) >= 0.98
     # every row's candidates: whole clusters holding at least the budget, best centroids first
     chosen, counts = index.chosen(H)
     sizes = np.diff(index.starts)
@@ -146,6 +157,27 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
         others = np.setdiff1d(np.arange(coarse.size), mine)
         bin_width = (coarse.max() - coarse.min()) / 255
         assert coarse[others].max() <= coarse[mine].min() + bin_width * 1.001
+
+
+def test_a_row_alone_scores_the_candidates_it_would_in_a_batch():
+    """Every label of a row's clusters (:meth:`LabelClusters.chosen`) is a candidate, whether
+    the row comes alone or in a batch: with every estimate rescored, its top-50 is the exact
+    top-50 of them (most of its 60-odd, so that a cluster missed shows). Large biases, so
+    that the centroids' count in the choice."""
+    W, b, H = _layer()
+    b = 20 * b
+    index = LabelClusters(probe=0.02).build(W, b)
+    chosen, counts = index.chosen(H)
+    S = H @ W.T + b
+    want = []
+    for r in range(H.shape[0]):
+        mine = [index.members[index.starts[c]:index.starts[c + 1]] for c in chosen[r, :counts[r]]]
+        labels = np.concatenate(mine)
+        want.append(labels[np.argsort(-S[r, labels], kind="stable")[:50]])
+    for rows, _ in (index.query(H, 50, keep=W.shape[0]),
+                    _single_rows(index, H, 50, keep=W.shape[0])):
+        # a row alone may round a centroid's score otherwise, at the edge of its choice
+        assert np.mean([np.array_equal(a, w) for a, w in zip(rows, want)]) >= 0.97
 
 
 def test_clusters_settings_are_checked():
