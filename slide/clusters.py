@@ -287,6 +287,58 @@ def _dot_u8s8(typingctx, hq, wq):
     return sig, codegen
 
 
+@intrinsic
+def _dot4_u8s8(typingctx, hq, wq, i):
+    """``(hq · wq[i], ..., hq · wq[i + 3])`` in int32 for a uint8 row ``hq`` (at most 127 a
+    byte) and the int8 rows i..i+3 of ``wq`` [n, len(hq)] (C-contiguous, len(hq) a multiple of
+    32), on AVX2 (only such targets compile it): the query's bytes loaded once for the four
+    rows, and the four sums reduced together by ``vphaddd``."""
+    if int8_kind() != "avx2":
+        return None
+    sig = types.UniTuple(types.int32, 4)(hq, wq, i)
+
+    def codegen(context, builder, signature, args):
+        h = context.make_array(signature.args[0])(context, builder, args[0])
+        w = context.make_array(signature.args[1])(context, builder, args[1])
+        i64, i32, i16, i8 = (ir.IntType(b) for b in (64, 32, 16, 8))
+        acc_t, load_t, pairs_t = ir.VectorType(i32, 8), ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+
+        def x86(name, ret, *operands):
+            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, operands),
+                                                  f"llvm.x86.avx2.{name}")
+        maddubs = x86("pmadd.ub.sw", pairs_t, load_t, load_t)
+        maddwd = x86("pmadd.wd", acc_t, pairs_t, pairs_t)
+        hadd = x86("phadd.d", acc_t, acc_t, acc_t)
+        ones = ir.Constant(pairs_t, [1] * 16)
+        n = cgutils.unpack_tuple(builder, h.shape, 1)[0]
+        stride = cgutils.unpack_tuple(builder, w.strides, 2)[0]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(4)]
+        hp = builder.ptrtoint(h.data, i64)
+        wp = builder.add(builder.ptrtoint(w.data, i64),
+                         builder.mul(context.cast(builder, args[2], signature.args[2], types.int64),
+                                     stride))
+        with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, 32))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, 32))
+            hv = builder.load(builder.inttoptr(builder.add(hp, off), load_t.as_pointer()), align=1)
+            for u, acc in enumerate(accs):
+                at = builder.add(builder.add(wp, builder.mul(ir.Constant(i64, u), stride)), off)
+                wv = builder.load(builder.inttoptr(at, load_t.as_pointer()), align=1)
+                pairs = builder.call(maddubs, [hv, wv])
+                builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])),
+                              acc)
+        a = [builder.load(acc) for acc in accs]
+        # each 128-bit half: [s0 s1 s2 s3] of its own bytes; the halves added
+        both = builder.call(hadd, [builder.call(hadd, [a[0], a[1]]), builder.call(hadd, [a[2], a[3]])])
+        half = ir.VectorType(i32, 4)
+        total = builder.add(builder.shuffle_vector(both, both, ir.Constant(half, [0, 1, 2, 3])),
+                            builder.shuffle_vector(both, both, ir.Constant(half, [4, 5, 6, 7])))
+        return context.make_tuple(builder, signature.return_type,
+                                  [builder.extract_element(total, ir.Constant(i32, u))
+                                   for u in range(4)])
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _quantize_queries(H, levels, hq, t, z):
     """uint8 rows of ``H`` [n, d] into ``hq`` [n, >= d] (zero beyond d), each over its own
@@ -314,7 +366,54 @@ def _estimate_float(r, i, H, hq, t, z, q, meta, sums):
     return meta[i, SCALE] * dot_int8(q[i, :H.shape[1]], H[r]) + meta[i, BIAS]
 
 
-def _scan_kernel(estimate):
+@njit(cache=True, nogil=True, inline="always")
+def _estimates4_avx2(r, i, H, hq, t, z, q, meta, sums, out):
+    d = _dot4_u8s8(hq[r], q, i)
+    for u in range(4):
+        out[u] = (meta[i + u, SCALE] * t[r] * np.float32(d[u] - z[r] * sums[i + u]) +
+                  meta[i + u, BIAS])
+
+
+def _four_by_one(estimate):
+    @njit(cache=True, nogil=True, inline="always")
+    def estimates4(r, i, H, hq, t, z, q, meta, sums, out):
+        for u in range(4):
+            out[u] = estimate(r, i + u, H, hq, t, z, q, meta, sums)
+    return estimates4
+
+
+def _offer_kernel(estimate, estimates4):
+    @njit(cache=True, nogil=True, inline="always")
+    def offer(r, lo, hi, H, hq, t, z, q, meta, sums, m, pos, best, est):
+        """Row ``r``'s estimates of labels ``lo..hi``, four at a time (``est`` [4] their
+        scratch), offered to its heap (``pos``, ``best``, ``m`` of ``pos.size`` entries) where
+        they beat its least; returns the heap's size. Offered one at a time, each estimate
+        waited on the heap's branches: a batch's scan took 1.6 times as long (docs/serving.md)."""
+        keep = pos.size
+        least = best[0] if m == keep else -np.inf
+        i = lo
+        while i < hi:
+            n = min(4, hi - i)
+            if n == 4:
+                estimates4(r, i, H, hq, t, z, q, meta, sums, est)
+            else:
+                for u in range(n):
+                    est[u] = estimate(r, i + u, H, hq, t, z, q, meta, sums)
+            top = -np.inf  # a NaN estimate is never offered
+            for u in range(n):
+                if est[u] > top:
+                    top = est[u]
+            if top > least:
+                for u in range(n):
+                    if est[u] > least:
+                        m = heap_push(est[u], i + u, keep, m, pos, best)
+                        least = best[0] if m == keep else -np.inf
+            i += n
+        return m
+    return offer
+
+
+def _scan_kernel(offer):
     @njit(cache=True, nogil=True, parallel=True)
     def scan(H, hq, t, z, q, meta, sums, starts, ptr, rows, bounds, pos, best, held):
         """Cluster by cluster, each task its run of them: every label's int8 estimate for
@@ -327,24 +426,23 @@ def _scan_kernel(estimate):
             my_pos = np.empty((n, keep), np.int64)
             my_best = np.empty((n, keep), np.float32)
             my_held = np.zeros(n, np.int64)
+            est = np.empty(4, np.float32)
             for c in range(bounds[task], bounds[task + 1]):
                 for j in range(ptr[c], ptr[c + 1]):
                     r = rows[j]
-                    m = my_held[r]
-                    row_pos, row_best = my_pos[r], my_best[r]
-                    for i in range(starts[c], starts[c + 1]):
-                        v = estimate(r, i, H, hq, t, z, q, meta, sums)
-                        if v == v:
-                            m = heap_push(v, i, keep, m, row_pos, row_best)
-                    my_held[r] = m
+                    my_held[r] = offer(r, starts[c], starts[c + 1], H, hq, t, z, q, meta, sums,
+                                       my_held[r], my_pos[r], my_best[r], est)
             pos[task] = my_pos
             best[task] = my_best
             held[task] = my_held
     return scan
 
 
-_scan_int8 = _scan_kernel(_estimate_int8)
-_scan_float = _scan_kernel(_estimate_float)
+#: each int8 kind's (and the float fallback's) way of offering a run of labels to a heap
+_OFFERS = {"vnni": _offer_kernel(_estimate_int8, _four_by_one(_estimate_int8)),
+           "avx2": _offer_kernel(_estimate_int8, _estimates4_avx2),
+           None: _offer_kernel(_estimate_float, _four_by_one(_estimate_float))}
+_SCANS = {kind: _scan_kernel(offer) for kind, offer in _OFFERS.items()}
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -377,7 +475,7 @@ def _rescore_row(H, r, W, b, members, top, m, ids, scores):
     heap_sorted(n, k, ids, scores)
 
 
-def _row_kernel(estimate):
+def _row_kernel(offer):
     @njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
     def query_row(H, C, starts, budget, levels, q, meta, sums, W, b, members, keep, T, ids,
                   scores):
@@ -407,13 +505,12 @@ def _row_kernel(estimate):
         for task in prange(T):
             my_pos = np.empty(keep, np.int64)
             my_best = np.empty(keep, np.float32)
+            est = np.empty(4, np.float32)
             n = 0
             for j in range(task, m, T):
                 c = chosen[j]
-                for i in range(starts[c], starts[c + 1]):
-                    v = estimate(0, i, H, hq, scale, zero, q, meta, sums)
-                    if v == v:
-                        n = heap_push(v, i, keep, n, my_pos, my_best)
+                n = offer(0, starts[c], starts[c + 1], H, hq, scale, zero, q, meta, sums, n,
+                          my_pos, my_best, est)
             pos[task], best[task], held[task] = my_pos, my_best, n
         top = np.empty(keep, np.int64)
         top_est = np.empty(keep, np.float32)
@@ -425,8 +522,7 @@ def _row_kernel(estimate):
     return query_row
 
 
-_row_int8 = _row_kernel(_estimate_int8)
-_row_float = _row_kernel(_estimate_float)
+_ROWS = {kind: _row_kernel(offer) for kind, offer in _OFFERS.items()}
 
 
 class LabelClusters:
@@ -521,7 +617,7 @@ class LabelClusters:
         scores = np.empty((n, k), np.float32)
         if n == 1:  # one kernel: a batch's five cost more to start, and BLAS's product packs
             # its operands at every call (docs/serving.md)
-            (_row_float if kind is None else _row_int8)(
+            _ROWS[kind](
                 H, self.centroids, self.starts, self.budget, LEVELS.get(kind, 0), q, meta,
                 self.sums, self.W, self.b, self.members, keep, numba.get_num_threads(), ids,
                 scores)
@@ -537,11 +633,11 @@ class LabelClusters:
             t = np.empty(n, np.float32)
             z = np.empty(n, np.int32)
             _quantize_queries(H, LEVELS[kind], hq, t, z)
-            _scan_int8(H, hq, t, z, q, meta, self.sums, self.starts, ptr, rows, bounds, pos,
-                       best, held)
+            _SCANS[kind](H, hq, t, z, q, meta, self.sums, self.starts, ptr, rows, bounds, pos,
+                         best, held)
         else:
-            _scan_float(H, H[:, :0].astype(np.uint8), np.empty(0, np.float32),
-                        np.empty(0, np.int32), q, meta, self.sums, self.starts, ptr, rows, bounds,
-                        pos, best, held)
+            _SCANS[None](H, H[:, :0].astype(np.uint8), np.empty(0, np.float32),
+                         np.empty(0, np.int32), q, meta, self.sums, self.starts, ptr, rows, bounds,
+                         pos, best, held)
         _rescore(H, self.W, self.b, self.members, pos, best, held, ids, scores)
         return ids, scores
