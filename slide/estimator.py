@@ -340,11 +340,10 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
 
     def _hidden_blocks(self, X, block: int | None = None):
         """Yields ``(lo, hi, h)``: the last hidden layer of rows lo..hi of the (checked, raw)
-        CSR ``X``, block by block (about 64 MB of scores a block by default)."""
+        CSR ``X``, block by block (about 64 MB of scores a block by default), on the threads
+        that ``_require_current`` set."""
         Xp = self.preprocess(X)
         block = block or max(1, min(4096, (1 << 24) // self.n_outputs_))
-        # the model's threads, a single row's query too: each kernel splits the work
-        self._query_threads()
         n = Xp.shape[0]
         for lo in range(0, n, block):
             hi = min(lo + block, n)
