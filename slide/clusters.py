@@ -447,23 +447,23 @@ _SCANS = {kind: _scan_kernel(offer) for kind, offer in _OFFERS.items()}
 
 @njit(cache=True, nogil=True, parallel=True)
 def _rescore(H, W, b, members, pos, best, held, ids, scores):
-    """Each row's top-k (:func:`_rescore_row`)."""
+    """Each row's top-k (``ids``: W's rows), in float32, of the ``keep`` best estimates its
+    tasks' heaps hold."""
+    tasks, _, keep = pos.shape
     for r in prange(H.shape[0]):
-        _rescore_row(H, r, W, b, members, pos, best, held, ids[r], scores[r])
+        top = np.empty(keep, np.int64)
+        top_est = np.empty(keep, np.float32)
+        m = 0
+        for task in range(tasks):
+            for j in range(held[task, r]):
+                m = heap_push(best[task, r, j], pos[task, r, j], keep, m, top, top_est)
+        _rescore_row(H, r, W, b, members, top, m, ids[r], scores[r])
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rescore_row(H, r, W, b, members, pos, best, held, ids, scores):
-    """Row ``r``'s top-k into ``ids``, ``scores`` [k] (``ids``: W's rows), in float32, of the
-    ``keep`` best estimates its tasks' heaps (``pos``, ``best`` [tasks, n, keep], ``held``
-    [tasks, n]) hold."""
-    tasks, _, keep = pos.shape
-    top = np.empty(keep, np.int64)
-    top_est = np.empty(keep, np.float32)
-    m = 0
-    for task in range(tasks):
-        for j in range(held[task, r]):
-            m = heap_push(best[task, r, j], pos[task, r, j], keep, m, top, top_est)
+def _rescore_row(H, r, W, b, members, top, m, ids, scores):
+    """Row ``r``'s top-k into ``ids``, ``scores`` [k], in float32, of the label positions
+    ``top[:m]``."""
     d = H.shape[1]
     k = ids.size
     for j in range(m):  # the rows are scattered through the layer: asked for ahead
@@ -499,9 +499,9 @@ def _row_kernel(offer):
         zero = np.zeros(1, np.int32)
         if levels:
             _quantize_row(H, 0, levels, hq, scale, zero)
-        pos = np.empty((T, 1, keep), np.int64)
-        best = np.empty((T, 1, keep), np.float32)
-        held = np.zeros((T, 1), np.int64)
+        pos = np.empty((T, keep), np.int64)
+        best = np.empty((T, keep), np.float32)
+        held = np.zeros(T, np.int64)
         for task in prange(T):
             my_pos = np.empty(keep, np.int64)
             my_best = np.empty(keep, np.float32)
@@ -511,8 +511,14 @@ def _row_kernel(offer):
                 c = chosen[j]
                 n = offer(0, starts[c], starts[c + 1], H, hq, scale, zero, q, meta, sums, n,
                           my_pos, my_best, est)
-            pos[task, 0], best[task, 0], held[task, 0] = my_pos, my_best, n
-        _rescore_row(H, 0, W, b, members, pos, best, held, ids[0], scores[0])
+            pos[task], best[task], held[task] = my_pos, my_best, n
+        top = np.empty(keep, np.int64)
+        top_est = np.empty(keep, np.float32)
+        n = 0
+        for task in range(T):
+            for j in range(held[task]):
+                n = heap_push(best[task, j], pos[task, j], keep, n, top, top_est)
+        _rescore_row(H, 0, W, b, members, top, n, ids[0], scores[0])
     return query_row
 
 
