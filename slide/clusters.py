@@ -1,14 +1,15 @@
 """The engine's own index for ``mode="ann"``: the label vectors ``[w, b]`` cut into k-means
-clusters (an inverted file), the layer copied to int8 in cluster order. A query scores every
-cluster's centroid with ``[h, 1]``, takes the labels of the best clusters until they hold its
-budget of candidates, estimates their scores from the int8 copy (the CPU's int8 dot product:
-AVX-512 VNNI, else AVX2, else float32) and rescores the best estimates in float32.
+clusters (an inverted file), each label in its two nearest clusters, the layer copied to int8
+in cluster order. A query scores every cluster's centroid with ``[h, 1]``, takes the entries of
+the best clusters until they hold its budget, estimates their scores from the int8 copy (AVX2's
+int8 products, eight labels to a register, or a loop with the same sums) and rescores the best
+estimates in float32.
 
 Where LSH's tables find a label only when a random projection agrees, the centroids are the
-layer's own summary: on git_openstack, a tenth of the labels taken this way holds 0.957 of the
-exact top-10. A batch's centroid scores are one product, and its candidates are scored cluster
-by cluster while each cluster's rows are in cache, so batches gain as much as single rows
-(docs/serving.md).
+layer's own summary: on git_openstack, a twentieth of the entries taken this way holds 0.98 of
+the exact top-10. A batch's centroid scores are one product, and its candidates are scored
+cluster by cluster while each cluster's rows are in cache, so batches gain as much as single
+rows (docs/serving.md).
 """
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ from numba.extending import intrinsic
 
 from slide.blas import gemm
 from slide.metrics import heap_push, heap_sorted
-from slide.runtime import blas_threads, configure_threading, prefetch
-from slide.screen import (BIAS, SCALE, dot_int8, has_int8_dot, quantize_labels, query_range,
-                          target_has)
+from slide.runtime import aligned_empty, blas_threads, configure_threading, prefetch
+from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
 from slide.vecmath import REASSOC, dot
 
 __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT"]
@@ -35,8 +35,9 @@ __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT
 #: clusters per square root of the labels (a power of two near it): small clusters rank
 #: candidates finely, and their centroids still cost a few percent of the labels
 CLUSTERS_PER_ROOT = 8
-#: the share of the labels scored a query by default: 0.95 of the exact top-10 on git_openstack
-DEFAULT_PROBE = 0.1
+#: the share of the entries (two a label) scored a query by default: 0.98 of the exact top-10
+#: on git_openstack
+DEFAULT_PROBE = 0.05
 #: candidates rescored in float32 a row, per label asked for: the int8 estimates rank them
 #: (on git_openstack, k + 2 found what 3k did)
 KEEP_PER_K = 1.5
@@ -56,9 +57,9 @@ def cluster_count(n: int) -> int:
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
 def _nearest(V, C, half_norms, tasks, block, out):
-    """The nearest centroid of each row of ``V`` into ``out``: argmax of v·c - |c|²/2, a block of
-    rows at a time on each of ``tasks`` threads (one single-threaded BLAS product a block, its
-    scores still in cache for the argmax)."""
+    """The ``out.shape[1]`` nearest centroids of each row of ``V``, nearest first, into ``out``
+    [n, m]: argmax of v·c - |c|²/2, a block of rows at a time on each of ``tasks`` threads
+    (one single-threaded BLAS product a block, its scores still in cache for the argmax)."""
     n = V.shape[0]
     n_blocks = (n + block - 1) // block
     for task in prange(tasks):
@@ -67,15 +68,17 @@ def _nearest(V, C, half_norms, tasks, block, out):
             lo, hi = blk * block, min(n, (blk + 1) * block)
             gemm(V[lo:hi], False, C, True, P[:hi - lo], 0.0)
             for i in range(hi - lo):
-                # the row's max first (a reduction that vectorises, where a running argmax
-                # does not), then where it is
-                best = -np.inf
-                for c in range(C.shape[0]):
-                    best = max(best, P[i, c] - half_norms[c])
-                for c in range(C.shape[0]):
-                    if P[i, c] - half_norms[c] == best:
-                        out[lo + i] = c
-                        break
+                for j in range(out.shape[1]):
+                    # the row's max first (a reduction that vectorises, where a running
+                    # argmax does not), then where it is; the one found is out of the next
+                    best = -np.inf
+                    for c in range(C.shape[0]):
+                        best = max(best, P[i, c] - half_norms[c])
+                    for c in range(C.shape[0]):
+                        if P[i, c] - half_norms[c] == best:
+                            out[lo + i, j] = c
+                            P[i, c] = -np.inf
+                            break
 
 
 @njit(cache=True, nogil=True)
@@ -95,9 +98,9 @@ def _means(V, assign, C):
                 C[c, j] = sums[c, j] / counts[c]
 
 
-def _assign(V, C, threads: int) -> np.ndarray:
-    """The nearest centroid of each row of ``V``, int64 [n]."""
-    out = np.zeros(V.shape[0], np.int64)
+def _assign(V, C, threads: int, nearest: int = 1) -> np.ndarray:
+    """The ``nearest`` nearest centroids of each row of ``V``, int64 [n, nearest]."""
+    out = np.zeros((V.shape[0], min(nearest, C.shape[0])), np.int64)
     half = 0.5 * np.einsum("ij,ij->i", C, C)
     block = max(1, _BLOCK_BYTES // (4 * C.shape[0]))
     # BLAS's own threads would spin after each product and take the cores from numba's
@@ -106,11 +109,13 @@ def _assign(V, C, threads: int) -> np.ndarray:
     return out
 
 
-def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None):
+def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, nearest: int = 1):
     """Lloyd's k-means of the rows of ``V`` float32 [n, d]: ``(centroids [n_clusters, d],
-    assignment int64 [n])``, ``ITERATIONS`` steps over a sample of ``SAMPLE_PER_CLUSTER`` rows
-    per cluster from ``n_clusters`` distinct rows of it, or ``WARM_ITERATIONS`` from the
-    centroids ``start`` (the last index's, the weights having moved since)."""
+    assignment int64 [n, nearest])``, each row's ``nearest`` nearest centroids, nearest first
+    (fewer where there are fewer clusters); ``ITERATIONS`` steps over a sample of
+    ``SAMPLE_PER_CLUSTER`` rows per cluster from ``n_clusters`` distinct rows of it, or
+    ``WARM_ITERATIONS`` from the centroids ``start`` (the last index's, the weights having
+    moved since)."""
     rng = np.random.default_rng(seed)
     n = V.shape[0]
     sample = V if n <= SAMPLE_PER_CLUSTER * n_clusters else \
@@ -121,8 +126,8 @@ def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None):
         C = np.array(sample[rng.choice(sample.shape[0], n_clusters, replace=False)], np.float32)
         steps = ITERATIONS
     for _ in range(steps):
-        _means(sample, _assign(sample, C, threads), C)
-    return C, _assign(V, C, threads)
+        _means(sample, _assign(sample, C, threads)[:, 0], C)
+    return C, _assign(V, C, threads, nearest)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -142,11 +147,11 @@ _BINS = 256
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _choose(row, starts, budget, chosen):
+def _choose(row, sizes, budget, chosen):
     """One row's best clusters by its centroid scores ``row``, whole, until they hold ``budget``
-    labels, into ``chosen``; returns how many. Those of the score bins above the one where
-    the budget runs out, then that bin's in cluster order: two passes over the scores, where
-    sorting them took longer than scoring the candidates."""
+    entries (``sizes``: each cluster's), into ``chosen``; returns how many. Those of the score
+    bins above the one where the budget runs out, then that bin's in cluster order: two passes
+    over the scores, where sorting them took longer than scoring the candidates."""
     n_clusters = row.size
     lo, hi = np.inf, -np.inf
     for c in range(n_clusters):
@@ -156,7 +161,7 @@ def _choose(row, starts, budget, chosen):
     labels = np.zeros(_BINS, np.int64)  # the labels of the clusters in each bin
     for c in range(n_clusters):
         bins[c] = int((hi - row[c]) * scale)
-        labels[bins[c]] += starts[c + 1] - starts[c]
+        labels[bins[c]] += sizes[c]
     last, held = 0, labels[0]  # the bin where the budget runs out
     while held < budget and last + 1 < _BINS:
         last += 1
@@ -167,15 +172,15 @@ def _choose(row, starts, budget, chosen):
             if (bins[c] < last) if whole else (bins[c] == last and held < budget):
                 chosen[m] = c
                 m += 1
-                held += starts[c + 1] - starts[c]
+                held += sizes[c]
     return m
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gather(coarse, starts, budget, chosen, n_chosen):
+def _gather(coarse, sizes, budget, chosen, n_chosen):
     """Each row's clusters (:func:`_choose`) by its ``coarse`` scores."""
     for r in prange(coarse.shape[0]):
-        n_chosen[r] = _choose(coarse[r], starts, budget, chosen[r])
+        n_chosen[r] = _choose(coarse[r], sizes, budget, chosen[r])
 
 
 @njit(cache=True, nogil=True)
@@ -203,103 +208,39 @@ def _by_cluster(chosen, n_chosen, starts, tasks):
     return ptr, rows, bounds
 
 
-#: the int8 rows' depth is padded to a multiple of this: one VNNI instruction's bytes
-_LANE_BYTES = 64
-#: independent accumulators in a row's dot product
-_CHAINS = 4
+#: labels a step of the scan: one AVX2 register of their int32 sums; a cluster's int8 rows
+#: are stored in groups of this many, each group by 4-byte pieces of depth
+GROUP = 8
+#: the query's uint8 levels: AVX2's pairwise sums are int16 and saturate above 2 · 127 · 127,
+#: so the query takes 7 bits
+LEVELS = 127
+#: groups asked for ahead of the scan
+_AHEAD = 2
 
 
 @lru_cache(maxsize=None)
 def int8_kind() -> str | None:
-    """The int8 dot product the target CPU has (:func:`slide.screen.target_has`): ``"vnni"``
-    (AVX-512 VNNI's ``vpdpbusd``, 64 multiply-adds an instruction), ``"avx2"``
-    (``vpmaddubsw`` then ``vpmaddwd``, 32 in two), or None."""
-    return "vnni" if has_int8_dot() else "avx2" if target_has("avx2") else None
-
-
-#: the query's uint8 levels for each: AVX2's pairwise sums are int16 and saturate above
-#: 2 · 127 · 127, so its query takes 7 bits
-LEVELS = {"vnni": 255, "avx2": 127}
+    """The int8 dot product the scan uses on the target CPU (:func:`slide.screen.target_has`):
+    ``"avx2"`` (``vpmaddubsw`` then ``vpmaddwd``; CPUs with AVX-512 have it too), or None
+    (a loop that LLVM vectorises as it can, with the same sums)."""
+    return "avx2" if target_has("avx2") else None
 
 
 @intrinsic
-def _dot_u8s8(typingctx, hq, wq):
-    """``sum_i hq[i] * wq[i]`` in int32 for a uint8 row ``hq`` (at most 127 a byte where the
-    kind is AVX2) and an int8 row ``wq``, both contiguous, of the same length, a multiple of
-    64, by the target's int8 dot product (:func:`int8_kind`; only such targets compile it)."""
-    kind = int8_kind()
-    if kind is None:
-        return None
-    sig = types.int32(hq, wq)
-    width = 16 if kind == "vnni" else 8  # int32 lanes of a register
-    step_bytes = 4 * width
-
-    def codegen(context, builder, signature, args):
-        h = context.make_array(signature.args[0])(context, builder, args[0])
-        w = context.make_array(signature.args[1])(context, builder, args[1])
-        i64, i32, i16, i8 = (ir.IntType(b) for b in (64, 32, 16, 8))
-        acc_t = ir.VectorType(i32, width)
-        total = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(i32, [acc_t]), f"llvm.vector.reduce.add.v{width}i32")
-        if kind == "vnni":
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(acc_t, [acc_t] * 3), "llvm.x86.avx512.vpdpbusd.512")
-            load_t = acc_t
-        else:
-            load_t = ir.VectorType(i8, 32)
-            pairs_t = ir.VectorType(i16, 16)
-            maddubs = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(pairs_t, [load_t, load_t]), "llvm.x86.avx2.pmadd.ub.sw")
-            maddwd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(acc_t, [pairs_t, pairs_t]), "llvm.x86.avx2.pmadd.wd")
-            ones = ir.Constant(pairs_t, [1] * 16)
-        n = cgutils.unpack_tuple(builder, h.shape, 1)[0]
-        chunks = builder.sdiv(n, ir.Constant(i64, step_bytes))
-        # _CHAINS accumulators: one would wait out the instruction's latency at every chunk
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None))
-                for _ in range(_CHAINS)]
-        hp, wp = builder.ptrtoint(h.data, i64), builder.ptrtoint(w.data, i64)
-
-        def step(chunk, acc):
-            off = builder.mul(chunk, ir.Constant(i64, step_bytes))
-            hv = builder.load(builder.inttoptr(builder.add(hp, off), load_t.as_pointer()), align=1)
-            wv = builder.load(builder.inttoptr(builder.add(wp, off), load_t.as_pointer()), align=1)
-            if kind == "vnni":
-                out = builder.call(dpbusd, [builder.load(acc), hv, wv])
-            else:
-                out = builder.add(builder.load(acc),
-                                  builder.call(maddwd, [builder.call(maddubs, [hv, wv]), ones]))
-            builder.store(out, acc)
-
-        rounds = builder.sdiv(chunks, ir.Constant(i64, _CHAINS))
-        with cgutils.for_range(builder, rounds) as loop:
-            for c in range(_CHAINS):
-                step(builder.add(builder.mul(loop.index, ir.Constant(i64, _CHAINS)),
-                                 ir.Constant(i64, c)), accs[c])
-        done = builder.mul(rounds, ir.Constant(i64, _CHAINS))
-        with cgutils.for_range(builder, builder.sub(chunks, done)) as loop:
-            step(builder.add(done, loop.index), accs[0])
-        acc = builder.load(accs[0])
-        for c in range(1, _CHAINS):
-            acc = builder.add(acc, builder.load(accs[c]))
-        return builder.call(total, [acc])
-
-    return sig, codegen
-
-
-@intrinsic
-def _dot4_u8s8(typingctx, hq, wq, i):
-    """``(hq · wq[i], ..., hq · wq[i + 3])`` in int32 for a uint8 row ``hq`` (at most 127 a
-    byte) and the int8 rows i..i+3 of ``wq`` [n, len(hq)] (C-contiguous, len(hq) a multiple of
-    32), on AVX2 (only such targets compile it): the query's bytes loaded once for the four
-    rows, and the four sums reduced together by ``vphaddd``."""
+def _dot8_avx2(typingctx, hq, q, g, out):
+    """``out[u] = sum_i hq[i] * w_u[i]`` in int32 for a uint8 row ``hq`` [D] (at most 127 a
+    byte, D a multiple of 4) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G,
+    GROUP D] (C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at ``q[g, GROUP 4 i + 4 u:...+ 4]``),
+    on AVX2: each lane of one register a label's sum, so that no sum is reduced across
+    lanes; only AVX2 targets compile it."""
     if int8_kind() != "avx2":
         return None
-    sig = types.UniTuple(types.int32, 4)(hq, wq, i)
+    sig = types.void(hq, q, g, out)
 
     def codegen(context, builder, signature, args):
         h = context.make_array(signature.args[0])(context, builder, args[0])
         w = context.make_array(signature.args[1])(context, builder, args[1])
+        o = context.make_array(signature.args[3])(context, builder, args[3])
         i64, i32, i16, i8 = (ir.IntType(b) for b in (64, 32, 16, 8))
         acc_t, load_t, pairs_t = ir.VectorType(i32, 8), ir.VectorType(i8, 32), ir.VectorType(i16, 16)
 
@@ -308,146 +249,150 @@ def _dot4_u8s8(typingctx, hq, wq, i):
                                                   f"llvm.x86.avx2.{name}")
         maddubs = x86("pmadd.ub.sw", pairs_t, load_t, load_t)
         maddwd = x86("pmadd.wd", acc_t, pairs_t, pairs_t)
-        hadd = x86("phadd.d", acc_t, acc_t, acc_t)
         ones = ir.Constant(pairs_t, [1] * 16)
         n = cgutils.unpack_tuple(builder, h.shape, 1)[0]
         stride = cgutils.unpack_tuple(builder, w.strides, 2)[0]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(4)]
         hp = builder.ptrtoint(h.data, i64)
         wp = builder.add(builder.ptrtoint(w.data, i64),
                          builder.mul(context.cast(builder, args[2], signature.args[2], types.int64),
                                      stride))
-        with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, 32))) as loop:
-            off = builder.mul(loop.index, ir.Constant(i64, 32))
-            hv = builder.load(builder.inttoptr(builder.add(hp, off), load_t.as_pointer()), align=1)
-            for u, acc in enumerate(accs):
-                at = builder.add(builder.add(wp, builder.mul(ir.Constant(i64, u), stride)), off)
-                wv = builder.load(builder.inttoptr(at, load_t.as_pointer()), align=1)
-                pairs = builder.call(maddubs, [hv, wv])
-                builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])),
-                              acc)
-        a = [builder.load(acc) for acc in accs]
-        # each 128-bit half: [s0 s1 s2 s3] of its own bytes; the halves added
-        both = builder.call(hadd, [builder.call(hadd, [a[0], a[1]]), builder.call(hadd, [a[2], a[3]])])
-        half = ir.VectorType(i32, 4)
-        total = builder.add(builder.shuffle_vector(both, both, ir.Constant(half, [0, 1, 2, 3])),
-                            builder.shuffle_vector(both, both, ir.Constant(half, [4, 5, 6, 7])))
-        return context.make_tuple(builder, signature.return_type,
-                                  [builder.extract_element(total, ir.Constant(i32, u))
-                                   for u in range(4)])
+        # two accumulators, each over every other piece of depth
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(2)]
+        zeros = ir.Constant(acc_t, None)
+
+        def step(piece, acc):
+            # the query's four bytes at this depth, in every lane
+            at = builder.add(hp, builder.mul(piece, ir.Constant(i64, 4)))
+            four = builder.load(builder.inttoptr(at, i32.as_pointer()), align=1)
+            spread = builder.shuffle_vector(
+                builder.insert_element(zeros, four, ir.Constant(i32, 0)), zeros,
+                ir.Constant(acc_t, [0] * 8))
+            at = builder.add(wp, builder.mul(piece, ir.Constant(i64, 32)))
+            wv = builder.load(builder.inttoptr(at, load_t.as_pointer()), align=1)
+            pairs = builder.call(maddubs, [builder.bitcast(spread, load_t), wv])
+            builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
+
+        pieces = builder.sdiv(n, ir.Constant(i64, 4))
+        with cgutils.for_range(builder, builder.sdiv(pieces, ir.Constant(i64, 2))) as loop:
+            first = builder.mul(loop.index, ir.Constant(i64, 2))
+            step(first, accs[0])
+            step(builder.add(first, ir.Constant(i64, 1)), accs[1])
+        with cgutils.if_unlikely(builder, builder.icmp_signed(
+                "!=", builder.srem(pieces, ir.Constant(i64, 2)), ir.Constant(i64, 0))):
+            step(builder.sub(pieces, ir.Constant(i64, 1)), accs[0])
+        total = builder.add(builder.load(accs[0]), builder.load(accs[1]))
+        builder.store(total, builder.bitcast(o.data, acc_t.as_pointer()), align=4)
+        return context.get_dummy_value()
 
     return sig, codegen
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _dot8_loop(hq, q, g, out):
+    # the same sums as _dot8_avx2's, for CPUs without AVX2
+    for u in range(GROUP):
+        out[u] = 0
+    for i in range(hq.size // 4):
+        for u in range(GROUP):
+            s = out[u]
+            for j in range(4):
+                s += np.int32(hq[4 * i + j]) * np.int32(q[g, GROUP * 4 * i + 4 * u + j])
+            out[u] = s
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _quantize_queries(H, levels, hq, t, z):
+def _quantize_queries(H, hq, t, z):
     """uint8 rows of ``H`` [n, d] into ``hq`` [n, >= d] (zero beyond d), each over its own
-    range [min(0, min h), max(0, max h)] in ``levels`` steps: h ~ t (q - z)."""
+    range [min(0, min h), max(0, max h)] in ``LEVELS`` steps: h ~ t (q - z)."""
     for r in prange(H.shape[0]):
-        _quantize_row(H, r, levels, hq, t, z)
+        _quantize_row(H, r, hq, t, z)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _quantize_row(H, r, levels, hq, t, z):
-    s, zr = query_range(H, r, levels)  # the exact screen's range rule
+def _quantize_row(H, r, hq, t, z):
+    s, zr = query_range(H, r, LEVELS)  # the exact screen's range rule
     for i in range(H.shape[1]):
-        hq[r, i] = zr if s == 0.0 else min(levels, max(0, round(H[r, i] / s) + zr))
+        hq[r, i] = zr if s == 0.0 else min(LEVELS, max(0, round(H[r, i] / s) + zr))
     t[r], z[r] = s, zr
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _estimate_int8(r, i, H, hq, t, z, q, meta, sums):
-    return meta[i, SCALE] * t[r] * np.float32(_dot_u8s8(hq[r], q[i]) - z[r] * sums[i]) + meta[i, BIAS]
+def _push_new(v, j, k, n, ids, scores):
+    """:func:`heap_push`, unless the heap holds ``j`` already: a label in two clusters is
+    offered twice, with the same estimate."""
+    for e in range(n):
+        if ids[e] == j:
+            return n
+    return heap_push(v, j, k, n, ids, scores)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _estimate_float(r, i, H, hq, t, z, q, meta, sums):
-    # where the CPU has no int8 dot product: the float32 query against the int8 row
-    return meta[i, SCALE] * dot_int8(q[i, :H.shape[1]], H[r]) + meta[i, BIAS]
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _estimates4_avx2(r, i, H, hq, t, z, q, meta, sums, out):
-    d = _dot4_u8s8(hq[r], q, i)
-    for u in range(4):
-        out[u] = (meta[i + u, SCALE] * t[r] * np.float32(d[u] - z[r] * sums[i + u]) +
-                  meta[i + u, BIAS])
-
-
-def _four_by_one(estimate):
+def _offer_kernel(dot8):
     @njit(cache=True, nogil=True, inline="always")
-    def estimates4(r, i, H, hq, t, z, q, meta, sums, out):
-        for u in range(4):
-            out[u] = estimate(r, i + u, H, hq, t, z, q, meta, sums)
-    return estimates4
-
-
-def _offer_kernel(estimate, estimates4):
-    @njit(cache=True, nogil=True, inline="always")
-    def offer(r, lo, hi, H, hq, t, z, q, meta, sums, m, pos, best, est):
-        """Row ``r``'s estimates of labels ``lo..hi``, four at a time (``est`` [4] their
-        scratch), offered to its heap (``pos``, ``best``, ``m`` of ``pos.size`` entries) where
-        they beat its least; returns the heap's size. Offered one at a time, each estimate
-        waited on the heap's branches: a batch's scan took 1.6 times as long (docs/serving.md)."""
-        keep = pos.size
+    def offer(r, lo, hi, hq, t, z, q, scale, bias, sums, members, m, ids, best, dots, est, ahead):
+        """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a
+        group at a time (``dots``, ``est`` [GROUP] their scratch), offered as their labels
+        (``members``) to its heap (``ids``, ``best``, ``m`` of ``ids.size`` entries) where
+        they beat its least; returns the heap's size. A group's estimates are tested against
+        the least before any is offered: offered one at a time, each waited on the heap's
+        branches. ``ahead``: groups asked for ahead (0: none, the rows being in cache)."""
+        keep = ids.size
         least = best[0] if m == keep else -np.inf
-        i = lo
-        while i < hi:
-            n = min(4, hi - i)
-            if n == 4:
-                estimates4(r, i, H, hq, t, z, q, meta, sums, est)
-            else:
-                for u in range(n):
-                    est[u] = estimate(r, i + u, H, hq, t, z, q, meta, sums)
+        tr, zr = t[r], z[r]
+        end = hi // GROUP
+        for g in range(lo // GROUP, end):
+            if ahead and g + ahead < end:
+                prefetch(q[g + ahead])
+            dot8(hq[r], q, g, dots)
+            p = g * GROUP
             top = -np.inf  # a NaN estimate is never offered
-            for u in range(n):
-                if est[u] > top:
-                    top = est[u]
+            for u in range(GROUP):
+                e = scale[p + u] * tr * np.float32(dots[u] - zr * sums[p + u]) + bias[p + u]
+                est[u] = e
+                top = e if e > top else top
             if top > least:
-                for u in range(n):
+                for u in range(GROUP):
                     if est[u] > least:
-                        m = heap_push(est[u], i + u, keep, m, pos, best)
+                        m = _push_new(est[u], members[p + u], keep, m, ids, best)
                         least = best[0] if m == keep else -np.inf
-            i += n
         return m
     return offer
 
 
 def _scan_kernel(offer):
     @njit(cache=True, nogil=True, parallel=True)
-    def scan(H, hq, t, z, q, meta, sums, starts, ptr, rows, bounds, pos, best, held):
+    def scan(hq, t, z, q, scale, bias, sums, members, starts, ptr, rows, bounds, pos, best, held):
         """Cluster by cluster, each task its run of them: every label's int8 estimate for
         each row that chose its cluster, offered to the task's heap of ``keep`` for that row
         (a cluster's int8 rows stay in cache while its rows are scored)."""
-        n, keep = H.shape[0], pos.shape[2]
+        n, keep = hq.shape[0], pos.shape[2]
         for task in prange(bounds.size - 1):
             # the task's own heaps: views of the shared arrays would count references to
             # them from both threads at every row of every cluster
             my_pos = np.empty((n, keep), np.int64)
             my_best = np.empty((n, keep), np.float32)
             my_held = np.zeros(n, np.int64)
-            est = np.empty(4, np.float32)
+            dots = np.empty(GROUP, np.int32)
+            est = np.empty(GROUP, np.float32)
             for c in range(bounds[task], bounds[task + 1]):
                 for j in range(ptr[c], ptr[c + 1]):
                     r = rows[j]
-                    my_held[r] = offer(r, starts[c], starts[c + 1], H, hq, t, z, q, meta, sums,
-                                       my_held[r], my_pos[r], my_best[r], est)
+                    my_held[r] = offer(r, starts[c], starts[c + 1], hq, t, z, q, scale, bias,
+                                       sums, members, my_held[r], my_pos[r], my_best[r], dots,
+                                       est, 0)
             pos[task] = my_pos
             best[task] = my_best
             held[task] = my_held
     return scan
 
 
-#: each int8 kind's (and the float fallback's) way of offering a run of labels to a heap
-_OFFERS = {"vnni": _offer_kernel(_estimate_int8, _four_by_one(_estimate_int8)),
-           "avx2": _offer_kernel(_estimate_int8, _estimates4_avx2),
-           None: _offer_kernel(_estimate_float, _four_by_one(_estimate_float))}
+#: each kind's (:func:`int8_kind`) way of offering a run of labels to a heap
+_OFFERS = {"avx2": _offer_kernel(_dot8_avx2), None: _offer_kernel(_dot8_loop)}
 _SCANS = {kind: _scan_kernel(offer) for kind, offer in _OFFERS.items()}
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _rescore(H, W, b, members, pos, best, held, ids, scores):
-    """Each row's top-k (``ids``: W's rows), in float32, of the ``keep`` best estimates its
+def _rescore(H, W, b, pos, best, held, ids, scores):
+    """Each row's top-k (``ids``: W's rows), in float32, of the ``keep`` best labels its
     tasks' heaps hold."""
     tasks, _, keep = pos.shape
     for r in prange(H.shape[0]):
@@ -456,34 +401,32 @@ def _rescore(H, W, b, members, pos, best, held, ids, scores):
         m = 0
         for task in range(tasks):
             for j in range(held[task, r]):
-                m = heap_push(best[task, r, j], pos[task, r, j], keep, m, top, top_est)
-        _rescore_row(H, r, W, b, members, top, m, ids[r], scores[r])
+                m = _push_new(best[task, r, j], pos[task, r, j], keep, m, top, top_est)
+        _rescore_row(H, r, W, b, top, m, ids[r], scores[r])
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rescore_row(H, r, W, b, members, top, m, ids, scores):
-    """Row ``r``'s top-k into ``ids``, ``scores`` [k], in float32, of the label positions
-    ``top[:m]``."""
+def _rescore_row(H, r, W, b, top, m, ids, scores):
+    """Row ``r``'s top-k into ``ids``, ``scores`` [k], in float32, of the labels ``top[:m]``."""
     d = H.shape[1]
     k = ids.size
     for j in range(m):  # the rows are scattered through the layer: asked for ahead
-        prefetch(W[members[top[j]]])
+        prefetch(W[top[j]])
     n = 0
     for j in range(m):
-        row = members[top[j]]
+        row = top[j]
         n = heap_push(b[row] + dot(W[row, :d], H[r]), row, k, n, ids, scores)
     heap_sorted(n, k, ids, scores)
 
 
 def _row_kernel(offer):
     @njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
-    def query_row(H, C, starts, budget, levels, q, meta, sums, W, b, members, keep, T, ids,
-                  scores):
+    def query_row(H, C, starts, sizes, budget, q, scale, bias, sums, members, W, b, keep, T,
+                  ids, scores):
         """The whole query of one row ``H`` [1, d] in one call, into ``ids``, ``scores`` [1,
         k]: its centroid scores against ``C`` [n, d + 1] (biases last), its clusters
-        (:func:`_choose`), their labels' estimates (the query quantized to ``levels`` where
-        the estimate is int8), each of ``T`` threads over every T-th cluster, and the
-        ``keep`` best rescored."""
+        (:func:`_choose`), their labels' estimates, each of ``T`` threads over every T-th
+        cluster, and the ``keep`` best rescored."""
         d = H.shape[1]
         coarse = np.empty(C.shape[0], np.float32)
         for t in prange(T):
@@ -493,56 +436,80 @@ def _row_kernel(offer):
                     s += C[c, i] * H[0, i]
                 coarse[c] = s
         chosen = np.empty(C.shape[0], np.int32)
-        m = _choose(coarse, starts, budget, chosen)
-        hq = np.zeros((1, q.shape[1]), np.uint8)
-        scale = np.zeros(1, np.float32)
+        m = _choose(coarse, sizes, budget, chosen)
+        hq = np.zeros((1, q.shape[1] // GROUP), np.uint8)
+        scale_q = np.zeros(1, np.float32)
         zero = np.zeros(1, np.int32)
-        if levels:
-            _quantize_row(H, 0, levels, hq, scale, zero)
+        _quantize_row(H, 0, hq, scale_q, zero)
         pos = np.empty((T, keep), np.int64)
         best = np.empty((T, keep), np.float32)
         held = np.zeros(T, np.int64)
         for task in prange(T):
             my_pos = np.empty(keep, np.int64)
             my_best = np.empty(keep, np.float32)
-            est = np.empty(4, np.float32)
+            dots = np.empty(GROUP, np.int32)
+            est = np.empty(GROUP, np.float32)
             n = 0
             for j in range(task, m, T):
                 c = chosen[j]
-                n = offer(0, starts[c], starts[c + 1], H, hq, scale, zero, q, meta, sums, n,
-                          my_pos, my_best, est)
+                if j + T < m:  # the next cluster's first groups, asked for ahead
+                    lo, hi = starts[chosen[j + T]], starts[chosen[j + T] + 1]
+                    for g in range(lo // GROUP, min(hi, lo + _AHEAD * GROUP) // GROUP):
+                        prefetch(q[g])
+                n = offer(0, starts[c], starts[c + 1], hq, scale_q, zero, q, scale, bias, sums,
+                          members, n, my_pos, my_best, dots, est, _AHEAD)
             pos[task], best[task], held[task] = my_pos, my_best, n
         top = np.empty(keep, np.int64)
         top_est = np.empty(keep, np.float32)
         n = 0
         for task in range(T):
             for j in range(held[task]):
-                n = heap_push(best[task, j], pos[task, j], keep, n, top, top_est)
-        _rescore_row(H, 0, W, b, members, top, n, ids[0], scores[0])
+                n = _push_new(best[task, j], pos[task, j], keep, n, top, top_est)
+        _rescore_row(H, 0, W, b, top, n, ids[0], scores[0])
     return query_row
 
 
 _ROWS = {kind: _row_kernel(offer) for kind, offer in _OFFERS.items()}
 
 
+def _grouped(q, order, sizes, starts):
+    """``q`` int8 [n, D]'s rows ``order`` (cluster by cluster, ``sizes`` of them in each) laid
+    out for :func:`_dot8_avx2`: each cluster from ``starts`` (its rows padded with zeros to a
+    multiple of ``GROUP``), groups of ``GROUP`` rows by 4-byte pieces of depth, int8 [P /
+    GROUP, GROUP D]; and the place of each of ``order`` in it."""
+    D = q.shape[1]
+    cluster_of = np.repeat(np.arange(sizes.size), sizes)
+    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    place = starts[cluster_of] + np.arange(order.size) - first[cluster_of]
+    flat = np.zeros((starts[-1], D), np.int8)
+    flat[place] = q[order]
+    out = aligned_empty((starts[-1] // GROUP, GROUP * D), np.int8)
+    pieces = flat.reshape(-1, GROUP, D // 4, 4).transpose(0, 2, 1, 3)  # [group, piece, row, 4]
+    out.reshape(-1, D // 4, GROUP, 4)[...] = pieces
+    return out, place
+
+
 class LabelClusters:
     """An inverted file of a layer's label vectors (see the module docstring).
 
     ``clusters``: how many (default :func:`cluster_count` of the layer's rows); ``probe``: the
-    share of the labels a query scores (default ``DEFAULT_PROBE``; more finds more of the exact
-    top-k, slower). Ids are the layer's rows.
+    share of the entries a query scores (default ``DEFAULT_PROBE``; more finds more of the exact
+    top-k, slower); ``spill``: each label in its two nearest clusters, not one (twice the int8
+    copy, and as much of it scored, for recall that one cluster a label needs more to reach,
+    docs/serving.md). Ids are the layer's rows.
     """
 
     backend = "clusters"
 
-    def __init__(self, clusters: int | None = None, probe: float = DEFAULT_PROBE, seed: int = 0):
+    def __init__(self, clusters: int | None = None, probe: float = DEFAULT_PROBE, seed: int = 0,
+                 spill: bool = True):
         if clusters is not None and (isinstance(clusters, bool) or
                                      not isinstance(clusters, (int, np.integer)) or clusters < 1):
             raise ValueError(f"clusters must be a positive integer, got {clusters!r}")
         if isinstance(probe, bool) or not isinstance(probe, numbers.Real) or not 0 < probe <= 1:
             raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
-        self.clusters, self.probe, self.seed = clusters, float(probe), seed
-        self.centroids = self.starts = self.members = None
+        self.clusters, self.probe, self.seed, self.spill = clusters, float(probe), seed, spill
+        self.centroids = self.starts = self.sizes = self.members = None
         self.n = 0
 
     def build(self, W, b, threads: int = 1, start: "LabelClusters | None" = None) -> "LabelClusters":
@@ -553,17 +520,30 @@ class LabelClusters:
         V = np.ascontiguousarray(np.hstack((W, np.asarray(b, np.float32)[:, None])))
         self.n = V.shape[0]
         n_clusters = min(self.n, self.clusters or cluster_count(self.n))
-        C, assign = kmeans(V, n_clusters, self.seed, threads, getattr(start, "centroids", None))
-        self.members = np.argsort(assign, kind="stable").astype(np.int32)
-        self.starts = np.searchsorted(assign[self.members], np.arange(n_clusters + 1)).astype(np.int64)
+        C, assign = kmeans(V, n_clusters, self.seed, threads, getattr(start, "centroids", None),
+                           nearest=2 if self.spill else 1)
         self.centroids = C
-        # the int8 rows in cluster order, so that a cluster's labels are read in one piece,
-        # their depth padded with zeros for VNNI
+        # entry e: label e // copies in cluster assign.flat[e]; the entries by cluster
+        cluster = assign.ravel()
+        order = np.argsort(cluster, kind="stable") // assign.shape[1]
+        self.sizes = np.bincount(cluster, minlength=n_clusters).astype(np.int64)
+        # each cluster's int8 rows in one piece, padded to whole groups (rows that are never
+        # offered: scale 0, bias -inf, member -1), their depth to whole 4-byte pieces
+        self.starts = np.concatenate(([0], np.cumsum(-(-self.sizes // GROUP) * GROUP)))
         d = W.shape[1]
-        padded = np.zeros((self.n, -(-d // _LANE_BYTES) * _LANE_BYTES), np.float32)
-        padded[:, :d] = W[self.members]
-        self.rows = quantize_labels(padded, V[self.members, d])
-        self.sums = self.rows.q.sum(axis=1, dtype=np.int32)
+        depth = -(-d // 4) * 4
+        Wd = W if depth == d else np.hstack((W, np.zeros((self.n, depth - d), np.float32)))
+        rows = quantize_labels(np.ascontiguousarray(Wd), V[:, d])
+        self.q, place = _grouped(rows.q, order, self.sizes, self.starts)
+        entries = self.starts[-1]
+        self.members = np.full(entries, -1, np.int32)
+        self.members[place] = order
+        self.scale = np.zeros(entries, np.float32)
+        self.scale[place] = rows.meta[order, SCALE]
+        self.label_bias = np.full(entries, -np.inf, np.float32)
+        self.label_bias[place] = rows.meta[order, BIAS]
+        self.sums = np.zeros(entries, np.int32)
+        self.sums[place] = rows.q[order].sum(axis=1, dtype=np.int32)
         # the biases as given: a view of V would hold its whole copy of the layer
         self.W, self.b = W, np.ascontiguousarray(b, np.float32)
         return self
@@ -580,15 +560,16 @@ class LabelClusters:
 
     @property
     def budget(self) -> int:
-        """Candidates a query scores."""
-        return max(1, min(self.n, int(round(self.probe * self.n))))
+        """Entries a query scores (a label in two clusters counts twice)."""
+        entries = int(self.sizes.sum())
+        return max(1, min(entries, int(round(self.probe * entries))))
 
     @property
     def nbytes(self) -> int:
         """What the index holds beside the layer: centroids, members, cluster bounds and the
-        int8 copy of the layer in cluster order."""
-        return (self.centroids.nbytes + self.members.nbytes + self.starts.nbytes +
-                self.rows.nbytes + self.sums.nbytes)
+        int8 copy of the layer in cluster order with each row's scale, bias and sum."""
+        return sum(a.nbytes for a in (self.centroids, self.members, self.starts, self.sizes,
+                                      self.q, self.scale, self.label_bias, self.sums))
 
     def chosen(self, H) -> tuple[np.ndarray, np.ndarray]:
         """``(clusters int32 [n, C], counts int64 [n])``: the clusters each row of ``H`` [n,
@@ -601,7 +582,7 @@ class LabelClusters:
             _coarse(H, self.weights, self.bias, min(numba.get_num_threads(), n_clusters), coarse)
         chosen = np.empty((H.shape[0], n_clusters), np.int32)
         counts = np.empty(H.shape[0], np.int64)
-        _gather(coarse, self.starts, self.budget, chosen, counts)
+        _gather(coarse, self.sizes, self.budget, chosen, counts)
         return chosen, counts
 
     def query(self, H, k: int, threads: int = 1, keep: int | None = None):
@@ -611,16 +592,14 @@ class LabelClusters:
         H = np.ascontiguousarray(H, np.float32)
         n = H.shape[0]
         keep = max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
-        q, meta = self.rows.q, self.rows.meta
         kind = int8_kind()
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
+        estimates = self.q, self.scale, self.label_bias, self.sums
         if n == 1:  # one kernel: a batch's five cost more to start, and BLAS's product packs
             # its operands at every call (docs/serving.md)
-            _ROWS[kind](
-                H, self.centroids, self.starts, self.budget, LEVELS.get(kind, 0), q, meta,
-                self.sums, self.W, self.b, self.members, keep, numba.get_num_threads(), ids,
-                scores)
+            _ROWS[kind](H, self.centroids, self.starts, self.sizes, self.budget, *estimates,
+                        self.members, self.W, self.b, keep, numba.get_num_threads(), ids, scores)
             return ids, scores
         chosen, counts = self.chosen(H)
         tasks = numba.get_num_threads()
@@ -628,16 +607,11 @@ class LabelClusters:
         pos = np.empty((tasks, n, keep), np.int64)
         best = np.empty((tasks, n, keep), np.float32)
         held = np.empty((tasks, n), np.int64)
-        if kind is not None:
-            hq = np.zeros((n, q.shape[1]), np.uint8)
-            t = np.empty(n, np.float32)
-            z = np.empty(n, np.int32)
-            _quantize_queries(H, LEVELS[kind], hq, t, z)
-            _SCANS[kind](H, hq, t, z, q, meta, self.sums, self.starts, ptr, rows, bounds, pos,
-                         best, held)
-        else:
-            _SCANS[None](H, H[:, :0].astype(np.uint8), np.empty(0, np.float32),
-                         np.empty(0, np.int32), q, meta, self.sums, self.starts, ptr, rows, bounds,
-                         pos, best, held)
-        _rescore(H, self.W, self.b, self.members, pos, best, held, ids, scores)
+        hq = np.zeros((n, self.q.shape[1] // GROUP), np.uint8)
+        t = np.empty(n, np.float32)
+        z = np.empty(n, np.int32)
+        _quantize_queries(H, hq, t, z)
+        _SCANS[kind](hq, t, z, *estimates, self.members, self.starts, ptr, rows, bounds, pos,
+                     best, held)
+        _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores
