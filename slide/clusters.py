@@ -1,15 +1,14 @@
 """The engine's own index for ``mode="ann"``: the label vectors ``[w, b]`` cut into k-means
 clusters (an inverted file), each label in its two nearest clusters, the layer copied to int8
-in cluster order. A query scores every cluster's centroid with ``[h, 1]``, takes the entries of
-the best clusters until they hold its budget, estimates their scores from the int8 copy (AVX2's
-int8 products, eight labels to a register, or a loop with the same sums) and rescores the best
-estimates in float32.
+in cluster order. A query estimates every cluster's centroid score with ``[h, 1]`` from the
+centroids' own int8 copy, takes the entries of the best clusters until they hold its budget,
+estimates their scores from the layer's int8 copy (AVX2's int8 products, eight labels to a
+register, or a loop with the same sums) and rescores the best estimates in float32.
 
 Where LSH's tables find a label only when a random projection agrees, the centroids are the
 layer's own summary: on git_openstack, a twentieth of the entries taken this way holds 0.98 of
-the exact top-10. A batch's centroid scores are one product, and its candidates are scored
-cluster by cluster while each cluster's rows are in cache, so batches gain as much as single
-rows (docs/serving.md).
+the exact top-10. A batch's candidates are scored cluster by cluster while each cluster's rows
+are in cache, so batches gain as much as single rows (docs/serving.md).
 """
 from __future__ import annotations
 
@@ -130,18 +129,6 @@ def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, near
     return C, _assign(V, C, threads, nearest)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _coarse(H, C, c, T, out):
-    """``out = H @ C.T + c``: a single-threaded BLAS product on each of ``T`` threads, over its
-    block of clusters."""
-    for t in prange(T):
-        lo, hi = t * C.shape[0] // T, (t + 1) * C.shape[0] // T
-        gemm(H, False, C[lo:hi], True, out[:, lo:hi], 0.0)
-        for r in range(H.shape[0]):
-            for j in range(lo, hi):
-                out[r, j] += c[j]
-
-
 #: bins of a row's centroid scores for choosing its clusters
 _BINS = 256
 
@@ -174,13 +161,6 @@ def _choose(row, sizes, budget, chosen):
                 m += 1
                 held += sizes[c]
     return m
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _gather(coarse, sizes, budget, chosen, n_chosen):
-    """Each row's clusters (:func:`_choose`) by its ``coarse`` scores."""
-    for r in prange(coarse.shape[0]):
-        n_chosen[r] = _choose(coarse[r], sizes, budget, chosen[r])
 
 
 @njit(cache=True, nogil=True)
@@ -385,9 +365,37 @@ def _scan_kernel(offer):
     return scan
 
 
+def _centroids_kernel(dot8):
+    @njit(cache=True, nogil=True, inline="always")
+    def centroid_scores(r, lo, hi, hq, t, z, cq, cscale, cbias, csums, dots, out):
+        """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the int8 copy
+        ``cq`` into ``out`` [C] (the groups' padding left out)."""
+        tr, zr = t[r], z[r]
+        for g in range(lo, hi):
+            dot8(hq[r], cq, g, dots)
+            for u in range(min(GROUP, out.size - g * GROUP)):
+                c = g * GROUP + u
+                out[c] = cscale[c] * tr * np.float32(dots[u] - zr * csums[c]) + cbias[c]
+    return centroid_scores
+
+
+def _choice_kernel(centroid_scores):
+    @njit(cache=True, nogil=True, parallel=True)
+    def choose_clusters(hq, t, z, cq, cscale, cbias, csums, sizes, budget, chosen, n_chosen):
+        """Each row's clusters (:func:`_choose`) by its centroids' int8 estimates."""
+        for r in prange(hq.shape[0]):
+            coarse = np.empty(sizes.size, np.float32)
+            dots = np.empty(GROUP, np.int32)
+            centroid_scores(r, 0, cq.shape[0], hq, t, z, cq, cscale, cbias, csums, dots, coarse)
+            n_chosen[r] = _choose(coarse, sizes, budget, chosen[r])
+    return choose_clusters
+
+
 #: each kind's (:func:`int8_kind`) way of offering a run of labels to a heap
 _OFFERS = {"avx2": _offer_kernel(_dot8_avx2), None: _offer_kernel(_dot8_loop)}
 _SCANS = {kind: _scan_kernel(offer) for kind, offer in _OFFERS.items()}
+_CENTROIDS = {"avx2": _centroids_kernel(_dot8_avx2), None: _centroids_kernel(_dot8_loop)}
+_CHOICES = {kind: _choice_kernel(scores) for kind, scores in _CENTROIDS.items()}
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -419,28 +427,26 @@ def _rescore_row(H, r, W, b, top, m, ids, scores):
     heap_sorted(n, k, ids, scores)
 
 
-def _row_kernel(offer):
-    @njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
-    def query_row(H, C, starts, sizes, budget, q, scale, bias, sums, members, W, b, keep, T,
-                  ids, scores):
+def _row_kernel(offer, centroid_scores):
+    @njit(cache=True, nogil=True, parallel=True)
+    def query_row(H, cq, cscale, cbias, csums, starts, sizes, budget, q, scale, bias, sums,
+                  members, W, b, keep, T, ids, scores):
         """The whole query of one row ``H`` [1, d] in one call, into ``ids``, ``scores`` [1,
-        k]: its centroid scores against ``C`` [n, d + 1] (biases last), its clusters
-        (:func:`_choose`), their labels' estimates, each of ``T`` threads over every T-th
-        cluster, and the ``keep`` best rescored."""
-        d = H.shape[1]
-        coarse = np.empty(C.shape[0], np.float32)
-        for t in prange(T):
-            for c in range(t * C.shape[0] // T, (t + 1) * C.shape[0] // T):
-                s = C[c, d]
-                for i in range(d):
-                    s += C[c, i] * H[0, i]
-                coarse[c] = s
-        chosen = np.empty(C.shape[0], np.int32)
-        m = _choose(coarse, sizes, budget, chosen)
+        k]: the query quantized, its centroids' estimates (``cq``, ...: their int8 copy, each
+        of ``T`` threads over its block of groups), its clusters (:func:`_choose`), their
+        labels' estimates, each thread over every T-th cluster, and the ``keep`` best
+        rescored."""
         hq = np.zeros((1, q.shape[1] // GROUP), np.uint8)
         scale_q = np.zeros(1, np.float32)
         zero = np.zeros(1, np.int32)
         _quantize_row(H, 0, hq, scale_q, zero)
+        coarse = np.empty(sizes.size, np.float32)
+        for t in prange(T):
+            dots = np.empty(GROUP, np.int32)
+            centroid_scores(0, t * cq.shape[0] // T, (t + 1) * cq.shape[0] // T, hq, scale_q,
+                            zero, cq, cscale, cbias, csums, dots, coarse)
+        chosen = np.empty(sizes.size, np.int32)
+        m = _choose(coarse, sizes, budget, chosen)
         pos = np.empty((T, keep), np.int64)
         best = np.empty((T, keep), np.float32)
         held = np.zeros(T, np.int64)
@@ -469,7 +475,27 @@ def _row_kernel(offer):
     return query_row
 
 
-_ROWS = {kind: _row_kernel(offer) for kind, offer in _OFFERS.items()}
+_ROWS = {kind: _row_kernel(_OFFERS[kind], _CENTROIDS[kind]) for kind in _OFFERS}
+
+
+def _int8_copy(V, order, sizes, starts):
+    """The int8 copy of the rows ``order`` of ``V`` [n, d + 1] (weights, bias last) laid out
+    by :func:`_grouped`, with each place's scale, bias and int8 sum (padding: 0, -inf, 0),
+    and where each of ``order`` went: ``(q, scale, bias, sums, place)``."""
+    d = V.shape[1] - 1
+    depth = -(-d // 4) * 4
+    W = np.zeros((V.shape[0], depth), np.float32)
+    W[:, :d] = V[:, :d]
+    rows = quantize_labels(W, np.ascontiguousarray(V[:, d]))
+    q, place = _grouped(rows.q, order, sizes, starts)
+    entries = starts[-1]
+    scale = np.zeros(entries, np.float32)
+    scale[place] = rows.meta[order, SCALE]
+    bias = np.full(entries, -np.inf, np.float32)
+    bias[place] = rows.meta[order, BIAS]
+    sums = np.zeros(entries, np.int32)
+    sums[place] = rows.q[order].sum(axis=1, dtype=np.int32)
+    return q, scale, bias, sums, place
 
 
 def _grouped(q, order, sizes, starts):
@@ -530,20 +556,14 @@ class LabelClusters:
         # each cluster's int8 rows in one piece, padded to whole groups (rows that are never
         # offered: scale 0, bias -inf, member -1), their depth to whole 4-byte pieces
         self.starts = np.concatenate(([0], np.cumsum(-(-self.sizes // GROUP) * GROUP)))
-        d = W.shape[1]
-        depth = -(-d // 4) * 4
-        Wd = W if depth == d else np.hstack((W, np.zeros((self.n, depth - d), np.float32)))
-        rows = quantize_labels(np.ascontiguousarray(Wd), V[:, d])
-        self.q, place = _grouped(rows.q, order, self.sizes, self.starts)
-        entries = self.starts[-1]
-        self.members = np.full(entries, -1, np.int32)
+        self.q, self.scale, self.label_bias, self.sums, place = _int8_copy(V, order, self.sizes,
+                                                                           self.starts)
+        self.members = np.full(self.starts[-1], -1, np.int32)
         self.members[place] = order
-        self.scale = np.zeros(entries, np.float32)
-        self.scale[place] = rows.meta[order, SCALE]
-        self.label_bias = np.full(entries, -np.inf, np.float32)
-        self.label_bias[place] = rows.meta[order, BIAS]
-        self.sums = np.zeros(entries, np.int32)
-        self.sums[place] = rows.q[order].sum(axis=1, dtype=np.int32)
+        # the centroids' own int8 copy, in one run of groups: a row's pass over them reads a
+        # quarter of their float32 bytes, and a row alone chooses as in a batch
+        self.coarse = _int8_copy(C, np.arange(n_clusters), np.array([n_clusters]),
+                                 np.array([0, -(-n_clusters // GROUP) * GROUP]))[:4]
         # the biases as given: a view of V would hold its whole copy of the layer
         self.W, self.b = W, np.ascontiguousarray(b, np.float32)
         return self
@@ -569,20 +589,28 @@ class LabelClusters:
         """What the index holds beside the layer: centroids, members, cluster bounds and the
         int8 copy of the layer in cluster order with each row's scale, bias and sum."""
         return sum(a.nbytes for a in (self.centroids, self.members, self.starts, self.sizes,
-                                      self.q, self.scale, self.label_bias, self.sums))
+                                      self.q, self.scale, self.label_bias, self.sums,
+                                      *self.coarse))
 
     def chosen(self, H) -> tuple[np.ndarray, np.ndarray]:
         """``(clusters int32 [n, C], counts int64 [n])``: the clusters each row of ``H`` [n,
         hidden] scores, the first ``counts[r]`` of its row."""
+        return self._chosen(*self._quantized(H))
+
+    def _quantized(self, H):
         H = np.ascontiguousarray(H, np.float32)
-        n_clusters = self.weights.shape[0]
-        coarse = np.empty((H.shape[0], n_clusters), np.float32)
-        # BLAS's own threads would spin after the product and take the cores from numba's
-        with blas_threads(1):
-            _coarse(H, self.weights, self.bias, min(numba.get_num_threads(), n_clusters), coarse)
-        chosen = np.empty((H.shape[0], n_clusters), np.int32)
-        counts = np.empty(H.shape[0], np.int64)
-        _gather(coarse, self.sizes, self.budget, chosen, counts)
+        n = H.shape[0]
+        hq = np.zeros((n, self.q.shape[1] // GROUP), np.uint8)
+        t = np.empty(n, np.float32)
+        z = np.empty(n, np.int32)
+        _quantize_queries(H, hq, t, z)
+        return hq, t, z
+
+    def _chosen(self, hq, t, z):
+        n, n_clusters = hq.shape[0], self.sizes.size
+        chosen = np.empty((n, n_clusters), np.int32)
+        counts = np.empty(n, np.int64)
+        _CHOICES[int8_kind()](hq, t, z, *self.coarse, self.sizes, self.budget, chosen, counts)
         return chosen, counts
 
     def query(self, H, k: int, threads: int = 1, keep: int | None = None):
@@ -596,21 +624,17 @@ class LabelClusters:
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
         estimates = self.q, self.scale, self.label_bias, self.sums
-        if n == 1:  # one kernel: a batch's five cost more to start, and BLAS's product packs
-            # its operands at every call (docs/serving.md)
-            _ROWS[kind](H, self.centroids, self.starts, self.sizes, self.budget, *estimates,
+        if n == 1:  # one kernel: a batch's five cost more to start (docs/serving.md)
+            _ROWS[kind](H, *self.coarse, self.starts, self.sizes, self.budget, *estimates,
                         self.members, self.W, self.b, keep, numba.get_num_threads(), ids, scores)
             return ids, scores
-        chosen, counts = self.chosen(H)
+        hq, t, z = self._quantized(H)
+        chosen, counts = self._chosen(hq, t, z)
         tasks = numba.get_num_threads()
         ptr, rows, bounds = _by_cluster(chosen, counts, self.starts, tasks)
         pos = np.empty((tasks, n, keep), np.int64)
         best = np.empty((tasks, n, keep), np.float32)
         held = np.empty((tasks, n), np.int64)
-        hq = np.zeros((n, self.q.shape[1] // GROUP), np.uint8)
-        t = np.empty(n, np.float32)
-        z = np.empty(n, np.int32)
-        _quantize_queries(H, hq, t, z)
         _SCANS[kind](hq, t, z, *estimates, self.members, self.starts, ptr, rows, bounds, pos,
                      best, held)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
