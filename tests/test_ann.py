@@ -188,6 +188,16 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
         assert coarse[others].max() <= coarse[mine].min() + bin_width * 1.001
 
 
+def test_one_cluster_a_label_when_not_spilled():
+    W, b, H = _layer()
+    index = LabelClusters(probe=1.0, spill=False).build(W, b)
+    real = index.members >= 0
+    assert sorted(index.members[real].tolist()) == list(range(3000)) and index.sizes.sum() == 3000
+    exact = np.argsort(-(H[:40] @ W.T + b), axis=1, kind="stable")[:, :10]
+    for rows in (index.query(H[:40], 10, keep=3000)[0], _single_rows(index, H[:40], keep=3000)[0]):
+        np.testing.assert_array_equal(rows, exact)
+
+
 def test_a_row_alone_scores_the_candidates_it_would_in_a_batch():
     """Every label of a row's clusters (:meth:`LabelClusters.chosen`) is a candidate, whether
     the row comes alone or in a batch: with every estimate rescored, its top-50 is the exact
