@@ -145,7 +145,7 @@ def _choose(row, sizes, budget, chosen):
         lo, hi = min(lo, row[c]), max(hi, row[c])
     scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
     bins = np.empty(n_clusters, np.int64)
-    labels = np.zeros(_BINS, np.int64)  # the labels of the clusters in each bin
+    labels = np.zeros(_BINS, np.int64)  # the entries of the clusters in each bin
     for c in range(n_clusters):
         bins[c] = int((hi - row[c]) * scale)
         labels[bins[c]] += sizes[c]
@@ -306,7 +306,21 @@ def _push_new(v, j, k, n, ids, scores):
     return heap_push(v, j, k, n, ids, scores)
 
 
-def _offer_kernel(dot8):
+def _estimates_kernel(dot8):
+    @njit(cache=True, nogil=True, inline="always")
+    def estimates(r, g, hq, t, z, q, scale, bias, sums, dots, est):
+        """Row ``r``'s estimated scores of the ``GROUP`` int8 rows of group ``g`` of ``q``
+        (with each row's ``scale``, ``bias`` and int8 ``sums``) into ``est``; ``dots``
+        [GROUP] their int32 scratch."""
+        dot8(hq[r], q, g, dots)
+        tr, zr = t[r], z[r]
+        p = g * GROUP
+        for u in range(GROUP):
+            est[u] = scale[p + u] * tr * np.float32(dots[u] - zr * sums[p + u]) + bias[p + u]
+    return estimates
+
+
+def _offer_kernel(estimates):
     @njit(cache=True, nogil=True, inline="always")
     def offer(r, lo, hi, hq, t, z, q, scale, bias, sums, members, m, ids, best, dots, est, ahead):
         """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a
@@ -317,18 +331,15 @@ def _offer_kernel(dot8):
         branches. ``ahead``: groups asked for ahead (0: none, the rows being in cache)."""
         keep = ids.size
         least = best[0] if m == keep else -np.inf
-        tr, zr = t[r], z[r]
         end = hi // GROUP
         for g in range(lo // GROUP, end):
             if ahead and g + ahead < end:
                 prefetch(q[g + ahead])
-            dot8(hq[r], q, g, dots)
+            estimates(r, g, hq, t, z, q, scale, bias, sums, dots, est)
             p = g * GROUP
             top = -np.inf  # a NaN estimate is never offered
             for u in range(GROUP):
-                e = scale[p + u] * tr * np.float32(dots[u] - zr * sums[p + u]) + bias[p + u]
-                est[u] = e
-                top = e if e > top else top
+                top = est[u] if est[u] > top else top
             if top > least:
                 for u in range(GROUP):
                     if est[u] > least:
@@ -365,17 +376,15 @@ def _scan_kernel(offer):
     return scan
 
 
-def _centroids_kernel(dot8):
+def _centroids_kernel(estimates):
     @njit(cache=True, nogil=True, inline="always")
-    def centroid_scores(r, lo, hi, hq, t, z, cq, cscale, cbias, csums, dots, out):
+    def centroid_scores(r, lo, hi, hq, t, z, cq, cscale, cbias, csums, dots, est, out):
         """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the int8 copy
-        ``cq`` into ``out`` [C] (the groups' padding left out)."""
-        tr, zr = t[r], z[r]
+        ``cq`` into ``out`` [C] (the groups' padding left out; ``est`` [GROUP] scratch)."""
         for g in range(lo, hi):
-            dot8(hq[r], cq, g, dots)
+            estimates(r, g, hq, t, z, cq, cscale, cbias, csums, dots, est)
             for u in range(min(GROUP, out.size - g * GROUP)):
-                c = g * GROUP + u
-                out[c] = cscale[c] * tr * np.float32(dots[u] - zr * csums[c]) + cbias[c]
+                out[g * GROUP + u] = est[u]
     return centroid_scores
 
 
@@ -386,15 +395,18 @@ def _choice_kernel(centroid_scores):
         for r in prange(hq.shape[0]):
             coarse = np.empty(sizes.size, np.float32)
             dots = np.empty(GROUP, np.int32)
-            centroid_scores(r, 0, cq.shape[0], hq, t, z, cq, cscale, cbias, csums, dots, coarse)
+            est = np.empty(GROUP, np.float32)
+            centroid_scores(r, 0, cq.shape[0], hq, t, z, cq, cscale, cbias, csums, dots, est,
+                            coarse)
             n_chosen[r] = _choose(coarse, sizes, budget, chosen[r])
     return choose_clusters
 
 
-#: each kind's (:func:`int8_kind`) way of offering a run of labels to a heap
-_OFFERS = {"avx2": _offer_kernel(_dot8_avx2), None: _offer_kernel(_dot8_loop)}
+#: each kind's (:func:`int8_kind`) estimates of a group of rows, and the kernels over them
+_ESTIMATES = {"avx2": _estimates_kernel(_dot8_avx2), None: _estimates_kernel(_dot8_loop)}
+_OFFERS = {kind: _offer_kernel(estimates) for kind, estimates in _ESTIMATES.items()}
 _SCANS = {kind: _scan_kernel(offer) for kind, offer in _OFFERS.items()}
-_CENTROIDS = {"avx2": _centroids_kernel(_dot8_avx2), None: _centroids_kernel(_dot8_loop)}
+_CENTROIDS = {kind: _centroids_kernel(estimates) for kind, estimates in _ESTIMATES.items()}
 _CHOICES = {kind: _choice_kernel(scores) for kind, scores in _CENTROIDS.items()}
 
 
@@ -443,8 +455,9 @@ def _row_kernel(offer, centroid_scores):
         coarse = np.empty(sizes.size, np.float32)
         for t in prange(T):
             dots = np.empty(GROUP, np.int32)
+            est = np.empty(GROUP, np.float32)
             centroid_scores(0, t * cq.shape[0] // T, (t + 1) * cq.shape[0] // T, hq, scale_q,
-                            zero, cq, cscale, cbias, csums, dots, coarse)
+                            zero, cq, cscale, cbias, csums, dots, est, coarse)
         chosen = np.empty(sizes.size, np.int32)
         m = _choose(coarse, sizes, budget, chosen)
         pos = np.empty((T, keep), np.int64)

@@ -529,7 +529,8 @@ def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = No
         raise DataFormatError(f"{where}: Complex data not supported (X has dtype {X.dtype})")
     if X.dtype.kind not in "biuf":
         raise DataFormatError(f"{where}: X must hold real numbers, got dtype {X.dtype}")
-    if not (type(X) is sp.csr_matrix and X.dtype == np.float32):  # a new wrapper: 20 µs a query
+    # kept as it is where it already is one: a new wrapper would cost every single-row query
+    if not (type(X) is sp.csr_matrix and X.dtype == np.float32):
         X = sp.csr_matrix(X, dtype=np.float32)
     if X.shape[0] == 0:
         raise DataFormatError(f"{where}: X has no samples")

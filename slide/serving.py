@@ -235,7 +235,8 @@ class ServingSettings:
         ``backend="clusters"`` (the default) is the engine's own: k-means clusters of the label
         vectors (output rows with their biases), each label in its two nearest; a query scores
         the ``probe`` share of the entries (two a label) in the clusters whose centroids score
-        best, from an int8 copy, and rescores the best of them in float32. ``clusters``: how many (default 8 √labels, a power of two).
+        best, from an int8 copy, and rescores the best of them in float32. ``clusters``: how
+        many (default 8 √labels, a power of two).
         ``"hnswlib"`` or ``"faiss"``: an HNSW graph from that library (the ``ann`` extra), with
         ``ef`` the query beam and ``M``, ``ef_construction`` the graph's degree and build beam.
         More ``probe`` or ``ef`` finds more of the exact top-k, slower. Built at the first such
