@@ -549,7 +549,7 @@ class LabelClusters:
             raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
         self.clusters, self.probe, self.seed, self.spill = clusters, float(probe), seed, spill
         self.centroids = self.starts = self.sizes = self.members = None
-        self.n = 0
+        self.n = self.entries = 0
 
     def build(self, W, b, threads: int = 1, start: "LabelClusters | None" = None) -> "LabelClusters":
         """Cluster the rows of ``W`` [n, H] with biases ``b`` [n]; from the centroids of
@@ -566,6 +566,7 @@ class LabelClusters:
         cluster = assign.ravel()
         order = np.argsort(cluster, kind="stable") // assign.shape[1]
         self.sizes = np.bincount(cluster, minlength=n_clusters).astype(np.int64)
+        self.entries = cluster.size
         # each cluster's int8 rows in one piece, padded to whole groups (rows that are never
         # offered: scale 0, bias -inf, member -1), their depth to whole 4-byte pieces
         self.starts = np.concatenate(([0], np.cumsum(-(-self.sizes // GROUP) * GROUP)))
@@ -594,8 +595,7 @@ class LabelClusters:
     @property
     def budget(self) -> int:
         """Entries a query scores (a label in two clusters counts twice)."""
-        entries = int(self.sizes.sum())
-        return max(1, min(entries, int(round(self.probe * entries))))
+        return max(1, min(self.entries, int(round(self.probe * self.entries))))
 
     @property
     def nbytes(self) -> int:

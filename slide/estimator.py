@@ -335,21 +335,23 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
     def embed(self, X) -> np.ndarray:
         """Last hidden layer activations, float32 [n, hidden[-1]]."""
         self._require_current()
-        X = self.preprocess(self.check_data(X, where="embed"))
-        return np.ascontiguousarray(self.state_.last(self.state_.forward(X)))
+        return np.ascontiguousarray(self._last_hidden(self.check_data(X, where="embed")))
+
+    def _last_hidden(self, X) -> np.ndarray:
+        """The last hidden layer of the (checked, raw) CSR rows ``X``: preprocessed as the
+        first layer reads them, which spares a query a weighed copy of its rows."""
+        return self.state_.last(self.state_.forward(X, self.preprocessor_.weighing()))
 
     def _hidden_blocks(self, X, block: int | None = None):
         """Yields ``(lo, hi, h)``: the last hidden layer of rows lo..hi of the (checked, raw)
         CSR ``X``, block by block (about 64 MB of scores a block by default), on the threads
         that ``_require_current`` set."""
-        Xp = self.preprocess(X)
         block = block or max(1, min(4096, (1 << 24) // self.n_outputs_))
-        n = Xp.shape[0]
+        n = X.shape[0]
         for lo in range(0, n, block):
             hi = min(lo + block, n)
             # a single block takes its rows whole: scipy's slice is a new matrix
-            rows = Xp if hi - lo == n else Xp[lo:hi]
-            yield lo, hi, self.state_.last(self.state_.forward(rows))
+            yield lo, hi, self._last_hidden(X if hi - lo == n else X[lo:hi])
 
     def score_blocks(self, X, block: int | None = None):
         """Exact scores of every output row, block by block: yields ``(lo, hi, S)`` with ``S``
@@ -394,6 +396,6 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         computed whole (:meth:`prior_shift`); -inf for a label without an output row."""
         self._require_current()
         self._whole_layer("decision_function")
-        X = self.preprocess(self.check_data(X, where="decision_function"))
-        S = self.state_.last(self.state_.forward(X)) @ self.params_["W"].T + self.server_.bias()
+        S = (self._last_hidden(self.check_data(X, where="decision_function")) @ self.params_["W"].T
+             + self.server_.bias())
         return self.labels_.scatter(S, -np.inf)

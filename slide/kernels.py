@@ -47,6 +47,7 @@ samples go in order.
 import numpy as np
 from numba import njit, prange
 
+from slide.preprocess import row_divisor
 from slide.runtime import copy_into, fetch_add, prefetch, prefetch_l2, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
@@ -76,19 +77,23 @@ FAR = 16
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def forward_input(x_indptr, x_indices, x_data, W0, b0, relu, acts):
+def forward_input(x_indptr, x_indices, x_data, idf, l2, W0, b0, relu, acts):
     """First hidden layer, ReLU(x W0 + b0) (``relu``, bool) or x W0 + b0, for a batch of CSR
-    rows into ``acts[:, :H0]`` (``W0``: rows led by the weights, H0 = ``b0.size``)."""
+    rows into ``acts[:, :H0]`` (``W0``: rows led by the weights, H0 = ``b0.size``), each row
+    weighed as it is read (``idf``, ``l2``: :func:`slide.preprocess.row_divisor`; an empty
+    ``idf`` and False for rows weighed already)."""
     H0 = b0.size
     for r in prange(x_indptr.size - 1):
         h = acts[r, :H0]
         h[:] = b0
         end = x_indptr[r + 1]
+        divisor = row_divisor(x_indptr[r], end, x_indices, x_data, idf, l2)
         for p in range(x_indptr[r], end):
             if p + AHEAD < end:
                 prefetch(W0[x_indices[p + AHEAD], :H0])
             row = W0[x_indices[p], :H0]
-            v = x_data[p]
+            v = x_data[p] * idf[x_indices[p]] if idf.size else x_data[p]
+            v /= divisor
             for j in range(H0):
                 h[j] += v * row[j]
         if relu:

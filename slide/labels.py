@@ -38,6 +38,7 @@ class LabelMap:
             raise ValueError(f"label ids must be in 0..{self.n_labels - 1}")
         self.ids = ids
         self._row = None  # label id -> row (-1: none), made on first use
+        self._ids_or_none = None  # row -> label id, with row -1 -> -1: made on first use
         # checked once: queries ask on every call
         self.is_identity = ids.size == self.n_labels and bool(np.all(ids == np.arange(ids.size)))
 
@@ -96,8 +97,9 @@ class LabelMap:
         """Row numbers (int, any shape; -1 kept as -1) as label ids."""
         if self.is_identity:
             return rows
-        out = self.ids[np.maximum(rows, 0)]
-        return np.where(rows >= 0, out, -1)
+        if self._ids_or_none is None:  # row -1 reads the -1 appended at the end
+            self._ids_or_none = np.append(self.ids, -1)
+        return self._ids_or_none[rows]
 
     def scatter(self, S, fill: float):
         """Scores over the rows [n, size] (numpy or cupy) as scores over every label [n,

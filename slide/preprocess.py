@@ -14,9 +14,12 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit
 
-__all__ = ["Preprocessor"]
+__all__ = ["Preprocessor", "row_divisor", "NO_IDF", "UNWEIGHED"]
 
 NORMS = ("l2", None)
+#: the ``idf`` of a weighing without tf-idf, and the ``(idf, l2)`` of rows weighed already
+NO_IDF = np.zeros(0, np.float32)
+UNWEIGHED = (NO_IDF, False)
 
 
 class Preprocessor:
@@ -61,12 +64,16 @@ class Preprocessor:
         """bool [n_features]: features present in at least one training row."""
         return self.document_frequency_ > 0
 
+    def weighing(self) -> tuple[np.ndarray, bool]:
+        """``(idf, l2)``: what :meth:`transform` applies, for kernels that weigh raw rows as
+        they read them (:func:`row_divisor`); ``idf`` is empty without tf-idf."""
+        return (self.idf_ if self.idf_ is not None else NO_IDF), self.norm == "l2"
+
     def transform(self, X: sp.csr_matrix) -> sp.csr_matrix:
         """A new float32 CSR matrix with the fitted weighting and row norm applied."""
         X = sp.csr_matrix(X, dtype=np.float32, copy=True)
-        idf = self.idf_ if self.idf_ is not None else np.zeros(0, np.float32)
         if X.nnz:
-            _weigh_rows(X.indptr, X.indices, X.data, idf, self.norm == "l2")
+            _weigh_rows(X.indptr, X.indices, X.data, *self.weighing())
         return X
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -92,23 +99,31 @@ class Preprocessor:
         return f"Preprocessor(norm={self.norm!r}, tfidf={self.tfidf})"
 
 
+@njit(cache=True, nogil=True, inline="always")
+def row_divisor(lo, hi, indices, data, idf, l2):
+    """What the values ``data[lo:hi]`` of one row are divided by after each is multiplied by
+    its feature's ``idf`` (unless ``idf`` is empty): with ``l2``, the weighted row's Euclidean
+    norm (summed in float64), else 1, and 1 for a row of norm 0, which stays as it is. A value
+    weighed as ``data[p] * idf[indices[p]] / divisor`` is then exactly :meth:`Preprocessor.
+    transform`'s."""
+    if not l2:
+        return np.float32(1.0)
+    s = 0.0
+    for p in range(lo, hi):
+        v = data[p] * idf[indices[p]] if idf.size else data[p]
+        s += np.float64(v) * np.float64(v)
+    return np.float32(np.sqrt(s)) if s > 0.0 else np.float32(1.0)
+
+
 @njit(cache=True, nogil=True)
 def _weigh_rows(indptr, indices, data, idf, l2):
-    """In place, row by row: each value times its feature's ``idf`` (unless ``idf`` is empty),
-    then, with ``l2``, divided by the row's Euclidean norm (summed in float64; a row of norm 0
-    is left as it is). Done with whole-matrix numpy expressions instead, the temporaries (a row
-    id, a float64 square and a norm per non-zero) would set the peak memory of a whole training
-    run. One thread: a single query's row wakes no thread pool."""
+    """In place, row by row, each value weighed as :func:`row_divisor` says. Done with
+    whole-matrix numpy expressions instead, the temporaries (a row id, a float64 square and a
+    norm per non-zero) would set the peak memory of a whole training run. One thread: a single
+    query's row wakes no thread pool."""
     for r in range(indptr.size - 1):
         lo, hi = indptr[r], indptr[r + 1]
-        if idf.size:
-            for p in range(lo, hi):
-                data[p] *= idf[indices[p]]
-        if l2:
-            s = 0.0
-            for p in range(lo, hi):
-                s += np.float64(data[p]) * np.float64(data[p])
-            if s > 0.0:
-                norm = np.float32(np.sqrt(s))
-                for p in range(lo, hi):
-                    data[p] /= norm
+        divisor = row_divisor(lo, hi, indices, data, idf, l2)
+        for p in range(lo, hi):
+            v = data[p] * idf[indices[p]] if idf.size else data[p]
+            data[p] = v / divisor

@@ -26,6 +26,7 @@ from lsh import HashTables, TableConfig
 from slide import kernels
 from slide.config import hidden_block, hidden_blocks, init_parameters, parameter_shapes
 from slide.data import take_rows
+from slide.preprocess import UNWEIGHED
 from slide.rowblocks import BLOCKED, RowBlocks
 from slide.runtime import engine_threads, thread_chunks
 from slide.sampling import draw_key, shared_negatives
@@ -66,8 +67,7 @@ class TrainingState:
         self.tables_stale = False
         #: what prediction adds to the biases (the estimator's prior correction), or None
         self.bias_shift = None
-        sizes = np.array(r["hidden"], np.int64)
-        self.sizes = sizes
+        self.sizes = sizes = np.array(r["hidden"], np.int64)
         self.n_acts = int(sizes.sum())  # every hidden layer's activations side by side
         self.layers = hidden_blocks(r["hidden"])
         # the kernels take the offsets as arrays (at least one entry, even with no stack)
@@ -212,13 +212,14 @@ class TrainingState:
         """Weights [H_l, H_{l-1}] and bias [H_l] of hidden layer l >= 1 (views into Wh, bh)."""
         return hidden_block(self.params, self.layers[l - 1])
 
-    def forward(self, X: sp.csr_matrix) -> np.ndarray:
-        """Activations of every hidden layer, float32 [n, Σ hidden], for preprocessed rows."""
+    def forward(self, X: sp.csr_matrix, weighing=None) -> np.ndarray:
+        """Activations of every hidden layer, float32 [n, Σ hidden], of preprocessed rows, or
+        of raw rows weighed as read by ``weighing`` (:meth:`Preprocessor.weighing`)."""
         p, sizes = self.params, self.sizes
         acts = np.empty((X.shape[0], self.n_acts), np.float32)
         relu = self.resolved["activation"] == "relu"
         kernels.forward_input(X.indptr.astype(np.int64), X.indices, X.data,
-                              self.weight_rows("W0"), p["b0"], relu, acts)
+                              *(weighing or UNWEIGHED), self.weight_rows("W0"), p["b0"], relu, acts)
         lo = 0
         for l in range(1, sizes.size):
             W, b = self.hidden_layer(l)

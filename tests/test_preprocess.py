@@ -92,3 +92,21 @@ def test_rows_weighed_in_place_match_the_whole_matrix_formula(tfidf):
     np.testing.assert_array_equal(got.indptr, want.indptr)
     np.testing.assert_array_equal(got.data, want.data)
     assert got.getrow(7).nnz == 0
+
+
+@pytest.mark.parametrize("tfidf,norm", [(False, "l2"), (True, "l2"), (True, None), (False, None)])
+def test_first_layer_weighs_raw_rows_as_the_preprocessed_copy(tiny_data, tfidf, norm):
+    """Queries weigh their rows as the first layer reads them (``forward(X, weighing)``):
+    the activations equal, bit for bit, those of the preprocessed copy training reads,
+    an empty row's included."""
+    X, Y, Xte, _ = tiny_data
+    m = SlideClassifier(hidden=(16, 8), sparsity=0.5, threads=2, seed=0, epochs=1,
+                        early_stopping=False, tfidf=tfidf, norm=norm).fit(X[:400], Y[:400])
+    rows = m.check_data(sp.vstack([Xte[:30] * 3.0, sp.csr_matrix((1, X.shape[1]))]).tocsr())
+    got = m.state_.forward(rows, m.preprocessor_.weighing())
+    want = m.state_.forward(m.preprocess(rows))
+    np.testing.assert_array_equal(got, want)
+    empty = m.state_.forward(sp.csr_matrix((1, X.shape[1]), dtype=np.float32))[0]
+    np.testing.assert_array_equal(got[-1], empty)  # no division by a zero norm
+    if norm is not None or tfidf:  # a weighing that changes the rows: the raw rows differ
+        assert not np.array_equal(got, m.state_.forward(rows))
