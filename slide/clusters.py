@@ -639,15 +639,14 @@ class LabelClusters:
         estimates = self.q, self.scale, self.label_bias, self.sums
         if n == 1:  # one kernel: a batch's five cost more to start (docs/serving.md)
             _ROWS[kind](H, *self.coarse, self.starts, self.sizes, self.budget, *estimates,
-                        self.members, self.W, self.b, keep, numba.get_num_threads(), ids, scores)
+                        self.members, self.W, self.b, keep, threads, ids, scores)
             return ids, scores
         hq, t, z = self._quantized(H)
         chosen, counts = self._chosen(hq, t, z)
-        tasks = numba.get_num_threads()
-        ptr, rows, bounds = _by_cluster(chosen, counts, self.starts, tasks)
-        pos = np.empty((tasks, n, keep), np.int64)
-        best = np.empty((tasks, n, keep), np.float32)
-        held = np.empty((tasks, n), np.int64)
+        ptr, rows, bounds = _by_cluster(chosen, counts, self.starts, threads)
+        pos = np.empty((threads, n, keep), np.int64)
+        best = np.empty((threads, n, keep), np.float32)
+        held = np.empty((threads, n), np.int64)
         _SCANS[kind](hq, t, z, *estimates, self.members, self.starts, ptr, rows, bounds, pos,
                      best, held)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)

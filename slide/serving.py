@@ -17,7 +17,7 @@ import numpy as np
 from lsh import CompactTables
 from slide.ann import DEFAULT_EF, DEFAULT_M, DEFAULT_PROBE, EF_CONSTRUCTION, make_index
 from slide.config import checked_setting
-from slide.runtime import set_num_threads
+from slide.runtime import configure_threading, set_num_threads
 from slide.metrics import topk_product
 from slide.screen import (SCREEN_MIN_LABELS, has_int8_dot, quantize_labels, quantize_rows,
                           screened_candidates, screened_topk)
@@ -169,14 +169,16 @@ class Server:
         """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of the rows whose last hidden
         layer ``hidden_blocks(block)`` yields as ``(lo, hi, h)``."""
         s = self.state
+        if mode == "ann":
+            index, threads = self.label_index(), numba.get_num_threads()
+            parts = [index.query(h, k, threads)
+                     for _, _, h in hidden_blocks(block or EXACT_BLOCK_ROWS)]
+            if len(parts) == 1:  # a single row's query: no copy
+                return parts[0]
+            return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
         W, b = s.params["W"], self.bias()
-        if mode == "ann":
-            index = self.label_index()
-            for lo, hi, h in hidden_blocks(block or EXACT_BLOCK_ROWS):
-                ids[lo:hi], scores[lo:hi] = index.query(h, k, numba.get_num_threads())
-            return ids, scores
         if mode == "exact" or s.tables is None:
             # the fused kernels never form a block's score matrix, so blocks can be larger
             screen = self.exact_screen()
@@ -249,7 +251,11 @@ class ServingSettings:
     def _query_threads(self) -> int:
         """numba's threads for a query from the ``threads`` parameter as it is now:
         ``set_params(threads=N)`` on a fitted model takes effect at its next query."""
-        return set_num_threads(checked_setting("threads", self.threads))
+        threads = checked_setting("threads", self.threads)
+        configure_threading()  # before numba's first look at its threads
+        if threads and threads == numba.get_num_threads():
+            return threads  # set already on this thread (numba's count is a thread's own)
+        return set_num_threads(threads)
 
     def _require_current(self):
         """Serving starts here: the model exists, and its tables reflect its weights."""

@@ -100,14 +100,15 @@ def _probe_all(W, b, H):
     S = H @ W.T + b
     exact = np.argsort(-S, axis=1, kind="stable")[:, :10]
     index = LabelClusters(probe=1.0).build(W, b)
-    for rows, scores in (index.query(H, 10, keep=W.shape[0]),
-                         _single_rows(index, H[:40], keep=W.shape[0])):
-        # a label's two entries make one candidate
-        np.testing.assert_array_equal(rows, exact[:len(rows)])
-        np.testing.assert_allclose(scores, np.take_along_axis(S[:len(rows)], rows, 1),
-                                   rtol=1e-5, atol=1e-5)
-    for rows in (index.query(H, 10)[0], _single_rows(index, H)[0]):
-        assert np.mean([np.intersect1d(a, e).size for a, e in zip(rows, exact)]) >= 9.9
+    for threads in (1, 3):  # one task, and tasks whose heaps are merged
+        for rows, scores in (index.query(H, 10, threads, keep=W.shape[0]),
+                             _single_rows(index, H[:40], threads=threads, keep=W.shape[0])):
+            # a label's two entries make one candidate
+            np.testing.assert_array_equal(rows, exact[:len(rows)])
+            np.testing.assert_allclose(scores, np.take_along_axis(S[:len(rows)], rows, 1),
+                                       rtol=1e-5, atol=1e-5)
+        for rows in (index.query(H, 10, threads)[0], _single_rows(index, H, threads=threads)[0]):
+            assert np.mean([np.intersect1d(a, e).size for a, e in zip(rows, exact)]) >= 9.9
 
 
 @pytest.mark.parametrize("kind", sorted({slide.clusters.int8_kind(), None}, key=str))
@@ -214,9 +215,10 @@ def test_a_row_alone_scores_the_candidates_it_would_in_a_batch():
                 for c in chosen[r, :counts[r]]]
         labels = np.unique(np.concatenate(mine))  # a label in two of them counts once
         want.append(labels[np.argsort(-S[r, labels], kind="stable")[:50]])
-    for rows, _ in (index.query(H, 50, keep=W.shape[0]),
-                    _single_rows(index, H, 50, keep=W.shape[0])):
-        np.testing.assert_array_equal(rows, np.array(want))
+    for threads in (1, 3):
+        for rows, _ in (index.query(H, 50, threads, keep=W.shape[0]),
+                        _single_rows(index, H, 50, threads=threads, keep=W.shape[0])):
+            np.testing.assert_array_equal(rows, np.array(want))
 
 
 def test_clusters_settings_are_checked():

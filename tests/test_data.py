@@ -131,6 +131,12 @@ def test_check_xy_errors():
     X = sp.csr_matrix(np.array([[1.0, np.nan]], np.float32))
     with pytest.raises(DataFormatError, match=r"row 0 \(0-based\): X holds a NaN"):
         check_xy(X)
+    for bad in (np.inf, -np.inf, np.nan):  # the first bad value's row, in float32 and float64
+        for dtype in (np.float32, np.float64):
+            X = sp.csr_matrix(np.array([[1.0, 0.0], [0.0, 2.0], [3.0, bad], [bad, 1.0]], dtype))
+            with pytest.raises(DataFormatError, match=r"row 2 \(0-based\): X holds a NaN"):
+                check_xy(X)
+    assert check_xy(sp.csr_matrix(np.array([[1.0, 3.4e38]], np.float32))).nnz == 2
     with pytest.raises(DataFormatError, match="3 features, but the model is expecting 2 features"):
         check_xy(sp.csr_matrix(np.ones((1, 3))), n_features=2)
     with pytest.raises(DataFormatError, match="rows"):
