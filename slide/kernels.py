@@ -47,7 +47,7 @@ samples go in order.
 import numpy as np
 from numba import njit, prange
 
-from slide.preprocess import row_divisor
+from slide.preprocess import row_divisor, weighed
 from slide.runtime import copy_into, fetch_add, prefetch, prefetch_l2, prefetch_w
 from lsh.tables import claim, query_union, select_candidates
 from slide.blas import gemm
@@ -92,8 +92,7 @@ def forward_input(x_indptr, x_indices, x_data, idf, l2, W0, b0, relu, acts):
             if p + AHEAD < end:
                 prefetch(W0[x_indices[p + AHEAD], :H0])
             row = W0[x_indices[p], :H0]
-            v = x_data[p] * idf[x_indices[p]] if idf.size else x_data[p]
-            v /= divisor
+            v = weighed(p, x_indices, x_data, idf) / divisor
             for j in range(H0):
                 h[j] += v * row[j]
         if relu:

@@ -14,7 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 from numba import njit
 
-__all__ = ["Preprocessor", "row_divisor", "NO_IDF", "UNWEIGHED"]
+__all__ = ["Preprocessor", "row_divisor", "weighed", "NO_IDF", "UNWEIGHED"]
 
 NORMS = ("l2", None)
 #: the ``idf`` of a weighing without tf-idf, and the ``(idf, l2)`` of rows weighed already
@@ -104,15 +104,22 @@ def row_divisor(lo, hi, indices, data, idf, l2):
     """What the values ``data[lo:hi]`` of one row are divided by after each is multiplied by
     its feature's ``idf`` (unless ``idf`` is empty): with ``l2``, the weighted row's Euclidean
     norm (summed in float64), else 1, and 1 for a row of norm 0, which stays as it is. A value
-    weighed as ``data[p] * idf[indices[p]] / divisor`` is then exactly :meth:`Preprocessor.
+    weighed as ``weighed(p, ...) / divisor`` is then exactly :meth:`Preprocessor.
     transform`'s."""
     if not l2:
         return np.float32(1.0)
     s = 0.0
     for p in range(lo, hi):
-        v = data[p] * idf[indices[p]] if idf.size else data[p]
+        v = weighed(p, indices, data, idf)
         s += np.float64(v) * np.float64(v)
     return np.float32(np.sqrt(s)) if s > 0.0 else np.float32(1.0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def weighed(p, indices, data, idf):
+    """Value ``p`` times its feature's ``idf`` (as it is where ``idf`` is empty), before the
+    division by its row's :func:`row_divisor`."""
+    return data[p] * idf[indices[p]] if idf.size else data[p]
 
 
 @njit(cache=True, nogil=True)
@@ -125,5 +132,4 @@ def _weigh_rows(indptr, indices, data, idf, l2):
         lo, hi = indptr[r], indptr[r + 1]
         divisor = row_divisor(lo, hi, indices, data, idf, l2)
         for p in range(lo, hi):
-            v = data[p] * idf[indices[p]] if idf.size else data[p]
-            data[p] = v / divisor
+            data[p] = weighed(p, indices, data, idf) / divisor

@@ -59,7 +59,8 @@ def set_num_threads(threads: int | None) -> int:
     configure_threading()
     limit = numba.config.NUMBA_NUM_THREADS
     n = limit if not threads else max(1, min(int(threads), limit))
-    numba.set_num_threads(n)
+    if numba.get_num_threads() != n:  # numba's setter costs a single-row query 5 µs
+        numba.set_num_threads(n)
     return n
 
 

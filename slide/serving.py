@@ -17,7 +17,7 @@ import numpy as np
 from lsh import CompactTables
 from slide.ann import DEFAULT_EF, DEFAULT_M, DEFAULT_PROBE, EF_CONSTRUCTION, make_index
 from slide.config import checked_setting
-from slide.runtime import configure_threading, set_num_threads
+from slide.runtime import set_num_threads
 from slide.metrics import topk_product
 from slide.screen import (SCREEN_MIN_LABELS, has_int8_dot, quantize_labels, quantize_rows,
                           screened_candidates, screened_topk)
@@ -251,11 +251,7 @@ class ServingSettings:
     def _query_threads(self) -> int:
         """numba's threads for a query from the ``threads`` parameter as it is now:
         ``set_params(threads=N)`` on a fitted model takes effect at its next query."""
-        threads = checked_setting("threads", self.threads)
-        configure_threading()  # before numba's first look at its threads
-        if threads and threads == numba.get_num_threads():
-            return threads  # set already on this thread (numba's count is a thread's own)
-        return set_num_threads(threads)
+        return set_num_threads(checked_setting("threads", self.threads))
 
     def _require_current(self):
         """Serving starts here: the model exists, and its tables reflect its weights."""
