@@ -1,13 +1,14 @@
 """The engine's own index for ``mode="ann"``: the label vectors ``[w, b]`` cut into k-means
-clusters (an inverted file), each label in its two nearest clusters, the layer copied to int8
-in cluster order. A query estimates every cluster's centroid score with ``[h, 1]`` from the
-centroids' own int8 copy, takes the entries of the best clusters until they hold its budget,
-estimates their scores from the layer's int8 copy (AVX2's int8 products, eight labels to a
-register, or a loop with the same sums) and rescores the best estimates in float32.
+clusters (an inverted file), each label in its nearest cluster and in a second chosen by SOAR's
+rule, the layer copied to int8 in cluster order. A query estimates every cluster's centroid
+score with ``[h, 1]`` from the centroids' own 4-bit copy, takes the entries of the best
+clusters until they hold its budget, estimates their scores from the layer's int8 copy (AVX2's
+int8 products, eight labels to a register, or a loop with the same sums) and rescores the best
+estimates in float32.
 
 Where LSH's tables find a label only when a random projection agrees, the centroids are the
-layer's own summary: on git_openstack, a twentieth of the entries taken this way holds 0.98 of
-the exact top-10. A batch's candidates are scored cluster by cluster while each cluster's rows
+layer's own summary: on git_openstack, a fiftieth of the entries taken this way holds 0.95 of
+the exact top-10, a twentieth 0.99. A batch's candidates are scored cluster by cluster while each cluster's rows
 are in cache, so batches gain as much as single rows (docs/serving.md).
 """
 from __future__ import annotations
@@ -40,6 +41,10 @@ DEFAULT_PROBE = 0.05
 #: candidates rescored in float32 a row, per label asked for: the int8 estimates rank them
 #: (at k = 10, 12 found what 15 and 1,000 did on git_openstack and the Amazon preset)
 KEEP_PER_K = 1.2
+#: SOAR's λ for a label's second cluster (:func:`_nearest`): 0.5 found more of the top-10 than
+#: the second-nearest (0) and than λ = 1 at git_openstack and the Amazon preset alike
+#: (docs/serving.md)
+ORTHOGONAL = 0.5
 #: Lloyd's iterations, over a sample of this many label vectors per cluster; from the last
 #: index's centroids, fewer
 ITERATIONS, WARM_ITERATIONS, SAMPLE_PER_CLUSTER = 10, 3, 32
@@ -55,29 +60,54 @@ def cluster_count(n: int) -> int:
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
-def _nearest(V, C, half_norms, tasks, block, out):
-    """The ``out.shape[1]`` nearest centroids of each row of ``V``, nearest first, into ``out``
-    [n, m]: argmax of v·c - |c|²/2, a block of rows at a time on each of ``tasks`` threads
-    (one single-threaded BLAS product a block, its scores still in cache for the argmax)."""
-    n = V.shape[0]
+def _nearest(V, C, half_norms, orthogonal, tasks, block, out):
+    """Each row's nearest centroid of ``C`` into ``out[:, 0]`` (argmax of v·c - |c|²/2), and
+    where ``out`` has two columns, its second into ``out[:, 1]``: the nearest of the others
+    once ``orthogonal`` λ times the square of r·(v - c) / |r| is added to the distance, r = v -
+    c₁ the first one's residual (SOAR's rule: a label that its first centroid underrates along
+    r is then held where it is not). A block of rows at a time on each of ``tasks`` threads (a
+    single-threaded BLAS product a block, its scores still in cache for the argmax)."""
+    n, d = V.shape
     n_blocks = (n + block - 1) // block
+    second = out.shape[1] > 1
     for task in prange(tasks):
         P = np.empty((block, C.shape[0]), np.float32)
+        R = np.empty((block if second else 0, d), np.float32)
+        Q = np.empty((block if second else 0, C.shape[0]), np.float32)
         for blk in range(task, n_blocks, tasks):
             lo, hi = blk * block, min(n, (blk + 1) * block)
             gemm(V[lo:hi], False, C, True, P[:hi - lo], 0.0)
             for i in range(hi - lo):
-                for j in range(out.shape[1]):
-                    # the row's max first (a reduction that vectorises, where a running
-                    # argmax does not), then where it is; the one found is out of the next
-                    best = -np.inf
-                    for c in range(C.shape[0]):
-                        best = max(best, P[i, c] - half_norms[c])
-                    for c in range(C.shape[0]):
-                        if P[i, c] - half_norms[c] == best:
-                            out[lo + i, j] = c
-                            P[i, c] = -np.inf
-                            break
+                out[lo + i, 0] = _best(P[i], half_norms)
+            if not second:
+                continue
+            for i in range(hi - lo):
+                R[i] = V[lo + i] - C[out[lo + i, 0]]
+            gemm(R[:hi - lo], False, C, True, Q[:hi - lo], 0.0)  # r·c
+            for i in range(hi - lo):
+                first = out[lo + i, 0]
+                rv, rr = np.float32(0.0), np.float32(0.0)
+                for j in range(d):
+                    rv += R[i, j] * V[lo + i, j]
+                    rr += R[i, j] * R[i, j]
+                weight = np.float32(orthogonal / (2.0 * rr)) if rr > 0 else np.float32(0.0)
+                for c in range(C.shape[0]):  # r·(v - c)
+                    P[i, c] -= weight * (rv - Q[i, c]) ** 2
+                P[i, first] = -np.inf
+                out[lo + i, 1] = _best(P[i], half_norms)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=REASSOC)
+def _best(scores, half_norms):
+    """argmax of ``scores - half_norms``: the max first (a reduction that vectorises, where a
+    running argmax does not), then where it is."""
+    best = -np.inf
+    for c in range(scores.size):
+        best = max(best, scores[c] - half_norms[c])
+    for c in range(scores.size):
+        if scores[c] - half_norms[c] == best:
+            return c
+    return 0
 
 
 @njit(cache=True, nogil=True)
@@ -98,13 +128,15 @@ def _means(V, assign, C):
 
 
 def _assign(V, C, threads: int, nearest: int = 1) -> np.ndarray:
-    """The ``nearest`` nearest centroids of each row of ``V``, int64 [n, nearest]."""
+    """The nearest centroid of each row of ``V``, and with ``nearest=2`` a second by SOAR's
+    rule (:func:`_nearest`), int64 [n, nearest]."""
     out = np.zeros((V.shape[0], min(nearest, C.shape[0])), np.int64)
     half = 0.5 * np.einsum("ij,ij->i", C, C)
     block = max(1, _BLOCK_BYTES // (4 * C.shape[0]))
     # BLAS's own threads would spin after each product and take the cores from numba's
     with blas_threads(1):
-        _nearest(V, C, half, max(1, min(threads, numba.get_num_threads())), block, out)
+        _nearest(V, C, half, ORTHOGONAL, max(1, min(threads, numba.get_num_threads())), block,
+                 out)
     return out
 
 
@@ -194,6 +226,9 @@ GROUP = 8
 #: the query's uint8 levels: AVX2's pairwise sums are int16 and saturate above 2 · 127 · 127,
 #: so the query takes 7 bits
 LEVELS = 127
+#: a centroid's 4-bit levels, -NIBBLE..NIBBLE, stored as w + OFFSET (0..15): they choose the
+#: clusters that int8 ones choose, in half the bytes a row reads (docs/serving.md)
+NIBBLE, OFFSET = 7, 8
 #: groups asked for ahead of the scan
 _AHEAD = 2
 
@@ -206,17 +241,10 @@ def int8_kind() -> str | None:
     return "avx2" if target_has("avx2") else None
 
 
-@intrinsic
-def _dot8_avx2(typingctx, hq, q, g, out):
-    """``out[u] = sum_i hq[i] * w_u[i]`` in int32 for a uint8 row ``hq`` [D] (at most 127 a
-    byte, D a multiple of 4) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G,
-    GROUP D] (C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at ``q[g, GROUP 4 i + 4 u:...+ 4]``),
-    on AVX2: each lane of one register a label's sum, so that no sum is reduced across
-    lanes; only AVX2 targets compile it."""
-    if int8_kind() != "avx2":
-        return None
-    sig = types.void(hq, q, g, out)
-
+def _grouped_sums(nibbles: bool):
+    """The codegen of :func:`_dot8_avx2` (``nibbles`` false) or :func:`_dot4_avx2`: a group's
+    eight sums in the eight int32 lanes of one register, so that no sum is reduced across
+    lanes, over two accumulators, each every other 32-byte piece of the rows."""
     def codegen(context, builder, signature, args):
         h = context.make_array(signature.args[0])(context, builder, args[0])
         w = context.make_array(signature.args[1])(context, builder, args[1])
@@ -230,29 +258,41 @@ def _dot8_avx2(typingctx, hq, q, g, out):
         maddubs = x86("pmadd.ub.sw", pairs_t, load_t, load_t)
         maddwd = x86("pmadd.wd", acc_t, pairs_t, pairs_t)
         ones = ir.Constant(pairs_t, [1] * 16)
-        n = cgutils.unpack_tuple(builder, h.shape, 1)[0]
+        low, four = ir.Constant(load_t, [15] * 32), ir.Constant(pairs_t, [4] * 16)
         stride = cgutils.unpack_tuple(builder, w.strides, 2)[0]
         hp = builder.ptrtoint(h.data, i64)
         wp = builder.add(builder.ptrtoint(w.data, i64),
                          builder.mul(context.cast(builder, args[2], signature.args[2], types.int64),
                                      stride))
-        # two accumulators, each over every other piece of depth
         accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(2)]
         zeros = ir.Constant(acc_t, None)
 
+        def spread(depth):
+            # the query's four bytes from this depth, in every lane
+            at = builder.add(hp, depth)
+            word = builder.load(builder.inttoptr(at, i32.as_pointer()), align=1)
+            return builder.bitcast(builder.shuffle_vector(
+                builder.insert_element(zeros, word, ir.Constant(i32, 0)), zeros,
+                ir.Constant(acc_t, [0] * 8)), load_t)
+
         def step(piece, acc):
-            # the query's four bytes at this depth, in every lane
-            at = builder.add(hp, builder.mul(piece, ir.Constant(i64, 4)))
-            four = builder.load(builder.inttoptr(at, i32.as_pointer()), align=1)
-            spread = builder.shuffle_vector(
-                builder.insert_element(zeros, four, ir.Constant(i32, 0)), zeros,
-                ir.Constant(acc_t, [0] * 8))
             at = builder.add(wp, builder.mul(piece, ir.Constant(i64, 32)))
             wv = builder.load(builder.inttoptr(at, load_t.as_pointer()), align=1)
-            pairs = builder.call(maddubs, [builder.bitcast(spread, load_t), wv])
+            if nibbles:  # the low halves hold depths 8 i..8 i + 3, the high ones the next four
+                lo = builder.and_(wv, low)
+                hi = builder.and_(builder.bitcast(
+                    builder.lshr(builder.bitcast(wv, pairs_t), four), load_t), low)
+                depth = builder.mul(piece, ir.Constant(i64, 8))
+                pairs = builder.add(  # at most 2 · 2 · 127 · 15 a pair: no int16 overflow
+                    builder.call(maddubs, [spread(depth), lo]),
+                    builder.call(maddubs, [spread(builder.add(depth, ir.Constant(i64, 4))), hi]))
+            else:
+                pairs = builder.call(maddubs, [spread(builder.mul(piece, ir.Constant(i64, 4))), wv])
             builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
 
-        pieces = builder.sdiv(n, ir.Constant(i64, 4))
+        # the depth is the rows' (the query may be longer: zeros beyond)
+        pieces = builder.sdiv(cgutils.unpack_tuple(builder, w.shape, 2)[1],
+                              ir.Constant(i64, 4 * GROUP))
         with cgutils.for_range(builder, builder.sdiv(pieces, ir.Constant(i64, 2))) as loop:
             first = builder.mul(loop.index, ir.Constant(i64, 2))
             step(first, accs[0])
@@ -263,37 +303,74 @@ def _dot8_avx2(typingctx, hq, q, g, out):
         total = builder.add(builder.load(accs[0]), builder.load(accs[1]))
         builder.store(total, builder.bitcast(o.data, acc_t.as_pointer()), align=4)
         return context.get_dummy_value()
+    return codegen
 
-    return sig, codegen
+
+@intrinsic
+def _dot8_avx2(typingctx, hq, q, g, out):
+    """``out[u] = sum_i hq[i] * w_u[i]`` in int32 for a uint8 row ``hq`` [>= D] (at most 127 a
+    byte) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G, GROUP D] (D a
+    multiple of 4, C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at ``q[g, GROUP 4 i + 4 u:...+ 4]``),
+    on AVX2: one ``vpmaddubsw`` (the query's four bytes broadcast) and one ``vpmaddwd`` a
+    piece; only AVX2 targets compile it."""
+    if int8_kind() != "avx2":
+        return None
+    return types.void(hq, q, g, out), _grouped_sums(nibbles=False)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _dot8_loop(hq, q, g, out):
-    # the same sums as _dot8_avx2's, for CPUs without AVX2
-    for u in range(GROUP):
-        out[u] = 0
-    for i in range(hq.size // 4):
+@intrinsic
+def _dot4_avx2(typingctx, hq, q, g, out):
+    """``out[u] = sum_i hq[i] * v_u[i]`` in int32 for a uint8 row ``hq`` [>= D] (at most 127
+    a byte) and the ``GROUP`` rows ``v_u`` of 4-bit values (0..15) of group ``g`` of ``q``
+    [G, GROUP D / 2] (D a multiple of 8, C-contiguous; 32 bytes a piece of 8 depths, 4 a row:
+    byte j of row u's holds depth 8 i + j in its low half, 8 i + 4 + j in its high half), on
+    AVX2: each half-byte set widened by a mask, then :func:`_dot8_avx2`'s two products, one
+    ``vpmaddwd`` for both halves; only AVX2 targets compile it."""
+    if int8_kind() != "avx2":
+        return None
+    return types.void(hq, q, g, out), _grouped_sums(nibbles=True)
+
+
+def _sums_loop(nibbles: bool):
+    @njit(cache=True, nogil=True, inline="always")
+    def sums(hq, q, g, out):
+        # the sums of _grouped_sums's kernels, for CPUs without AVX2
         for u in range(GROUP):
-            s = out[u]
-            for j in range(4):
-                s += np.int32(hq[4 * i + j]) * np.int32(q[g, GROUP * 4 * i + 4 * u + j])
-            out[u] = s
+            out[u] = 0
+        for i in range(q.shape[1] // (4 * GROUP)):
+            for u in range(GROUP):
+                s = out[u]
+                for j in range(4):
+                    v = np.int32(q[g, GROUP * 4 * i + 4 * u + j])
+                    if nibbles:
+                        s += np.int32(hq[8 * i + j]) * (v & 15) + \
+                            np.int32(hq[8 * i + 4 + j]) * (v >> 4)
+                    else:
+                        s += np.int32(hq[4 * i + j]) * v
+                out[u] = s
+    return sums
+
+
+_dot8_loop, _dot4_loop = _sums_loop(nibbles=False), _sums_loop(nibbles=True)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _quantize_queries(H, hq, t, z):
+def _quantize_queries(H, hq, t, z, shift):
     """uint8 rows of ``H`` [n, d] into ``hq`` [n, >= d] (zero beyond d), each over its own
-    range [min(0, min h), max(0, max h)] in ``LEVELS`` steps: h ~ t (q - z)."""
+    range [min(0, min h), max(0, max h)] in ``LEVELS`` steps: h ~ t (q - z); ``shift``: what
+    a row's sums with 4-bit rows stored as w + 8 count beyond its sums with w, 8 sum(q)."""
     for r in prange(H.shape[0]):
-        _quantize_row(H, r, hq, t, z)
+        _quantize_row(H, r, hq, t, z, shift)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _quantize_row(H, r, hq, t, z):
+def _quantize_row(H, r, hq, t, z, shift):
     s, zr = query_range(H, r, LEVELS)  # the exact screen's range rule
+    total = 0
     for i in range(H.shape[1]):
         hq[r, i] = zr if s == 0.0 else min(LEVELS, max(0, round(H[r, i] / s) + zr))
-    t[r], z[r] = s, zr
+        total += hq[r, i]
+    t[r], z[r], shift[r] = s, zr, OFFSET * total
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -306,23 +383,25 @@ def _push_new(v, j, k, n, ids, scores):
     return heap_push(v, j, k, n, ids, scores)
 
 
-def _estimates_kernel(dot8):
+def _estimates_kernel(dot8, shifted):
     @njit(cache=True, nogil=True, inline="always")
-    def estimates(r, g, hq, t, z, q, scale, bias, sums, dots, est):
-        """Row ``r``'s estimated scores of the ``GROUP`` int8 rows of group ``g`` of ``q``
-        (with each row's ``scale``, ``bias`` and int8 ``sums``) into ``est``; ``dots``
-        [GROUP] their int32 scratch."""
+    def estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est):
+        """Row ``r``'s estimated scores of the ``GROUP`` rows of group ``g`` of ``q`` (with
+        each row's ``scale``, ``bias`` and integer ``sums``) into ``est``; ``dots`` [GROUP]
+        their int32 scratch; ``shifted``: rows stored as w + ``OFFSET`` (``shift``)."""
         dot8(hq[r], q, g, dots)
         tr, zr = t[r], z[r]
+        sr = shift[r] if shifted else 0
         p = g * GROUP
         for u in range(GROUP):
-            est[u] = scale[p + u] * tr * np.float32(dots[u] - zr * sums[p + u]) + bias[p + u]
+            est[u] = scale[p + u] * tr * np.float32(dots[u] - sr - zr * sums[p + u]) + bias[p + u]
     return estimates
 
 
 def _offer_kernel(estimates):
     @njit(cache=True, nogil=True, inline="always")
-    def offer(r, lo, hi, hq, t, z, q, scale, bias, sums, members, m, ids, best, dots, est, ahead):
+    def offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, m, ids, best, dots, est,
+              ahead):
         """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a
         group at a time (``dots``, ``est`` [GROUP] their scratch), offered as their labels
         (``members``) to its heap (``ids``, ``best``, ``m`` of ``ids.size`` entries) where
@@ -335,7 +414,7 @@ def _offer_kernel(estimates):
         for g in range(lo // GROUP, end):
             if ahead and g + ahead < end:
                 prefetch(q[g + ahead])
-            estimates(r, g, hq, t, z, q, scale, bias, sums, dots, est)
+            estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est)
             p = g * GROUP
             top = -np.inf  # a NaN estimate is never offered
             for u in range(GROUP):
@@ -351,7 +430,8 @@ def _offer_kernel(estimates):
 
 def _scan_kernel(offer):
     @njit(cache=True, nogil=True, parallel=True)
-    def scan(hq, t, z, q, scale, bias, sums, members, starts, ptr, rows, bounds, pos, best, held):
+    def scan(hq, t, z, shift, q, scale, bias, sums, members, starts, ptr, rows, bounds, pos, best,
+             held):
         """Cluster by cluster, each task its run of them: every label's int8 estimate for
         each row that chose its cluster, offered to the task's heap of ``keep`` for that row
         (a cluster's int8 rows stay in cache while its rows are scored)."""
@@ -367,9 +447,9 @@ def _scan_kernel(offer):
             for c in range(bounds[task], bounds[task + 1]):
                 for j in range(ptr[c], ptr[c + 1]):
                     r = rows[j]
-                    my_held[r] = offer(r, starts[c], starts[c + 1], hq, t, z, q, scale, bias,
-                                       sums, members, my_held[r], my_pos[r], my_best[r], dots,
-                                       est, 0)
+                    my_held[r] = offer(r, starts[c], starts[c + 1], hq, t, z, shift, q, scale,
+                                       bias, sums, members, my_held[r], my_pos[r], my_best[r],
+                                       dots, est, 0)
             pos[task] = my_pos
             best[task] = my_best
             held[task] = my_held
@@ -378,11 +458,11 @@ def _scan_kernel(offer):
 
 def _centroids_kernel(estimates):
     @njit(cache=True, nogil=True, inline="always")
-    def centroid_scores(r, lo, hi, hq, t, z, cq, cscale, cbias, csums, dots, est, out):
-        """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the int8 copy
+    def centroid_scores(r, lo, hi, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, out):
+        """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the 4-bit copy
         ``cq`` into ``out`` [C] (the groups' padding left out; ``est`` [GROUP] scratch)."""
         for g in range(lo, hi):
-            estimates(r, g, hq, t, z, cq, cscale, cbias, csums, dots, est)
+            estimates(r, g, hq, t, z, shift, cq, cscale, cbias, csums, dots, est)
             for u in range(min(GROUP, out.size - g * GROUP)):
                 out[g * GROUP + u] = est[u]
     return centroid_scores
@@ -390,23 +470,29 @@ def _centroids_kernel(estimates):
 
 def _choice_kernel(centroid_scores):
     @njit(cache=True, nogil=True, parallel=True)
-    def choose_clusters(hq, t, z, cq, cscale, cbias, csums, sizes, budget, chosen, n_chosen):
-        """Each row's clusters (:func:`_choose`) by its centroids' int8 estimates."""
+    def choose_clusters(hq, t, z, shift, cq, cscale, cbias, csums, sizes, budget, chosen,
+                        n_chosen):
+        """Each row's clusters (:func:`_choose`) by its centroids' 4-bit estimates."""
         for r in prange(hq.shape[0]):
             coarse = np.empty(sizes.size, np.float32)
             dots = np.empty(GROUP, np.int32)
             est = np.empty(GROUP, np.float32)
-            centroid_scores(r, 0, cq.shape[0], hq, t, z, cq, cscale, cbias, csums, dots, est,
-                            coarse)
+            centroid_scores(r, 0, cq.shape[0], hq, t, z, shift, cq, cscale, cbias, csums, dots,
+                            est, coarse)
             n_chosen[r] = _choose(coarse, sizes, budget, chosen[r])
     return choose_clusters
 
 
-#: each kind's (:func:`int8_kind`) estimates of a group of rows, and the kernels over them
-_ESTIMATES = {"avx2": _estimates_kernel(_dot8_avx2), None: _estimates_kernel(_dot8_loop)}
-_OFFERS = {kind: _offer_kernel(estimates) for kind, estimates in _ESTIMATES.items()}
+#: each kind's (:func:`int8_kind`) estimates of a group of the labels' int8 rows and of the
+#: centroids' 4-bit rows, and the kernels over them
+_LABEL_ESTIMATES = {"avx2": _estimates_kernel(_dot8_avx2, False),
+                    None: _estimates_kernel(_dot8_loop, False)}
+_CENTROID_ESTIMATES = {"avx2": _estimates_kernel(_dot4_avx2, True),
+                       None: _estimates_kernel(_dot4_loop, True)}
+_OFFERS = {kind: _offer_kernel(estimates) for kind, estimates in _LABEL_ESTIMATES.items()}
 _SCANS = {kind: _scan_kernel(offer) for kind, offer in _OFFERS.items()}
-_CENTROIDS = {kind: _centroids_kernel(estimates) for kind, estimates in _ESTIMATES.items()}
+_CENTROIDS = {kind: _centroids_kernel(estimates)
+              for kind, estimates in _CENTROID_ESTIMATES.items()}
 _CHOICES = {kind: _choice_kernel(scores) for kind, scores in _CENTROIDS.items()}
 
 
@@ -441,23 +527,24 @@ def _rescore_row(H, r, W, b, top, m, ids, scores):
 
 def _row_kernel(offer, centroid_scores):
     @njit(cache=True, nogil=True, parallel=True)
-    def query_row(H, cq, cscale, cbias, csums, starts, sizes, budget, q, scale, bias, sums,
+    def query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, scale, bias, sums,
                   members, W, b, keep, T, ids, scores):
         """The whole query of one row ``H`` [1, d] in one call, into ``ids``, ``scores`` [1,
-        k]: the query quantized, its centroids' estimates (``cq``, ...: their int8 copy, each
+        k]: the query quantized, its centroids' estimates (``cq``, ...: their 4-bit copy, each
         of ``T`` threads over its block of groups), its clusters (:func:`_choose`), their
         labels' estimates, each thread over every T-th cluster, and the ``keep`` best
         rescored."""
-        hq = np.zeros((1, q.shape[1] // GROUP), np.uint8)
+        hq = np.zeros((1, depth), np.uint8)
         scale_q = np.zeros(1, np.float32)
         zero = np.zeros(1, np.int32)
-        _quantize_row(H, 0, hq, scale_q, zero)
+        shift = np.zeros(1, np.int32)
+        _quantize_row(H, 0, hq, scale_q, zero, shift)
         coarse = np.empty(sizes.size, np.float32)
         for t in prange(T):
             dots = np.empty(GROUP, np.int32)
             est = np.empty(GROUP, np.float32)
             centroid_scores(0, t * cq.shape[0] // T, (t + 1) * cq.shape[0] // T, hq, scale_q,
-                            zero, cq, cscale, cbias, csums, dots, est, coarse)
+                            zero, shift, cq, cscale, cbias, csums, dots, est, coarse)
         chosen = np.empty(sizes.size, np.int32)
         m = _choose(coarse, sizes, budget, chosen)
         pos = np.empty((T, keep), np.int64)
@@ -475,8 +562,8 @@ def _row_kernel(offer, centroid_scores):
                     lo, hi = starts[chosen[j + T]], starts[chosen[j + T] + 1]
                     for g in range(lo // GROUP, min(hi, lo + _AHEAD * GROUP) // GROUP):
                         prefetch(q[g])
-                n = offer(0, starts[c], starts[c + 1], hq, scale_q, zero, q, scale, bias, sums,
-                          members, n, my_pos, my_best, dots, est, _AHEAD)
+                n = offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias,
+                          sums, members, n, my_pos, my_best, dots, est, _AHEAD)
             pos[task], best[task], held[task] = my_pos, my_best, n
         top = np.empty(keep, np.int64)
         top_est = np.empty(keep, np.float32)
@@ -511,11 +598,39 @@ def _int8_copy(V, order, sizes, starts):
     return q, scale, bias, sums, place
 
 
-def _grouped(q, order, sizes, starts):
+def _int4_copy(V, order, sizes, starts):
+    """The 4-bit copy of the rows ``order`` of ``V`` [n, d + 1] (weights, bias last) laid out
+    for :func:`_dot4_avx2`, with each place's scale, bias and sum of its levels (padding: 0,
+    -inf, 0), and where each of ``order`` went: ``(q, scale, bias, sums, place)``."""
+    d = V.shape[1] - 1
+    depth = -(-d // 8) * 8
+    W = V[:, :d]
+    top = np.abs(W).max(axis=1) if d else np.zeros(V.shape[0], np.float32)
+    step = (top / NIBBLE).astype(np.float32)
+    levels = np.zeros((V.shape[0], depth), np.int8)
+    nonzero = step > 0
+    levels[nonzero, :d] = np.clip(np.rint(W[nonzero] / step[nonzero, None]), -NIBBLE, NIBBLE)
+    flat, place = _grouped((levels + OFFSET).astype(np.int8), order, sizes, starts, pieces=8)
+    # [group, piece of 8 depths, row, 8] -> the low half-bytes the piece's first four depths
+    nibbles = flat.reshape(flat.shape[0], depth // 8, GROUP, 2, 4).astype(np.uint8)
+    q = aligned_empty((flat.shape[0], GROUP * depth // 2), np.uint8)
+    q.reshape(flat.shape[0], depth // 8, GROUP, 4)[...] = (nibbles[:, :, :, 0] |
+                                                          (nibbles[:, :, :, 1] << 4))
+    entries = starts[-1]
+    scale = np.zeros(entries, np.float32)
+    scale[place] = step[order]
+    bias = np.full(entries, -np.inf, np.float32)
+    bias[place] = V[order, d]
+    sums = np.zeros(entries, np.int32)
+    sums[place] = levels[order].sum(axis=1, dtype=np.int32)
+    return q, scale, bias, sums, place
+
+
+def _grouped(q, order, sizes, starts, pieces: int = 4):
     """``q`` int8 [n, D]'s rows ``order`` (cluster by cluster, ``sizes`` of them in each) laid
     out for :func:`_dot8_avx2`: each cluster from ``starts`` (its rows padded with zeros to a
-    multiple of ``GROUP``), groups of ``GROUP`` rows by 4-byte pieces of depth, int8 [P /
-    GROUP, GROUP D]; and the place of each of ``order`` in it."""
+    multiple of ``GROUP``), groups of ``GROUP`` rows by pieces of ``pieces`` bytes of depth,
+    int8 [P / GROUP, GROUP D]; and the place of each of ``order`` in it."""
     D = q.shape[1]
     cluster_of = np.repeat(np.arange(sizes.size), sizes)
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
@@ -523,8 +638,8 @@ def _grouped(q, order, sizes, starts):
     flat = np.zeros((starts[-1], D), np.int8)
     flat[place] = q[order]
     out = aligned_empty((starts[-1] // GROUP, GROUP * D), np.int8)
-    pieces = flat.reshape(-1, GROUP, D // 4, 4).transpose(0, 2, 1, 3)  # [group, piece, row, 4]
-    out.reshape(-1, D // 4, GROUP, 4)[...] = pieces
+    by_piece = flat.reshape(-1, GROUP, D // pieces, pieces).transpose(0, 2, 1, 3)
+    out.reshape(-1, D // pieces, GROUP, pieces)[...] = by_piece  # [group, piece, row, bytes]
     return out, place
 
 
@@ -533,9 +648,9 @@ class LabelClusters:
 
     ``clusters``: how many (default :func:`cluster_count` of the layer's rows); ``probe``: the
     share of the entries a query scores (default ``DEFAULT_PROBE``; more finds more of the exact
-    top-k, slower); ``spill``: each label in its two nearest clusters, not one (twice the int8
-    copy, and as much of it scored, for recall that one cluster a label needs more to reach,
-    docs/serving.md). Ids are the layer's rows.
+    top-k, slower); ``spill``: each label in a second cluster too (:func:`_nearest`), not one
+    (twice the int8 copy, and as much of it scored, for recall that one cluster a label needs
+    more to reach, docs/serving.md). Ids are the layer's rows.
     """
 
     backend = "clusters"
@@ -549,6 +664,7 @@ class LabelClusters:
             raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
         self.clusters, self.probe, self.seed, self.spill = clusters, float(probe), seed, spill
         self.centroids = self.starts = self.sizes = self.members = None
+        self.depth = 0
         self.n = self.entries = 0
 
     def build(self, W, b, threads: int = 1, start: "LabelClusters | None" = None) -> "LabelClusters":
@@ -574,10 +690,13 @@ class LabelClusters:
                                                                            self.starts)
         self.members = np.full(self.starts[-1], -1, np.int32)
         self.members[place] = order
-        # the centroids' own int8 copy, in one run of groups: a row's pass over them reads a
-        # quarter of their float32 bytes, and a row alone chooses as in a batch
-        self.coarse = _int8_copy(C, np.arange(n_clusters), np.array([n_clusters]),
+        # the centroids' own 4-bit copy, in one run of groups: a row's pass over them reads an
+        # eighth of their float32 bytes, and a row alone chooses as in a batch
+        self.coarse = _int4_copy(C, np.arange(n_clusters), np.array([n_clusters]),
                                  np.array([0, -(-n_clusters // GROUP) * GROUP]))[:4]
+        # a query's quantized depth: both copies' (the labels' whole 4-byte pieces, the
+        # centroids' 8-depth ones), zeros beyond the layer's
+        self.depth = max(self.q.shape[1] // GROUP, 2 * self.coarse[0].shape[1] // GROUP)
         # the biases as given: a view of V would hold its whole copy of the layer
         self.W, self.b = W, np.ascontiguousarray(b, np.float32)
         return self
@@ -599,8 +718,9 @@ class LabelClusters:
 
     @property
     def nbytes(self) -> int:
-        """What the index holds beside the layer: centroids, members, cluster bounds and the
-        int8 copy of the layer in cluster order with each row's scale, bias and sum."""
+        """What the index holds beside the layer: centroids and their 4-bit copy, members,
+        cluster bounds and the int8 copy of the layer in cluster order with each row's scale,
+        bias and sum."""
         return sum(a.nbytes for a in (self.centroids, self.members, self.starts, self.sizes,
                                       self.q, self.scale, self.label_bias, self.sums,
                                       *self.coarse))
@@ -613,17 +733,19 @@ class LabelClusters:
     def _quantized(self, H):
         H = np.ascontiguousarray(H, np.float32)
         n = H.shape[0]
-        hq = np.zeros((n, self.q.shape[1] // GROUP), np.uint8)
+        hq = np.zeros((n, self.depth), np.uint8)
         t = np.empty(n, np.float32)
         z = np.empty(n, np.int32)
-        _quantize_queries(H, hq, t, z)
-        return hq, t, z
+        shift = np.empty(n, np.int32)
+        _quantize_queries(H, hq, t, z, shift)
+        return hq, t, z, shift
 
-    def _chosen(self, hq, t, z):
+    def _chosen(self, hq, t, z, shift):
         n, n_clusters = hq.shape[0], self.sizes.size
         chosen = np.empty((n, n_clusters), np.int32)
         counts = np.empty(n, np.int64)
-        _CHOICES[int8_kind()](hq, t, z, *self.coarse, self.sizes, self.budget, chosen, counts)
+        _CHOICES[int8_kind()](hq, t, z, shift, *self.coarse, self.sizes, self.budget, chosen,
+                              counts)
         return chosen, counts
 
     def query(self, H, k: int, threads: int = 1, keep: int | None = None):
@@ -638,16 +760,16 @@ class LabelClusters:
         scores = np.empty((n, k), np.float32)
         estimates = self.q, self.scale, self.label_bias, self.sums
         if n == 1:  # one kernel: a batch's five cost more to start (docs/serving.md)
-            _ROWS[kind](H, *self.coarse, self.starts, self.sizes, self.budget, *estimates,
-                        self.members, self.W, self.b, keep, threads, ids, scores)
+            _ROWS[kind](H, self.depth, *self.coarse, self.starts, self.sizes, self.budget,
+                        *estimates, self.members, self.W, self.b, keep, threads, ids, scores)
             return ids, scores
-        hq, t, z = self._quantized(H)
-        chosen, counts = self._chosen(hq, t, z)
+        hq, t, z, shift = self._quantized(H)
+        chosen, counts = self._chosen(hq, t, z, shift)
         ptr, rows, bounds = _by_cluster(chosen, counts, self.starts, threads)
         pos = np.empty((threads, n, keep), np.int64)
         best = np.empty((threads, n, keep), np.float32)
         held = np.empty((threads, n), np.int64)
-        _SCANS[kind](hq, t, z, *estimates, self.members, self.starts, ptr, rows, bounds, pos,
-                     best, held)
+        _SCANS[kind](hq, t, z, shift, *estimates, self.members, self.starts, ptr, rows, bounds,
+                     pos, best, held)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores

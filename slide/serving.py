@@ -235,7 +235,7 @@ class ServingSettings:
         """The index of ``predict_topk(mode="ann")`` (:mod:`slide.ann`).
 
         ``backend="clusters"`` (the default) is the engine's own: k-means clusters of the label
-        vectors (output rows with their biases), each label in its two nearest; a query scores
+        vectors (output rows with their biases), each label in two; a query scores
         the ``probe`` share of the entries (two a label) in the clusters whose centroids score
         best, from an int8 copy, and rescores the best of them in float32. ``clusters``: how
         many (default 8 √labels, a power of two).

@@ -153,19 +153,79 @@ def test_a_group_of_int8_rows_sums_as_numpy_does(d):
     assert np.all(np.isneginf(index.label_bias[~real])) and np.all(index.scale[~real] == 0)
 
 
+def _levels4(q, rows):
+    """The 4-bit copy ``q`` (:func:`slide.clusters._int4_copy`'s layout) decoded: its stored
+    values 0..15, int64 [rows, D]."""
+    G = slide.clusters.GROUP
+    pieces = q.reshape(q.shape[0], -1, G, 4)  # [group, piece of 8 depths, row, 4 bytes]
+    both = np.concatenate((pieces & 15, pieces >> 4), axis=3)  # depths 8 i + 0..7
+    return both.transpose(0, 2, 1, 3).reshape(-1, 8 * pieces.shape[1])[:rows].astype(np.int64)
+
+
+@pytest.mark.parametrize("d", [44, 3])
+def test_a_group_of_4bit_rows_sums_as_numpy_does(d):
+    """The centroids' 4-bit copy: each row's levels -7..7 of its largest weight, stored as w +
+    8, two to a byte; a query's int32 sums with them from the grouped layout (the host's
+    kernel and the loop alike) are numpy's, at the extremes of both ranges, with an odd count
+    of 8-depth pieces (44 -> 48) or a padded one (3 -> 8)."""
+    from numba import njit
+    rng = np.random.default_rng(1)
+    n, G = 37, slide.clusters.GROUP
+    V = rng.standard_normal((n, d + 1)).astype(np.float32)
+    V[0, :d] = 1.0  # every level 7
+    V[1, :d:2], V[1, 1:d:2] = -5.0, 0.1  # -7 at every other depth, 0 between
+    V[2, :d] = 0.0  # no scale: every level 0
+    starts = np.array([0, -(-n // G) * G])
+    q, scale, bias, sums, place = slide.clusters._int4_copy(V, np.arange(n), np.array([n]), starts)
+    depth = -(-d // 8) * 8
+    assert q.shape == (starts[-1] // G, G * depth // 2) and np.all(place == np.arange(n))
+    stored = _levels4(q, n)
+    levels = stored - slide.clusters.OFFSET
+    np.testing.assert_array_equal(levels[:, d:], 0)
+    assert np.all(levels[0, :d] == 7) and np.all(levels[1, :d:2] == -7) and np.all(levels[2] == 0)
+    assert np.abs(levels).max() <= slide.clusters.NIBBLE
+    # each weight within half a step of its level; the sums are the levels'
+    assert np.all(np.abs(levels[:, :d] * scale[:n, None] - V[:, :d]) <= 0.5001 * scale[:n, None])
+    np.testing.assert_array_equal(sums[:n], levels.sum(1))
+    np.testing.assert_array_equal(bias[:n], V[:, d])
+    assert np.all(np.isneginf(bias[n:])) and np.all(scale[n:] == 0)
+    hq = rng.integers(0, slide.clusters.LEVELS + 1, (4, depth)).astype(np.uint8)
+    hq[0] = slide.clusters.LEVELS
+    kernels = [slide.clusters._dot4_loop] + \
+        ([slide.clusters._dot4_avx2] if slide.clusters.int8_kind() == "avx2" else [])
+    for dot4 in kernels:
+        @njit
+        def dots(hq, q, out):
+            for r in range(hq.shape[0]):
+                for g in range(q.shape[0]):
+                    dot4(hq[r], q, g, out[r, g * 8:(g + 1) * 8])
+        out = np.zeros((4, starts[-1]), np.int32)
+        dots(hq, q, out)
+        np.testing.assert_array_equal(out[:, :n], hq.astype(np.int64) @ stored.T)
+
+
 def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
     W, b, H = _layer()
     index = LabelClusters(probe=0.1).build(W, b)
     assert index.centroids.shape[0] == cluster_count(3000) == 512
-    # each label in its two nearest clusters, each cluster padded to whole groups of rows
+    # each label in its nearest cluster and in the nearest other by SOAR's rule (its distance
+    # plus λ (r·(v - c))² / |r|², r its first residual), each cluster padded to whole groups
     real = index.members >= 0
     assert np.all(np.bincount(index.members[real], minlength=3000) == 2)
-    V = np.hstack((W, b[:, None]))
-    far = 0.5 * (index.centroids ** 2).sum(1) - V @ index.centroids.T
-    nearest = np.argsort(far, axis=1)[:, :2]
+    V = np.hstack((W, b[:, None])).astype(np.float64)
+    C = index.centroids.astype(np.float64)
+    far = (C ** 2).sum(1) - 2 * V @ C.T
+    first = np.argmin(far, axis=1)
+    r = V - C[first]
+    rr = (r ** 2).sum(1)[:, None]  # a label that is its centroid: the distance alone
+    along = ((r * V).sum(1)[:, None] - r @ C.T) ** 2 / np.where(rr > 0, rr, np.inf)
+    soar = far + slide.clusters.ORTHOGONAL * along
+    soar[np.arange(3000), first] = np.inf
+    second = np.argmin(soar, axis=1)
+    assert np.mean(second != np.argsort(far, axis=1)[:, 1]) > 0.05  # the rule moves some
     cluster = np.repeat(np.arange(index.sizes.size), np.diff(index.starts))
-    mine = [set(cluster[index.members == j]) == set(nearest[j]) for j in range(3000)]
-    assert np.mean(mine) > 0.99  # up to BLAS's rounding at a near-tie
+    mine = [set(cluster[index.members == j]) == {first[j], second[j]} for j in range(3000)]
+    assert np.mean(mine) > 0.99  # up to float32's rounding at a near-tie
     sizes = np.diff(index.starts)
     assert np.all(sizes % slide.clusters.GROUP == 0) and index.sizes.sum() == 6000
     assert np.all((index.sizes <= sizes) & (sizes < index.sizes + slide.clusters.GROUP))
@@ -180,10 +240,19 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
     # every row's candidates: whole clusters holding at least the budget, best centroids first
     chosen, counts = index.chosen(H)
     sizes = index.sizes
+    # the centroids' scores as the query estimates them: 4-bit levels, 7-bit queries
+    q, scale, bias, sums = index.coarse
+    n_clusters = sizes.size
+    levels = _levels4(q, n_clusters) - slide.clusters.OFFSET
+    hq, t, z, _ = index._quantized(H)
+    estimates = (scale[:n_clusters] * t[:, None] *
+                 ((hq.astype(np.int64) - z[:, None]) @ levels.T) + bias[:n_clusters])
+    scores = H @ index.weights.T + index.bias
+    assert np.corrcoef(estimates.ravel(), scores.ravel())[0, 1] > 0.99
     for r in range(20):
         mine = chosen[r, :counts[r]]
         assert sizes[mine].sum() >= index.budget > sizes[mine[:-1]].sum()
-        coarse = H[r] @ index.weights.T + index.bias
+        coarse = estimates[r]
         others = np.setdiff1d(np.arange(coarse.size), mine)
         bin_width = (coarse.max() - coarse.min()) / 255
         assert coarse[others].max() <= coarse[mine].min() + bin_width * 1.001
