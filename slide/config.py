@@ -41,6 +41,9 @@ def _number(name, value, *, lo=None, hi=None, integer=False, none=True, lo_open=
         if none:
             return None
         raise ValueError(f"{name} must be set")
+    if type(value) is int and (lo is None or (value > lo if lo_open else value >= lo)) and \
+            (hi is None or value <= hi):
+        return value if integer else float(value)  # the common case, without the ABCs' checks
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if integer and not (isinstance(value, numbers.Integral) or float(value).is_integer()):

@@ -379,13 +379,13 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         (:meth:`set_serving`; rows with fewer than k candidates are padded with id -1).
         ``mode="ann"`` asks an approximate index of the label vectors (:meth:`set_ann`).
         """
-        self._require_current()
+        threads = self._require_current()
         X = self.check_data(X, where="predict")
         k = check_k(k)
         if mode not in ("exact", "lsh", "ann"):
             raise ValueError(f"mode must be 'exact', 'lsh' or 'ann', got {mode!r}")
         rows, scores = self.server_.topk(lambda b: self._hidden_blocks(X, b), X.shape[0], k,
-                                         mode, block)
+                                         mode, block, threads)
         if self.shards() is not None:  # every shard's best, the same on every rank
             return self.shards().merge_topk(self.labels_.to_labels(rows), scores, k)
         return self.labels_.to_labels(rows), scores

@@ -165,12 +165,13 @@ class Server:
                                                 start=None if held is None else held[1])
         return self._once("ann", build)
 
-    def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None):
+    def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None, threads: int):
         """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of the rows whose last hidden
-        layer ``hidden_blocks(block)`` yields as ``(lo, hi, h)``."""
+        layer ``hidden_blocks(block)`` yields as ``(lo, hi, h)``, on numba's ``threads`` (the
+        count in force)."""
         s = self.state
         if mode == "ann":
-            index, threads = self.label_index(), numba.get_num_threads()
+            index = self.label_index()
             parts = [index.query(h, k, threads)
                      for _, _, h in hidden_blocks(block or EXACT_BLOCK_ROWS)]
             if len(parts) == 1:  # a single row's query: no copy
@@ -201,7 +202,7 @@ class Server:
         for lo, hi, h in hidden_blocks(block):
             cand, n_c = tables.query(h, n_cand)
             # fewer rows than threads: each row's candidates split among them
-            parts = max(1, numba.get_num_threads() // h.shape[0])
+            parts = max(1, threads // h.shape[0])
             screened_candidates(h, s.weight_rows("W"), b, screen, cand, n_c, parts,
                                 ids[lo:hi], scores[lo:hi])
         return ids, scores
@@ -253,8 +254,10 @@ class ServingSettings:
         ``set_params(threads=N)`` on a fitted model takes effect at its next query."""
         return set_num_threads(checked_setting("threads", self.threads))
 
-    def _require_current(self):
-        """Serving starts here: the model exists, and its tables reflect its weights."""
+    def _require_current(self) -> int:
+        """Serving starts here: the model exists, and its tables reflect its weights; returns
+        numba's thread count for the query."""
         self._require_fitted()
-        self._query_threads()
+        threads = self._query_threads()
         self.server_.current()
+        return threads
