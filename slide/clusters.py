@@ -112,15 +112,16 @@ def _best(scores, half_norms):
 
 @njit(cache=True, nogil=True)
 def _means(V, assign, C):
-    """Each cluster's mean of the rows of ``V`` assigned to it into ``C``; an empty cluster
-    keeps its centroid."""
+    """Each cluster's mean of the rows of ``V`` assigned to it (``assign`` [n, m]: a row's m
+    clusters) into ``C``; an empty cluster keeps its centroid."""
     sums = np.zeros(C.shape, np.float64)
     counts = np.zeros(C.shape[0], np.int64)
     for i in range(V.shape[0]):
-        c = assign[i]
-        counts[c] += 1
-        for j in range(V.shape[1]):
-            sums[c, j] += V[i, j]
+        for e in range(assign.shape[1]):
+            c = assign[i, e]
+            counts[c] += 1
+            for j in range(V.shape[1]):
+                sums[c, j] += V[i, j]
     for c in range(C.shape[0]):
         if counts[c]:
             for j in range(C.shape[1]):
@@ -142,11 +143,12 @@ def _assign(V, C, threads: int, nearest: int = 1) -> np.ndarray:
 
 def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, nearest: int = 1):
     """Lloyd's k-means of the rows of ``V`` float32 [n, d]: ``(centroids [n_clusters, d],
-    assignment int64 [n, nearest])``, each row's ``nearest`` nearest centroids, nearest first
-    (fewer where there are fewer clusters); ``ITERATIONS`` steps over a sample of
-    ``SAMPLE_PER_CLUSTER`` rows per cluster from ``n_clusters`` distinct rows of it, or
-    ``WARM_ITERATIONS`` from the centroids ``start`` (the last index's, the weights having
-    moved since)."""
+    assignment int64 [n, nearest])``, each row's nearest centroid, and with ``nearest=2`` a
+    second (:func:`_assign`); ``ITERATIONS`` steps over a sample of ``SAMPLE_PER_CLUSTER`` rows
+    per cluster from ``n_clusters`` distinct rows of it, or ``WARM_ITERATIONS`` from the
+    centroids ``start`` (the last index's, the weights having moved since). With two clusters
+    a row, one more step over every row: each centroid the mean of the entries its cluster
+    holds, which it stands for when a query chooses clusters (docs/serving.md)."""
     rng = np.random.default_rng(seed)
     n = V.shape[0]
     sample = V if n <= SAMPLE_PER_CLUSTER * n_clusters else \
@@ -157,8 +159,12 @@ def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, near
         C = np.array(sample[rng.choice(sample.shape[0], n_clusters, replace=False)], np.float32)
         steps = ITERATIONS
     for _ in range(steps):
-        _means(sample, _assign(sample, C, threads)[:, 0], C)
-    return C, _assign(V, C, threads, nearest)
+        _means(sample, _assign(sample, C, threads), C)
+    assign = _assign(V, C, threads, nearest)
+    if assign.shape[1] > 1:
+        _means(V, assign, C)
+        assign = _assign(V, C, threads, nearest)
+    return C, assign
 
 
 #: bins of a row's centroid scores for choosing its clusters

@@ -258,6 +258,26 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
         assert coarse[others].max() <= coarse[mine].min() + bin_width * 1.001
 
 
+def test_two_clusters_a_label_take_one_more_step_over_both_entries():
+    """With two clusters a label, k-means takes one more step after the last assignment: each
+    centroid the mean of every entry its cluster holds, then every label assigned again."""
+    from slide.clusters import _assign, kmeans
+    W, b, _ = _layer(n=1500)
+    V = np.ascontiguousarray(np.hstack((W, b[:, None])))
+    C1, one = kmeans(V, 64, seed=3, nearest=1)
+    first = _assign(V, C1, 1, nearest=2)
+    want = C1.astype(np.float64)
+    for c in range(64):
+        held = V[(first == c).any(axis=1)]
+        if held.size:
+            want[c] = held.mean(axis=0)
+    C, two = kmeans(V, 64, seed=3, nearest=2)
+    np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(C, C1, atol=1e-3)  # the step moved them
+    np.testing.assert_array_equal(two, _assign(V, C, 1, nearest=2))
+    np.testing.assert_array_equal(one[:, 0], _assign(V, C1, 1)[:, 0])
+
+
 def test_one_cluster_a_label_when_not_spilled():
     W, b, H = _layer()
     index = LabelClusters(probe=1.0, spill=False).build(W, b)
