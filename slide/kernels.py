@@ -63,6 +63,10 @@ _CONTRACT = {"contract"}
 #: rows asked for ahead of use by the kernels that walk scattered rows: enough to keep several
 #: rows in flight, few enough that they are still in L1 when used (docs/runtime.md)
 AHEAD = 4
+#: float32 values in a 64-byte cache line
+_LINE_FLOATS = 16
+#: tasks a single row's first layer is split into (docs/serving.md)
+_ROW_SHARES = 2
 
 #: rows asked of L2 ahead of use by the kernels that update scattered rows, beside AHEAD's ask
 #: of every level: L2 keeps many more misses in flight than L1, so more of a row's lines are on
@@ -81,22 +85,29 @@ def forward_input(x_indptr, x_indices, x_data, idf, l2, W0, b0, relu, acts):
     """First hidden layer, ReLU(x W0 + b0) (``relu``, bool) or x W0 + b0, for a batch of CSR
     rows into ``acts[:, :H0]`` (``W0``: rows led by the weights, H0 = ``b0.size``), each row
     weighed as it is read (``idf``, ``l2``: :func:`slide.preprocess.row_divisor`; an empty
-    ``idf`` and False for rows weighed already)."""
-    H0 = b0.size
-    for r in prange(x_indptr.size - 1):
-        h = acts[r, :H0]
-        h[:] = b0
+    ``idf`` and False for rows weighed already). A row alone (a single row's query) is split
+    by columns into ``_ROW_SHARES`` tasks, in whole cache lines, so that threads share its
+    waits on the weight rows (the same sums, bit for bit)."""
+    n, H0 = x_indptr.size - 1, b0.size
+    # numba's thread count read here would keep the kernel from numba's cache
+    parts = max(1, min(_ROW_SHARES, H0 // _LINE_FLOATS)) if n == 1 else 1
+    for task in prange(n * parts):
+        r, part = task // parts, task % parts
+        lo = (part * H0 // parts) // _LINE_FLOATS * _LINE_FLOATS
+        hi = H0 if part == parts - 1 else ((part + 1) * H0 // parts) // _LINE_FLOATS * _LINE_FLOATS
+        h = acts[r, lo:hi]
+        h[:] = b0[lo:hi]
         end = x_indptr[r + 1]
         divisor = row_divisor(x_indptr[r], end, x_indices, x_data, idf, l2)
         for p in range(x_indptr[r], end):
             if p + AHEAD < end:
-                prefetch(W0[x_indices[p + AHEAD], :H0])
-            row = W0[x_indices[p], :H0]
+                prefetch(W0[x_indices[p + AHEAD], lo:hi])
+            row = W0[x_indices[p], lo:hi]
             v = weighed(p, x_indices, x_data, idf) / divisor
-            for j in range(H0):
+            for j in range(hi - lo):
                 h[j] += v * row[j]
         if relu:
-            for j in range(H0):
+            for j in range(hi - lo):
                 h[j] = max(h[j], np.float32(0.0))
 
 

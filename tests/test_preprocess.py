@@ -1,3 +1,4 @@
+import numba
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -110,3 +111,38 @@ def test_first_layer_weighs_raw_rows_as_the_preprocessed_copy(tiny_data, tfidf, 
     np.testing.assert_array_equal(got[-1], empty)  # no division by a zero norm
     if norm is not None or tfidf:  # a weighing that changes the rows: the raw rows differ
         assert not np.array_equal(got, m.state_.forward(rows))
+
+
+@pytest.mark.parametrize("hidden", [40, 16])
+def test_a_row_alone_takes_its_first_layer_in_column_shares(hidden):
+    """A row alone: its first-layer columns are split into shares (in whole cache lines, the
+    last share the rest, 40 = 16 + 24) on however many threads, with the same sums bit for
+    bit as the row's in a batch, weighed as read; 16 columns make one share."""
+    from slide.kernels import forward_input
+    from slide.runtime import set_num_threads
+    rng = np.random.default_rng(0)
+    X = sp.random(6, 300, density=0.1, format="csr", dtype=np.float32, random_state=1)
+    W0 = rng.standard_normal((300, hidden)).astype(np.float32)
+    b0 = rng.standard_normal(hidden).astype(np.float32)
+    idf = rng.uniform(0.5, 2.0, 300).astype(np.float32)
+
+    def first_layer(rows):
+        acts = np.full((rows.shape[0], hidden + 3), np.nan, np.float32)
+        forward_input(rows.indptr.astype(np.int64), rows.indices, rows.data, idf, True, W0, b0,
+                      True, acts)
+        return acts
+    held = numba.get_num_threads()
+    try:
+        set_num_threads(1)
+        want = first_layer(X)
+        for threads in (1, 2, 3):
+            set_num_threads(threads)
+            for r in range(X.shape[0]):
+                got = first_layer(X[r:r + 1])
+                np.testing.assert_array_equal(got[0, :hidden], want[r, :hidden])
+                assert np.all(np.isnan(got[0, hidden:]))  # nothing written past the layer
+    finally:
+        set_num_threads(held)
+    dense = X.toarray() * idf
+    dense /= np.linalg.norm(dense, axis=1, keepdims=True)
+    np.testing.assert_allclose(want[:, :hidden], np.maximum(dense @ W0 + b0, 0), rtol=1e-4, atol=1e-5)
