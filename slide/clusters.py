@@ -8,8 +8,8 @@ estimates in float32.
 
 Where LSH's tables find a label only when a random projection agrees, the centroids are the
 layer's own summary: on git_openstack, a fiftieth of the entries taken this way holds 0.95 of
-the exact top-10, a twentieth 0.99. A batch's candidates are scored cluster by cluster while each cluster's rows
-are in cache, so batches gain as much as single rows (docs/serving.md).
+the exact top-10, a twentieth 0.99. A batch's candidates are scored cluster by cluster while
+each cluster's rows are in cache, so batches gain as much as single rows (docs/serving.md).
 """
 from __future__ import annotations
 

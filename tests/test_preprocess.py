@@ -145,4 +145,5 @@ def test_a_row_alone_takes_its_first_layer_in_column_shares(hidden):
         set_num_threads(held)
     dense = X.toarray() * idf
     dense /= np.linalg.norm(dense, axis=1, keepdims=True)
-    np.testing.assert_allclose(want[:, :hidden], np.maximum(dense @ W0 + b0, 0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(want[:, :hidden], np.maximum(dense @ W0 + b0, 0), rtol=1e-4,
+                               atol=1e-5)
