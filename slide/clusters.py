@@ -594,14 +594,18 @@ def _int8_copy(V, order, sizes, starts):
     W[:, :d] = V[:, :d]
     rows = quantize_labels(W, np.ascontiguousarray(V[:, d]))
     q, place = _grouped(rows.q, order, sizes, starts)
-    entries = starts[-1]
-    scale = np.zeros(entries, np.float32)
-    scale[place] = rows.meta[order, SCALE]
-    bias = np.full(entries, -np.inf, np.float32)
-    bias[place] = rows.meta[order, BIAS]
-    sums = np.zeros(entries, np.int32)
-    sums[place] = rows.q[order].sum(axis=1, dtype=np.int32)
-    return q, scale, bias, sums, place
+    return (q, *_placed(place, starts[-1], rows.meta[order, SCALE], rows.meta[order, BIAS],
+                        rows.q[order].sum(axis=1, dtype=np.int32)), place)
+
+
+def _placed(place, entries, scale, bias, sums):
+    """Each copied row's ``scale``, ``bias`` and integer ``sums`` at its ``place`` of
+    ``entries``, the padding's 0, -inf and 0: ``(scale, bias, sums)``."""
+    out = (np.zeros(entries, np.float32), np.full(entries, -np.inf, np.float32),
+           np.zeros(entries, np.int32))
+    for a, values in zip(out, (scale, bias, sums)):
+        a[place] = values
+    return out
 
 
 def _int4_copy(V, order, sizes, starts):
@@ -622,14 +626,8 @@ def _int4_copy(V, order, sizes, starts):
     q = aligned_empty((flat.shape[0], GROUP * depth // 2), np.uint8)
     q.reshape(flat.shape[0], depth // 8, GROUP, 4)[...] = (nibbles[:, :, :, 0] |
                                                           (nibbles[:, :, :, 1] << 4))
-    entries = starts[-1]
-    scale = np.zeros(entries, np.float32)
-    scale[place] = step[order]
-    bias = np.full(entries, -np.inf, np.float32)
-    bias[place] = V[order, d]
-    sums = np.zeros(entries, np.int32)
-    sums[place] = levels[order].sum(axis=1, dtype=np.int32)
-    return q, scale, bias, sums, place
+    return (q, *_placed(place, starts[-1], step[order], V[order, d],
+                        levels[order].sum(axis=1, dtype=np.int32)), place)
 
 
 def _grouped(q, order, sizes, starts, pieces: int = 4):
@@ -670,7 +668,6 @@ class LabelClusters:
             raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
         self.clusters, self.probe, self.seed, self.spill = clusters, float(probe), seed, spill
         self.centroids = self.starts = self.sizes = self.members = None
-        self.depth = 0
         self.n = self.entries = 0
 
     def build(self, W, b, threads: int = 1, start: "LabelClusters | None" = None) -> "LabelClusters":
@@ -700,9 +697,6 @@ class LabelClusters:
         # eighth of their float32 bytes, and a row alone chooses as in a batch
         self.coarse = _int4_copy(C, np.arange(n_clusters), np.array([n_clusters]),
                                  np.array([0, -(-n_clusters // GROUP) * GROUP]))[:4]
-        # a query's quantized depth: both copies' (the labels' whole 4-byte pieces, the
-        # centroids' 8-depth ones), zeros beyond the layer's
-        self.depth = max(self.q.shape[1] // GROUP, 2 * self.coarse[0].shape[1] // GROUP)
         # the biases as given: a view of V would hold its whole copy of the layer
         self.W, self.b = W, np.ascontiguousarray(b, np.float32)
         return self
@@ -716,6 +710,12 @@ class LabelClusters:
     def bias(self) -> np.ndarray:
         """The centroids' biases, float32 [C] (a view of ``centroids``)."""
         return self.centroids[:, -1]
+
+    @property
+    def depth(self) -> int:
+        """A query's quantized depth: both copies' (the labels' whole 4-byte pieces, the
+        centroids' 8-depth ones), zeros beyond the layer's."""
+        return max(self.q.shape[1] // GROUP, 2 * self.coarse[0].shape[1] // GROUP)
 
     @property
     def budget(self) -> int:

@@ -118,12 +118,29 @@ def test_clusters_score_every_label_exactly_when_probing_all(monkeypatch, kind):
     _probe_all(*_layer())
 
 
+def _group_sums(name, hq, q):
+    """Each query row's int32 sums with every group of ``q`` by the kernel ``name`` (the loop,
+    and the AVX2 one where the host has it): yields int32 [rows of hq, groups · GROUP]."""
+    from numba import njit
+    avx2 = slide.clusters.int8_kind() == "avx2"
+    kernels = [getattr(slide.clusters, name + "_loop")] + \
+        ([getattr(slide.clusters, name + "_avx2")] if avx2 else [])
+    for kernel in kernels:
+        @njit
+        def sums(hq, q, out):
+            for r in range(hq.shape[0]):
+                for g in range(q.shape[0]):
+                    kernel(hq[r], q, g, out[r, g * 8:(g + 1) * 8])
+        out = np.zeros((hq.shape[0], q.shape[0] * slide.clusters.GROUP), np.int32)
+        sums(hq, q, out)
+        yield out
+
+
 @pytest.mark.parametrize("d", [44, 3])
 def test_a_group_of_int8_rows_sums_as_numpy_does(d):
     """Each label's int32 sum with a query from the grouped layout (the host's kernel and the
     loop alike) is numpy's of its int8 row, at the extremes of both ranges and with an odd
     count of 4-byte pieces (44) or a padded one (3)."""
-    from numba import njit
     from slide.screen import quantize_labels
     rng = np.random.default_rng(1)
     W = rng.standard_normal((37, d)).astype(np.float32)
@@ -136,16 +153,7 @@ def test_a_group_of_int8_rows_sums_as_numpy_does(d):
     rows[:, :d] = quantize_labels(np.ascontiguousarray(W), np.zeros(37, np.float32)).q
     hq = rng.integers(0, slide.clusters.LEVELS + 1, (4, depth)).astype(np.uint8)
     hq[0] = slide.clusters.LEVELS
-    kernels = [slide.clusters._dot8_loop] + \
-        ([slide.clusters._dot8_avx2] if slide.clusters.int8_kind() == "avx2" else [])
-    for dot8 in kernels:
-        @njit
-        def sums(hq, q, out):
-            for r in range(hq.shape[0]):
-                for g in range(q.shape[0]):
-                    dot8(hq[r], q, g, out[r, g * 8:(g + 1) * 8])
-        out = np.zeros((4, index.starts[-1]), np.int32)
-        sums(hq, index.q, out)
+    for out in _group_sums("_dot8", hq, index.q):
         real = index.members >= 0
         want = hq.astype(np.int64) @ rows[index.members[real]].T.astype(np.int64)
         np.testing.assert_array_equal(out[:, real], want)
@@ -168,7 +176,6 @@ def test_a_group_of_4bit_rows_sums_as_numpy_does(d):
     8, two to a byte; a query's int32 sums with them from the grouped layout (the host's
     kernel and the loop alike) are numpy's, at the extremes of both ranges, with an odd count
     of 8-depth pieces (44 -> 48) or a padded one (3 -> 8)."""
-    from numba import njit
     rng = np.random.default_rng(1)
     n, G = 37, slide.clusters.GROUP
     V = rng.standard_normal((n, d + 1)).astype(np.float32)
@@ -191,16 +198,7 @@ def test_a_group_of_4bit_rows_sums_as_numpy_does(d):
     assert np.all(np.isneginf(bias[n:])) and np.all(scale[n:] == 0)
     hq = rng.integers(0, slide.clusters.LEVELS + 1, (4, depth)).astype(np.uint8)
     hq[0] = slide.clusters.LEVELS
-    kernels = [slide.clusters._dot4_loop] + \
-        ([slide.clusters._dot4_avx2] if slide.clusters.int8_kind() == "avx2" else [])
-    for dot4 in kernels:
-        @njit
-        def dots(hq, q, out):
-            for r in range(hq.shape[0]):
-                for g in range(q.shape[0]):
-                    dot4(hq[r], q, g, out[r, g * 8:(g + 1) * 8])
-        out = np.zeros((4, starts[-1]), np.int32)
-        dots(hq, q, out)
+    for out in _group_sums("_dot4", hq, q):
         np.testing.assert_array_equal(out[:, :n], hq.astype(np.int64) @ stored.T)
 
 
