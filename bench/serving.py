@@ -31,15 +31,28 @@ import numpy as np
 from bench.common import dataset, machine, write_json
 
 
-def _latency(fn, rows, batch, reps, rng):
-    times = []
-    for _ in range(reps):
-        lo = int(rng.integers(0, rows.shape[0] - batch + 1))
-        query = rows[lo:lo + batch]  # scipy's slice is the caller's cost, not the query's
-        t0 = time.perf_counter()
-        fn(query)
-        times.append(time.perf_counter() - t0)
-    return float(np.percentile(times, 50) * 1e3), float(np.percentile(times, 99) * 1e3)
+def _side_by_side(entries, rows, batch, reps, rng, turn=1):
+    """p50 and p99 latency (ms) over ``reps`` queries of ``batch`` rows for each ``(prepare,
+    fn)`` of ``entries``, the entries taking turns of ``turn`` queries each, so that the
+    machine's slow spells fall on all of them alike. A turn long enough for an entry to find
+    its own data in the caches (single rows: 20 queries) measures it as a server answering
+    only that mode would run, not in the wake of another's memory traffic; each entry's
+    queries come from its own part of ``rows``, so none finds another's rows in the caches.
+    ``prepare()`` (untimed) sets the shared index's knob for its entry."""
+    times = [[] for _ in entries]
+    span = rows.shape[0] - batch + 1
+    stride = max(1, span // len(entries))
+    for _ in range(-(-reps // turn)):
+        starts = rng.integers(0, span, turn)
+        for j, (prepare, fn) in enumerate(entries):
+            prepare()
+            for lo in starts:
+                start = (int(lo) + j * stride) % span
+                query = rows[start:start + batch]  # the caller's cost, not the query's
+                t0 = time.perf_counter()
+                fn(query)
+                times[j].append(time.perf_counter() - t0)
+    return [(float(np.percentile(t, 50) * 1e3), float(np.percentile(t, 99) * 1e3)) for t in times]
 
 
 def _clients(fn, rows, clients, queries, rng, want):
@@ -108,6 +121,25 @@ def _faiss_ivf_predict(model, built, probe, k):
     return predict
 
 
+def _print(row, k):
+    mode, probed = row["mode"], row["probe"] is not None
+    setting = (f"{row['backend']} {'probe' if probed else 'ef'}="
+               f"{row['probe'] if probed else row['ef']:g}" if mode == "ann" else
+               f"tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}")
+    print(f"{mode:5s} {setting}  recall@{k} {row[f'recall@{k}']:.3f}  P@1 {row['P@1']:.3f}  "
+          f"single p50 {row['single_p50_ms']:.2f} ms p99 {row['single_p99_ms']:.2f} ms  "
+          f"batch of 128 p50 {row['batch128_p50_ms']:.1f} ms p99 {row['batch128_p99_ms']:.1f} ms"
+          + (f"  {row['serving_mib']:.0f} MiB" if row["serving_mib"] is not None else "")
+          + (f"  built in {row['build_seconds']:.1f} s" if row["build_seconds"] is not None else "")
+          + (f"  ({row['single_speedup']:.1f}x / {row['batch_speedup']:.1f}x the exact mode of "
+             f"the same turns: {row['exact_single_p50_ms']:.2f} / {row['exact_batch128_p50_ms']:.1f}"
+             " ms)" if "single_speedup" in row else ""), flush=True)
+    for c in row["clients"]:
+        print(f"      {c['clients']} clients: {c['queries_per_s']:.0f} queries/s, p50 "
+              f"{c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms, {c['answers_differing']} "
+              "answers differing", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="demo")
@@ -131,6 +163,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--single-reps", type=int, default=200)
     p.add_argument("--batch-reps", type=int, default=20)
+    p.add_argument("--turn", type=int, default=20,
+                   help="single rows each setting answers in a row before the next takes its turn")
     p.add_argument("--clients", default="",
                    help="numbers of Python threads sending single rows at once (e.g. 1,2,4)")
     p.add_argument("--out", default="bench/results/serving")
@@ -164,7 +198,33 @@ def main(argv=None):
         knobs = args.ann_probe if b in PROBED else args.ann_ef
         settings += [("ann", b, float(v)) for v in knobs.split(",") if b]
     built = {}
+    exact_entry = None
+    group, group_key = [], None  # the settings that share one built index, timed side by side
+
+    def time_group():
+        """Latencies of the group's settings taken in turns with the exact mode's (its own the
+        first time), and their speedups against the exact mode of the same turns."""
+        entries = [exact_entry] + [e for _, e in group if e is not exact_entry]
+        single = _side_by_side(entries, Xte, 1, args.single_reps, rng, turn=args.turn)
+        batch = _side_by_side(entries, Xte, 128, args.batch_reps, rng)
+        timed = [r for r, e in group if e is not exact_entry]
+        for row, (s1, s99), (b1, b99) in zip(timed, single[1:], batch[1:]):
+            row.update(single_p50_ms=s1, single_p99_ms=s99, batch128_p50_ms=b1,
+                       batch128_p99_ms=b99, exact_single_p50_ms=single[0][0],
+                       exact_batch128_p50_ms=batch[0][0],
+                       single_speedup=single[0][0] / s1, batch_speedup=batch[0][0] / b1)
+        if "single_p50_ms" not in rows[0]:
+            rows[0].update(single_p50_ms=single[0][0], single_p99_ms=single[0][1],
+                           batch128_p50_ms=batch[0][0], batch128_p99_ms=batch[0][1])
+        for row in timed or rows[:1]:
+            _print(row, k)
+        group.clear()
+
     for mode, tables, candidates in settings:
+        key = (mode, tables, None if mode == "ann" else candidates)
+        if group and key != group_key:
+            time_group()  # before this setting replaces the index the group shares
+        group_key = key
         if mode == "lsh":
             model.set_serving(tables or None, candidates or None)
         predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
@@ -179,16 +239,18 @@ def main(argv=None):
                 model.predict_topk(Xte[:1], k, mode="ann")
                 built = {"backend": tables, "seconds": time.perf_counter() - t0,
                          "mib": model.server_.label_index().nbytes / 2**20}
+        if mode == "ann" and tables != "faiss-ivf":
             index = model.server_.label_index()  # the same index, another beam or share
-            if tables in PROBED:
-                index.probe = candidates
-            else:
-                index.ef = int(candidates)
+
+            def prepare(index=index, knob=candidates, probed=tables in PROBED):
+                setattr(index, "probe" if probed else "ef", knob if probed else int(knob))
+        else:
+            def prepare():
+                pass
+        prepare()
         ids = predict(Xte)[0]  # also the warm-up
         hits = [np.intersect1d(a[a >= 0], b).size for a, b in zip(ids, exact_ids)]
         res = evaluate(Yte, ids, k)
-        single = _latency(predict, Xte, 1, args.single_reps, rng)
-        batch = _latency(predict, Xte, 128, args.batch_reps, rng)
         lsh = mode == "lsh"
         # what LSH serving holds beside the model: its tables and the int8 copy by label
         # (slide.screen.Int8Labels: a byte a weight and 16 a label)
@@ -203,29 +265,15 @@ def main(argv=None):
                "ef": candidates if ann and not probed else None,
                "probe": candidates if probed else None,
                "build_seconds": built["seconds"] if ann else None,
-               f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"],
-               "single_p50_ms": single[0], "single_p99_ms": single[1],
-               "batch128_p50_ms": batch[0], "batch128_p99_ms": batch[1]}
-        row["clients"] = [_clients(predict, Xte, c, args.single_reps, rng, ids)
-                          for c in clients_tried]
+               f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"]}
+        row["clients"] = [_clients(lambda X, f=predict, p=prepare: (p(), f(X))[1], Xte, c,
+                                   args.single_reps, rng, ids) for c in clients_tried]
         rows.append(row)
-        if rows:
-            row["single_speedup"] = rows[0]["single_p50_ms"] / single[0]
-            row["batch_speedup"] = rows[0]["batch128_p50_ms"] / batch[0]
-        setting = (f"{tables} {'probe' if probed else 'ef'}={candidates:g}" if ann else
-                   f"tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}")
-        print(f"{mode:5s} {setting}  "
-              f"recall@{k} {row[f'recall@{k}']:.3f}  "
-              f"P@1 {row['P@1']:.3f}  single p50 {single[0]:.2f} ms p99 {single[1]:.2f} ms  "
-              f"batch of 128 p50 {batch[0]:.1f} ms p99 {batch[1]:.1f} ms"
-              + (f"  {row['serving_mib']:.0f} MiB" if lsh or ann else "")
-              + (f"  built in {built['seconds']:.1f} s" if ann else "")
-              + (f"  ({row['single_speedup']:.1f}x / {row['batch_speedup']:.1f}x exact)"
-                 if rows else ""), flush=True)
-        for c in row["clients"]:
-            print(f"      {c['clients']} clients: {c['queries_per_s']:.0f} queries/s, p50 "
-                  f"{c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms, {c['answers_differing']} "
-                  "answers differing", flush=True)
+        entry = (prepare, predict)
+        if mode == "exact":
+            exact_entry = entry
+        group.append((row, entry))
+    time_group()
     write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
                                     "n_labels": model.n_labels_,
                                     "n_outputs": model.n_outputs_,

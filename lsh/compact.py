@@ -22,11 +22,10 @@ decides most hash codes alike for all of them.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
-from slide.runtime import borrowed, prefetch, thread_chunks
+from slide.runtime import borrowed, prefetch, thread_chunks, thread_count
 from lsh.families import make_family
 from lsh.tables import TableConfig, select_candidates
 
@@ -166,7 +165,7 @@ class CompactTables:
             raise ValueError(f"max_out must be positive, got {max_out}")
         out = np.full((codes.shape[0], max_out), -1, np.int32)
         lengths = np.zeros(codes.shape[0], np.int64)
-        t = numba.get_num_threads()
+        t = thread_count()
         size = max(1, self.largest_union)
         with borrowed(self._free_scratch, lambda s: s[1].shape == (t, size),
                       lambda: self._new_scratch(t, size)) as (count, cand, hits, hist):

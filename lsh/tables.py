@@ -22,11 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import numba
 import numpy as np
 from numba import njit, prange
 
-from slide.runtime import aligned_zeros, borrowed, copy_into, prefetch, thread_chunks
+from slide.runtime import aligned_zeros, borrowed, copy_into, prefetch, thread_chunks, thread_count
 from lsh.families import make_family
 
 __all__ = ["TableConfig", "HashTables", "autotune", "bucket_size_for", "query_one", "query_union",
@@ -368,7 +367,7 @@ class HashTables:
         max_out = cfg.L * cfg.bucket_size if max_out is None else int(max_out)
         out = np.full((codes.shape[0], max_out), -1, np.int32)
         lengths = np.zeros(codes.shape[0], np.int64)
-        t = numba.get_num_threads()
+        t = thread_count()
         with borrowed(self._free_scratch,
                       lambda s: s.fits(t, cfg.L, cfg.bucket_size, n_ids=self.n_ids),
                       lambda: QueryScratch(t, cfg.L, cfg.bucket_size, n_ids=self.n_ids)) as s:

@@ -18,7 +18,6 @@ import numbers
 from functools import lru_cache
 
 import numpy as np
-import numba
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -26,7 +25,7 @@ from numba.extending import intrinsic
 
 from slide.blas import gemm
 from slide.metrics import heap_push, heap_sorted
-from slide.runtime import aligned_empty, blas_threads, configure_threading, prefetch
+from slide.runtime import aligned_empty, blas_threads, configure_threading, prefetch, thread_count
 from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
 from slide.vecmath import REASSOC, dot
 
@@ -136,7 +135,7 @@ def _assign(V, C, threads: int, nearest: int = 1) -> np.ndarray:
     block = max(1, _BLOCK_BYTES // (4 * C.shape[0]))
     # BLAS's own threads would spin after each product and take the cores from numba's
     with blas_threads(1):
-        _nearest(V, C, half, ORTHOGONAL, max(1, min(threads, numba.get_num_threads())), block,
+        _nearest(V, C, half, ORTHOGONAL, max(1, min(threads, thread_count())), block,
                  out)
     return out
 
@@ -250,8 +249,12 @@ def int8_kind() -> str | None:
 def _grouped_sums(nibbles: bool):
     """The codegen of :func:`_dot8_avx2` (``nibbles`` false) or :func:`_dot4_avx2`: a group's
     eight sums in the eight int32 lanes of one register, so that no sum is reduced across
-    lanes, over two accumulators, each every other 32-byte piece of the rows."""
+    lanes, over two accumulators, each every other 32-byte piece of the rows. On a target
+    without AVX2 it compiles the loop instead, which such a target's kernels run."""
     def codegen(context, builder, signature, args):
+        if not target_has("avx2"):
+            loop = _dot4_loop if nibbles else _dot8_loop
+            return context.compile_internal(builder, loop.py_func, signature, args)
         h = context.make_array(signature.args[0])(context, builder, args[0])
         w = context.make_array(signature.args[1])(context, builder, args[1])
         o = context.make_array(signature.args[3])(context, builder, args[3])
@@ -318,9 +321,7 @@ def _dot8_avx2(typingctx, hq, q, g, out):
     byte) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G, GROUP D] (D a
     multiple of 4, C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at ``q[g, GROUP 4 i + 4 u:...+ 4]``),
     on AVX2: one ``vpmaddubsw`` (the query's four bytes broadcast) and one ``vpmaddwd`` a
-    piece; only AVX2 targets compile it."""
-    if int8_kind() != "avx2":
-        return None
+    piece (on a target without AVX2, the loop's code: kernels branch to it, never here)."""
     return types.void(hq, q, g, out), _grouped_sums(nibbles=False)
 
 
@@ -331,9 +332,7 @@ def _dot4_avx2(typingctx, hq, q, g, out):
     [G, GROUP D / 2] (D a multiple of 8, C-contiguous; 32 bytes a piece of 8 depths, 4 a row:
     byte j of row u's holds depth 8 i + j in its low half, 8 i + 4 + j in its high half), on
     AVX2: each half-byte set widened by a mask, then :func:`_dot8_avx2`'s two products, one
-    ``vpmaddwd`` for both halves; only AVX2 targets compile it."""
-    if int8_kind() != "avx2":
-        return None
+    ``vpmaddwd`` for both halves (the loop's code on a target without AVX2)."""
     return types.void(hq, q, g, out), _grouped_sums(nibbles=True)
 
 
@@ -389,117 +388,105 @@ def _push_new(v, j, k, n, ids, scores):
     return heap_push(v, j, k, n, ids, scores)
 
 
-def _estimates_kernel(dot8, shifted):
-    @njit(cache=True, nogil=True, inline="always")
-    def estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est):
-        """Row ``r``'s estimated scores of the ``GROUP`` rows of group ``g`` of ``q`` (with
-        each row's ``scale``, ``bias`` and integer ``sums``) into ``est``; ``dots`` [GROUP]
-        their int32 scratch; ``shifted``: rows stored as w + ``OFFSET`` (``shift``)."""
-        dot8(hq[r], q, g, dots)
-        tr, zr = t[r], z[r]
-        sr = shift[r] if shifted else 0
+@njit(cache=True, nogil=True, inline="always")
+def _estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, nibbles):
+    """Row ``r``'s estimated scores of the ``GROUP`` rows of group ``g`` of ``q`` (with each
+    row's ``scale``, ``bias`` and integer ``sums``) into ``est``; ``dots`` [GROUP] their int32
+    scratch; ``avx2``: AVX2's sums, else the loop's (:func:`int8_kind`); ``nibbles``: 4-bit
+    rows stored as w + ``OFFSET`` (``shift``), else int8 rows. The kind is an argument, not a
+    kernel of its own per kind: numba's cache keys a closure by its cells, and a kernel's cell
+    is another on every start, so closures over kernels compiled again in every process."""
+    if nibbles:
+        if avx2:
+            _dot4_avx2(hq[r], q, g, dots)
+        else:
+            _dot4_loop(hq[r], q, g, dots)
+    elif avx2:
+        _dot8_avx2(hq[r], q, g, dots)
+    else:
+        _dot8_loop(hq[r], q, g, dots)
+    tr, zr = t[r], z[r]
+    sr = shift[r] if nibbles else 0
+    p = g * GROUP
+    for u in range(GROUP):
+        est[u] = scale[p + u] * tr * np.float32(dots[u] - sr - zr * sums[p + u]) + bias[p + u]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, m, ids, best, dots, est,
+           ahead, avx2):
+    """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a group at
+    a time (``dots``, ``est`` [GROUP] their scratch), offered as their labels (``members``) to
+    its heap (``ids``, ``best``, ``m`` of ``ids.size`` entries) where they beat its least;
+    returns the heap's size. A group's estimates are tested against the least before any is
+    offered: offered one at a time, each waited on the heap's branches. ``ahead``: groups
+    asked for ahead (0: none, the rows being in cache)."""
+    keep = ids.size
+    least = best[0] if m == keep else -np.inf
+    end = hi // GROUP
+    for g in range(lo // GROUP, end):
+        if ahead and g + ahead < end:
+            prefetch(q[g + ahead])
+        _estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, False)
         p = g * GROUP
+        top = -np.inf  # a NaN estimate is never offered
         for u in range(GROUP):
-            est[u] = scale[p + u] * tr * np.float32(dots[u] - sr - zr * sums[p + u]) + bias[p + u]
-    return estimates
-
-
-def _offer_kernel(estimates):
-    @njit(cache=True, nogil=True, inline="always")
-    def offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, m, ids, best, dots, est,
-              ahead):
-        """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a
-        group at a time (``dots``, ``est`` [GROUP] their scratch), offered as their labels
-        (``members``) to its heap (``ids``, ``best``, ``m`` of ``ids.size`` entries) where
-        they beat its least; returns the heap's size. A group's estimates are tested against
-        the least before any is offered: offered one at a time, each waited on the heap's
-        branches. ``ahead``: groups asked for ahead (0: none, the rows being in cache)."""
-        keep = ids.size
-        least = best[0] if m == keep else -np.inf
-        end = hi // GROUP
-        for g in range(lo // GROUP, end):
-            if ahead and g + ahead < end:
-                prefetch(q[g + ahead])
-            estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est)
-            p = g * GROUP
-            top = -np.inf  # a NaN estimate is never offered
+            top = est[u] if est[u] > top else top
+        if top > least:
             for u in range(GROUP):
-                top = est[u] if est[u] > top else top
-            if top > least:
-                for u in range(GROUP):
-                    if est[u] > least:
-                        m = _push_new(est[u], members[p + u], keep, m, ids, best)
-                        least = best[0] if m == keep else -np.inf
-        return m
-    return offer
+                if est[u] > least:
+                    m = _push_new(est[u], members[p + u], keep, m, ids, best)
+                    least = best[0] if m == keep else -np.inf
+    return m
 
 
-def _scan_kernel(offer):
-    @njit(cache=True, nogil=True, parallel=True)
-    def scan(hq, t, z, shift, q, scale, bias, sums, members, starts, ptr, rows, bounds, pos, best,
-             held):
-        """Cluster by cluster, each task its run of them: every label's int8 estimate for
-        each row that chose its cluster, offered to the task's heap of ``keep`` for that row
-        (a cluster's int8 rows stay in cache while its rows are scored)."""
-        n, keep = hq.shape[0], pos.shape[2]
-        for task in prange(bounds.size - 1):
-            # the task's own heaps: views of the shared arrays would count references to
-            # them from both threads at every row of every cluster
-            my_pos = np.empty((n, keep), np.int64)
-            my_best = np.empty((n, keep), np.float32)
-            my_held = np.zeros(n, np.int64)
-            dots = np.empty(GROUP, np.int32)
-            est = np.empty(GROUP, np.float32)
-            for c in range(bounds[task], bounds[task + 1]):
-                for j in range(ptr[c], ptr[c + 1]):
-                    r = rows[j]
-                    my_held[r] = offer(r, starts[c], starts[c + 1], hq, t, z, shift, q, scale,
-                                       bias, sums, members, my_held[r], my_pos[r], my_best[r],
-                                       dots, est, 0)
-            pos[task] = my_pos
-            best[task] = my_best
-            held[task] = my_held
-    return scan
+@njit(cache=True, nogil=True, parallel=True)
+def _scan(hq, t, z, shift, q, scale, bias, sums, members, starts, ptr, rows, bounds, pos, best,
+          held, avx2):
+    """Cluster by cluster, each task its run of them: every label's int8 estimate for each
+    row that chose its cluster, offered to the task's heap of ``keep`` for that row (a
+    cluster's int8 rows stay in cache while its rows are scored)."""
+    n, keep = hq.shape[0], pos.shape[2]
+    for task in prange(bounds.size - 1):
+        # the task's own heaps: views of the shared arrays would count references to them
+        # from both threads at every row of every cluster
+        my_pos = np.empty((n, keep), np.int64)
+        my_best = np.empty((n, keep), np.float32)
+        my_held = np.zeros(n, np.int64)
+        dots = np.empty(GROUP, np.int32)
+        est = np.empty(GROUP, np.float32)
+        for c in range(bounds[task], bounds[task + 1]):
+            for j in range(ptr[c], ptr[c + 1]):
+                r = rows[j]
+                my_held[r] = _offer(r, starts[c], starts[c + 1], hq, t, z, shift, q, scale, bias,
+                                    sums, members, my_held[r], my_pos[r], my_best[r], dots, est,
+                                    0, avx2)
+        pos[task] = my_pos
+        best[task] = my_best
+        held[task] = my_held
 
 
-def _centroids_kernel(estimates):
-    @njit(cache=True, nogil=True, inline="always")
-    def centroid_scores(r, lo, hi, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, out):
-        """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the 4-bit copy
-        ``cq`` into ``out`` [C] (the groups' padding left out; ``est`` [GROUP] scratch)."""
-        for g in range(lo, hi):
-            estimates(r, g, hq, t, z, shift, cq, cscale, cbias, csums, dots, est)
-            for u in range(min(GROUP, out.size - g * GROUP)):
-                out[g * GROUP + u] = est[u]
-    return centroid_scores
+@njit(cache=True, nogil=True, inline="always")
+def _centroid_scores(r, lo, hi, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, out, avx2):
+    """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the 4-bit copy
+    ``cq`` into ``out`` [C] (the groups' padding left out; ``est`` [GROUP] scratch)."""
+    for g in range(lo, hi):
+        _estimates(r, g, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, avx2, True)
+        for u in range(min(GROUP, out.size - g * GROUP)):
+            out[g * GROUP + u] = est[u]
 
 
-def _choice_kernel(centroid_scores):
-    @njit(cache=True, nogil=True, parallel=True)
-    def choose_clusters(hq, t, z, shift, cq, cscale, cbias, csums, sizes, budget, chosen,
-                        n_chosen):
-        """Each row's clusters (:func:`_choose`) by its centroids' 4-bit estimates."""
-        for r in prange(hq.shape[0]):
-            coarse = np.empty(sizes.size, np.float32)
-            dots = np.empty(GROUP, np.int32)
-            est = np.empty(GROUP, np.float32)
-            centroid_scores(r, 0, cq.shape[0], hq, t, z, shift, cq, cscale, cbias, csums, dots,
-                            est, coarse)
-            n_chosen[r] = _choose(coarse, sizes, budget, chosen[r])
-    return choose_clusters
-
-
-#: each kind's (:func:`int8_kind`) estimates of a group of the labels' int8 rows and of the
-#: centroids' 4-bit rows, and the kernels over them
-_LABEL_ESTIMATES = {"avx2": _estimates_kernel(_dot8_avx2, False),
-                    None: _estimates_kernel(_dot8_loop, False)}
-_CENTROID_ESTIMATES = {"avx2": _estimates_kernel(_dot4_avx2, True),
-                       None: _estimates_kernel(_dot4_loop, True)}
-_OFFERS = {kind: _offer_kernel(estimates) for kind, estimates in _LABEL_ESTIMATES.items()}
-_SCANS = {kind: _scan_kernel(offer) for kind, offer in _OFFERS.items()}
-_CENTROIDS = {kind: _centroids_kernel(estimates)
-              for kind, estimates in _CENTROID_ESTIMATES.items()}
-_CHOICES = {kind: _choice_kernel(scores) for kind, scores in _CENTROIDS.items()}
+@njit(cache=True, nogil=True, parallel=True)
+def _choose_clusters(hq, t, z, shift, cq, cscale, cbias, csums, sizes, budget, chosen, n_chosen,
+                     avx2):
+    """Each row's clusters (:func:`_choose`) by its centroids' 4-bit estimates."""
+    for r in prange(hq.shape[0]):
+        coarse = np.empty(sizes.size, np.float32)
+        dots = np.empty(GROUP, np.int32)
+        est = np.empty(GROUP, np.float32)
+        _centroid_scores(r, 0, cq.shape[0], hq, t, z, shift, cq, cscale, cbias, csums, dots, est,
+                         coarse, avx2)
+        n_chosen[r] = _choose(coarse, sizes, budget, chosen[r])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -531,57 +518,67 @@ def _rescore_row(H, r, W, b, top, m, ids, scores):
     heap_sorted(n, k, ids, scores)
 
 
-def _row_kernel(offer, centroid_scores):
-    @njit(cache=True, nogil=True, parallel=True)
-    def query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, scale, bias, sums,
-                  members, W, b, keep, T, ids, scores):
-        """The whole query of one row ``H`` [1, d] in one call, into ``ids``, ``scores`` [1,
-        k]: the query quantized, its centroids' estimates (``cq``, ...: their 4-bit copy, each
-        of ``T`` threads over its block of groups), its clusters (:func:`_choose`), their
-        labels' estimates, each thread over every T-th cluster, and the ``keep`` best
-        rescored."""
-        hq = np.zeros((1, depth), np.uint8)
-        scale_q = np.zeros(1, np.float32)
-        zero = np.zeros(1, np.int32)
-        shift = np.zeros(1, np.int32)
-        _quantize_row(H, 0, hq, scale_q, zero, shift)
-        coarse = np.empty(sizes.size, np.float32)
-        for t in prange(T):
-            dots = np.empty(GROUP, np.int32)
-            est = np.empty(GROUP, np.float32)
-            centroid_scores(0, t * cq.shape[0] // T, (t + 1) * cq.shape[0] // T, hq, scale_q,
-                            zero, shift, cq, cscale, cbias, csums, dots, est, coarse)
-        chosen = np.empty(sizes.size, np.int32)
-        m = _choose(coarse, sizes, budget, chosen)
-        pos = np.empty((T, keep), np.int64)
-        best = np.empty((T, keep), np.float32)
-        held = np.zeros(T, np.int64)
-        for task in prange(T):
-            my_pos = np.empty(keep, np.int64)
-            my_best = np.empty(keep, np.float32)
-            dots = np.empty(GROUP, np.int32)
-            est = np.empty(GROUP, np.float32)
-            n = 0
-            for j in range(task, m, T):
-                c = chosen[j]
-                if j + T < m:  # the next cluster's first groups, asked for ahead
-                    lo, hi = starts[chosen[j + T]], starts[chosen[j + T] + 1]
-                    for g in range(lo // GROUP, min(hi, lo + _AHEAD * GROUP) // GROUP):
-                        prefetch(q[g])
-                n = offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias,
-                          sums, members, n, my_pos, my_best, dots, est, _AHEAD)
-            pos[task], best[task], held[task] = my_pos, my_best, n
-        top = np.empty(keep, np.int64)
-        top_est = np.empty(keep, np.float32)
+@njit(cache=True, nogil=True, parallel=True)
+def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, scale, bias, sums,
+               members, W, b, keep, T, ids, scores, avx2):
+    """The whole query of one row ``H`` [1, d] in one call, into ``ids``, ``scores`` [1,
+    k]: the query quantized, its centroids' estimates (``cq``, ...: their 4-bit copy, each
+    of ``T`` threads over its block of groups), its clusters (:func:`_choose`), their
+    labels' estimates, each thread over every T-th cluster, and the ``keep`` best
+    rescored."""
+    hq = np.zeros((1, depth), np.uint8)
+    scale_q = np.zeros(1, np.float32)
+    zero = np.zeros(1, np.int32)
+    shift = np.zeros(1, np.int32)
+    _quantize_row(H, 0, hq, scale_q, zero, shift)
+    coarse = np.empty(sizes.size, np.float32)
+    for t in prange(T):
+        dots = np.empty(GROUP, np.int32)
+        est = np.empty(GROUP, np.float32)
+        _centroid_scores(0, t * cq.shape[0] // T, (t + 1) * cq.shape[0] // T, hq, scale_q,
+                         zero, shift, cq, cscale, cbias, csums, dots, est, coarse, avx2)
+    chosen = np.empty(sizes.size, np.int32)
+    m = _choose(coarse, sizes, budget, chosen)
+    pos = np.empty((T, keep), np.int64)
+    best = np.empty((T, keep), np.float32)
+    held = np.zeros(T, np.int64)
+    for task in prange(T):
+        my_pos = np.empty(keep, np.int64)
+        my_best = np.empty(keep, np.float32)
+        dots = np.empty(GROUP, np.int32)
+        est = np.empty(GROUP, np.float32)
         n = 0
-        for task in range(T):
-            for j in range(held[task]):
-                n = _push_new(best[task, j], pos[task, j], keep, n, top, top_est)
-        _rescore_row(H, 0, W, b, top, n, ids[0], scores[0])
-    return query_row
+        for j in range(task, m, T):
+            c = chosen[j]
+            if j + T < m:  # the next cluster's first groups, asked for ahead
+                lo, hi = starts[chosen[j + T]], starts[chosen[j + T] + 1]
+                for g in range(lo // GROUP, min(hi, lo + _AHEAD * GROUP) // GROUP):
+                    prefetch(q[g])
+            n = _offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias,
+                       sums, members, n, my_pos, my_best, dots, est, _AHEAD, avx2)
+        pos[task], best[task], held[task] = my_pos, my_best, n
+    top = np.empty(keep, np.int64)
+    top_est = np.empty(keep, np.float32)
+    n = 0
+    for task in range(T):
+        for j in range(held[task]):
+            n = _push_new(best[task, j], pos[task, j], keep, n, top, top_est)
+    # the rows rescored, each thread over its share: a row's misses wait on one core's
+    # outstanding loads, so two cores fetch the scattered float32 rows in about half the time
+    d = H.shape[1]
+    exact = np.empty(n, np.float32)
+    for task in prange(T):
+        for j in range(task, n, T):
+            prefetch(W[top[j]])
+        for j in range(task, n, T):
+            exact[j] = b[top[j]] + dot(W[top[j], :d], H[0])
+    k = ids.shape[1]
+    held_k = 0
+    for j in range(n):
+        held_k = heap_push(exact[j], top[j], k, held_k, ids[0], scores[0])
+    heap_sorted(held_k, k, ids[0], scores[0])
 
 
-_ROWS = {kind: _row_kernel(_OFFERS[kind], _CENTROIDS[kind]) for kind in _OFFERS}
 
 
 def _int8_copy(V, order, sizes, starts):
@@ -699,6 +696,11 @@ class LabelClusters:
                                  np.array([0, -(-n_clusters // GROUP) * GROUP]))[:4]
         # the biases as given: a view of V would hold its whole copy of the layer
         self.W, self.b = W, np.ascontiguousarray(b, np.float32)
+        # a single row's kernel arguments, gathered once: between kernels that leave the caches
+        # cold, each attribute a query reads costs it about a microsecond
+        self._row_head = (self.depth, *self.coarse, self.starts, self.sizes)
+        self._row_tail = (self.q, self.scale, self.label_bias, self.sums, self.members, self.W,
+                          self.b)
         return self
 
     @property
@@ -750,8 +752,8 @@ class LabelClusters:
         n, n_clusters = hq.shape[0], self.sizes.size
         chosen = np.empty((n, n_clusters), np.int32)
         counts = np.empty(n, np.int64)
-        _CHOICES[int8_kind()](hq, t, z, shift, *self.coarse, self.sizes, self.budget, chosen,
-                              counts)
+        _choose_clusters(hq, t, z, shift, *self.coarse, self.sizes, self.budget, chosen, counts,
+                         int8_kind() == "avx2")
         return chosen, counts
 
     def query(self, H, k: int, threads: int = 1, keep: int | None = None):
@@ -761,13 +763,13 @@ class LabelClusters:
         H = np.ascontiguousarray(H, np.float32)
         n = H.shape[0]
         keep = max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
-        kind = int8_kind()
+        avx2 = int8_kind() == "avx2"
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
         estimates = self.q, self.scale, self.label_bias, self.sums
         if n == 1:  # one kernel: a batch's five cost more to start (docs/serving.md)
-            _ROWS[kind](H, self.depth, *self.coarse, self.starts, self.sizes, self.budget,
-                        *estimates, self.members, self.W, self.b, keep, threads, ids, scores)
+            _query_row(H, *self._row_head, self.budget, *self._row_tail, keep, threads, ids,
+                       scores, avx2)
             return ids, scores
         hq, t, z, shift = self._quantized(H)
         chosen, counts = self._chosen(hq, t, z, shift)
@@ -775,7 +777,7 @@ class LabelClusters:
         pos = np.empty((threads, n, keep), np.int64)
         best = np.empty((threads, n, keep), np.float32)
         held = np.empty((threads, n), np.int64)
-        _SCANS[kind](hq, t, z, shift, *estimates, self.members, self.starts, ptr, rows, bounds,
-                     pos, best, held)
+        _scan(hq, t, z, shift, *estimates, self.members, self.starts, ptr, rows, bounds, pos,
+              best, held, avx2)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores

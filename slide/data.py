@@ -458,14 +458,24 @@ def _row_of(indptr, position) -> int:
     return int(np.searchsorted(indptr, position, side="right") - 1)
 
 
+#: :func:`_entries_check`'s answers where every value is finite
+_SORTED, _UNSORTED = -1, -2
+
+
 @njit(cache=True, nogil=True)
-def _first_not_finite(values) -> int:
-    """The position of the first NaN or infinite value, -1 where there is none: numpy's test
-    and reduction cost a single query's row more than its hidden layer does."""
+def _entries_check(indptr, indices, values) -> int:
+    """The position of the first NaN or infinite value of a CSR matrix; where there is none,
+    ``_SORTED`` or ``_UNSORTED`` (a row's column indices decrease somewhere, as scipy's
+    ``has_sorted_indices`` tests). One pass: numpy's test and reduction, and scipy's sort test
+    on a new row's slice, cost a single query more than its hidden layer does."""
     for p in range(values.size):
         if not np.isfinite(values[p]):
             return p
-    return -1
+    for r in range(indptr.size - 1):
+        for p in range(indptr[r] + 1, indptr[r + 1]):
+            if indices[p - 1] > indices[p]:
+                return _UNSORTED
+    return _SORTED
 
 
 def labels_to_csr(Y, n_labels: int | None = None, where: str = "Y") -> sp.csr_matrix:
@@ -546,13 +556,13 @@ def check_xy(X, Y=None, n_features: int | None = None, n_labels: int | None = No
         raise DataFormatError(f"{where}: X has no samples")
     if X.shape[1] == 0:
         raise DataFormatError(f"{where}: 0 feature(s) (shape={X.shape}) while a minimum of 1 is required.")
-    if not X.has_sorted_indices:
-        X = X.copy()
-        X.sort_indices()
-    bad = _first_not_finite(X.data)
+    bad = _entries_check(X.indptr, X.indices, X.data)
     if bad >= 0:
         raise DataFormatError(f"{where}: row {_row_of(X.indptr, bad)} (0-based): X holds a NaN or "
                               f"infinite value")
+    if bad == _UNSORTED:
+        X = X.copy()
+        X.sort_indices()
     if n_features is not None and X.shape[1] != n_features:
         raise DataFormatError(f"{where}: X has {X.shape[1]} features, but {owner} is expecting "
                               f"{n_features} features as input")

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
 import scipy.sparse as sp
 from numba import njit, prange
 
-from slide.runtime import as_rows, blas_threads, configure_threading
+from slide.runtime import as_rows, blas_threads, configure_threading, thread_count
 
 __all__ = ["topk", "topk_product", "precision_at_k", "ndcg_at_k", "psp_at_k", "propensities", "evaluate",
            "PROPENSITY_AB"]
@@ -140,7 +139,7 @@ def topk_product(H, W, b, k: int, tile: int | None = None) -> tuple[np.ndarray, 
     W, b = as_rows(W), np.ascontiguousarray(b, dtype=np.float32)
     tile = max(1, int(tile or max(64, min(L, (1 << 18) // max(n, 1)))))
     n_tiles = -(-L // tile)
-    T = max(1, min(numba.get_num_threads(), n_tiles))
+    T = max(1, min(thread_count(), n_tiles))
     heap_ids = np.full((T, n, k), -1, np.int64)
     heap_scores = np.full((T, n, k), -np.inf, np.float32)
     sizes = np.zeros((T, n), np.int64)
@@ -174,6 +173,8 @@ def topk_kernel(scores, k, out_ids, out_scores):
 
 def check_k(k) -> int:
     """``k`` as an int, refusing what is not a positive whole number (2.7, 0, True, "5")."""
+    if type(k) is int and k >= 1:  # the common case, without the ABCs' checks
+        return k
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer, float, np.floating)) \
             or k != int(k) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")

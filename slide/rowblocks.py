@@ -40,17 +40,20 @@ class RowBlocks:
             part = B[:, j * H:(j + 1) * H]
             fill(part, d, key)
             d[key] = part
-            views.append(part)
+            views.append((d, key, part))
         self._blocks[name] = (B, tuple(views))
 
     def live(self, name: str):
         """``name``'s block if the weights and both moments are still the views of it that
         :meth:`make` made, else None. Checked by identity: asking numpy where each view's
         memory starts costs more than a single row's query can spare."""
-        B, views = self._blocks.get(name, (None, ()))
-        if B is None or any(d[key] is not part for (d, key), part in zip(self.parts(name), views)):
+        held = self._blocks.get(name)
+        if held is None:
             return None
-        return B
+        for d, key, part in held[1]:
+            if d[key] is not part:
+                return None
+        return held[0]
 
     def ensure(self) -> dict:
         """Every layer's block, made (from the current arrays) where it is not live."""

@@ -26,7 +26,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["configure_threading", "set_num_threads", "engine_threads", "blas_threads",
+__all__ = ["configure_threading", "set_num_threads", "thread_count", "engine_threads", "blas_threads",
            "thread_chunks", "CACHE_LINE", "aligned_empty", "aligned_zeros", "as_rows",
            "leading_rows", "copy_into", "prefetch", "prefetch_l2", "prefetch_w", "fetch_add",
            "TILE", "transpose_tile", "borrowed"]
@@ -54,14 +54,72 @@ def configure_threading() -> None:
         _layer_chosen = True
 
 
-def set_num_threads(threads: int | None) -> int:
-    """Set numba's thread count (``None`` or 0: all cores) and return the count in force."""
+_launched = False
+
+
+def _launch() -> None:
+    # numba starts its threads, and registers the symbols that _get_threads and _set_threads
+    # call, at its first thread-count call
+    global _launched
     configure_threading()
+    numba.get_num_threads()
+    _launched = True
+
+
+def set_num_threads(threads: int | None) -> int:
+    """Set numba's thread count for the calling thread (``None`` or 0: all cores) and return
+    the count in force."""
+    if not _launched:
+        _launch()
     limit = numba.config.NUMBA_NUM_THREADS
     n = limit if not threads else max(1, min(int(threads), limit))
-    if numba.get_num_threads() != n:  # numba's setter costs a single-row query 5 µs
-        numba.set_num_threads(n)
+    # in a kernel: numba's own getter and setter take its locks, 5 µs of a single-row query
+    _sync_threads(n)
     return n
+
+
+def thread_count() -> int:
+    """numba's thread count for the calling thread (``numba.get_num_threads()``, without its
+    locks: a single-row query asks more than once)."""
+    if not _launched:
+        _launch()
+    return _threads_now()
+
+
+@intrinsic
+def _get_threads(typingctx):
+    # numba's C function, called by name as its parallel kernels call it, so that a kernel
+    # that calls it can be cached (numba's jitted getter holds a ctypes pointer)
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                            "get_num_threads")
+        return builder.sext(builder.call(fn, []), ir.IntType(64))
+    return types.int64(), codegen
+
+
+@intrinsic
+def _set_threads(typingctx, n):
+    if not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), "set_num_threads")
+        builder.call(fn, [builder.trunc(context.cast(builder, args[0], signature.args[0],
+                                                     types.int64), ir.IntType(32))])
+        return context.get_dummy_value()
+    return types.void(n), codegen
+
+
+@njit(cache=True, nogil=True)
+def _threads_now():
+    return _get_threads()
+
+
+@njit(cache=True, nogil=True)
+def _sync_threads(n):
+    if _get_threads() != n:
+        _set_threads(n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,22 +142,20 @@ def engine_threads(threads: int | None):
     """numba threads for the engine's kernels, and a single-threaded BLAS, inside the block.
     BLAS workers spin after each small product and would take the cores from numba's threads;
     the engine's products run inside numba's kernels, one single-threaded call per thread."""
-    configure_threading()
-    previous = numba.get_num_threads()
+    previous = thread_count()
     n = set_num_threads(threads)
     try:
         with blas_threads(1):
             yield n
     finally:
-        numba.set_num_threads(previous)
+        set_num_threads(previous)
 
 
 def thread_chunks(n: int) -> np.ndarray:
     """Row boundaries int64 [t + 1] splitting n rows into one contiguous chunk per numba thread:
     kernels loop ``prange`` over chunks so each chunk allocates its scratch once."""
-    configure_threading()
     n = int(n)
-    return _chunk_bounds(n, max(1, min(numba.get_num_threads(), n)))
+    return _chunk_bounds(n, max(1, min(thread_count(), n)))
 
 
 @njit(cache=True, nogil=True)

@@ -30,14 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from slide.runtime import aligned_empty, as_rows, configure_threading, prefetch, prefetch_l2
+from slide.runtime import (aligned_empty, as_rows, configure_threading, prefetch, prefetch_l2,
+                           thread_count)
 from slide.kernels import AHEAD, FAR
 from slide.vecmath import REASSOC, dot
 from slide.metrics import heap_push, heap_sorted, heaps_merge, check_k, topk_product
@@ -411,7 +411,7 @@ def screened_topk(H, W, b, k: int, rows: Int8Rows, chunks: int | None = None,
     # the label chunks scored in parallel
     Lp = rows.scale.size
     groups = Lp // TILE_LABELS
-    C = max(1, min(groups, int(chunks or 4 * numba.get_num_threads())))
+    C = max(1, min(groups, int(chunks or 4 * thread_count())))
     bounds = (np.arange(C + 1) * groups // C * TILE_LABELS).astype(np.int64)
     rounding = rounding_allowance(d)
     ids = np.full((n, k), -1, np.int64)

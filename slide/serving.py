@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import numba
 import numpy as np
 
 from lsh import CompactTables
 from slide.ann import DEFAULT_EF, DEFAULT_M, DEFAULT_PROBE, EF_CONSTRUCTION, make_index
 from slide.config import checked_setting
-from slide.runtime import set_num_threads
+from slide.runtime import set_num_threads, thread_count
 from slide.metrics import topk_product
 from slide.screen import (SCREEN_MIN_LABELS, has_int8_dot, quantize_labels, quantize_rows,
                           screened_candidates, screened_topk)
@@ -119,7 +118,7 @@ class Server:
         s = self.state
         labels = self._once("every", lambda: np.arange(s.n_labels, dtype=np.int32))
         n = h.shape[0]
-        parts = max(1, numba.get_num_threads() // n)
+        parts = max(1, thread_count() // n)
         screened_candidates(h, s.weight_rows("W"), self.bias(), self.candidate_screen(),
                             np.broadcast_to(labels, (n, labels.size)),
                             np.full(n, labels.size, np.int64), parts, ids, scores)
@@ -161,7 +160,7 @@ class Server:
         held = self._built.get("ann")  # the index of an earlier state: clusters start from it
 
         def build():
-            return make_index(**self.ann).build(s.params["W"], self.bias(), numba.get_num_threads(),
+            return make_index(**self.ann).build(s.params["W"], self.bias(), thread_count(),
                                                 start=None if held is None else held[1])
         return self._once("ann", build)
 

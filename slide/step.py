@@ -236,8 +236,8 @@ class TrainingState:
         return acts
 
     def last(self, acts: np.ndarray) -> np.ndarray:
-        """The last hidden layer's columns of :meth:`forward`'s activations."""
-        return acts[:, acts.shape[1] - int(self.sizes[-1]):]
+        """The last hidden layer's columns of :meth:`forward`'s activations (unsliced alone)."""
+        return acts if self.sizes.size == 1 else acts[:, acts.shape[1] - int(self.sizes[-1]):]
 
     # -- training --------------------------------------------------------------------------------
     def _tick(self, name, t0):

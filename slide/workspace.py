@@ -9,11 +9,10 @@ from __future__ import annotations
 import itertools
 import math
 
-import numba
 import numpy as np
 
 from lsh.tables import QueryScratch
-from slide.runtime import aligned_empty, aligned_zeros
+from slide.runtime import aligned_empty, aligned_zeros, thread_count
 
 __all__ = ["StepWorkspace"]
 
@@ -58,7 +57,7 @@ class StepWorkspace:
     def fit(self, n_rows: int, max_labels: int, nnz: int) -> None:
         """Grow the buffers for a batch of ``n_rows`` rows, at most ``max_labels`` labels a row
         and ``nnz`` non-zero features."""
-        t = numba.get_num_threads()
+        t = thread_count()
         width = self.lsh_cap + max_labels
         n_features = self.owners_in.size
         need = min(nnz, n_features)  # the batch's distinct features, at most

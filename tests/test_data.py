@@ -127,6 +127,25 @@ def test_empty_and_missing_files(tmp_path):
         read_xmc(_write(tmp_path, "0 1:1\n", "c.txt"))
 
 
+def test_check_xy_sorts_a_copy_of_unsorted_rows_and_keeps_sorted_ones():
+    """Rows whose column indices decrease come back as a sorted copy (the caller's matrix as it
+    was); sorted rows, duplicates included as scipy counts them, come back as they are."""
+    data, indices, indptr = (np.array([1, 2, 3, 4], np.float32), np.array([0, 3, 2, 1]),
+                             np.array([0, 2, 4]))
+    X = sp.csr_matrix((data, indices, indptr), shape=(2, 5))
+    got = check_xy(X)
+    assert got is not X and list(X.indices) == [0, 3, 2, 1]
+    assert list(got.indices) == [0, 3, 1, 2] and list(got.data) == [1, 2, 4, 3]
+    for kept in (sp.csr_matrix((data, np.array([0, 3, 1, 2]), indptr), shape=(2, 5)),
+                 sp.csr_matrix((data, np.array([1, 1, 0, 4]), indptr), shape=(2, 5)),
+                 sp.csr_matrix((data[:1], np.array([4]), np.array([0, 0, 1])), shape=(2, 5))):
+        assert check_xy(kept) is kept
+    unsorted_nan = sp.csr_matrix((np.array([1, 2, np.nan], np.float32), np.array([2, 1, 0]),
+                                  np.array([0, 2, 3])), shape=(2, 3))
+    with pytest.raises(DataFormatError, match=r"row 1 \(0-based\): X holds a NaN"):
+        check_xy(unsorted_nan)
+
+
 def test_check_xy_errors():
     X = sp.csr_matrix(np.array([[1.0, np.nan]], np.float32))
     with pytest.raises(DataFormatError, match=r"row 0 \(0-based\): X holds a NaN"):

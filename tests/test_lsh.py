@@ -371,6 +371,37 @@ def test_thread_chunks_split_rows_into_one_even_run_per_thread(n):
         assert sizes.min() >= 0 and sizes.max() - sizes.min() <= 1
 
 
+def test_thread_count_is_numbas_own_on_every_thread():
+    """``thread_count`` reads numba's count for the calling thread (set by numba's own setter
+    too, not only by ``set_num_threads``), and ``set_num_threads`` sets it for that thread
+    only, as numba's setter does."""
+    import threading
+    from slide.runtime import thread_count
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread")
+    previous = numba.get_num_threads()
+    seen = {}
+
+    def other():
+        seen["start"] = thread_count(), numba.get_num_threads()
+        seen["set"] = set_num_threads(1), thread_count(), numba.get_num_threads()
+
+    try:
+        numba.set_num_threads(2)
+        assert thread_count() == 2
+        numba.set_num_threads(1)
+        assert thread_count() == 1
+        assert set_num_threads(None) == numba.config.NUMBA_NUM_THREADS == thread_count() \
+            == numba.get_num_threads()
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        assert seen["start"][0] == seen["start"][1] and seen["set"] == (1, 1, 1)
+        assert thread_count() == numba.config.NUMBA_NUM_THREADS  # this thread's is as it was
+    finally:
+        numba.set_num_threads(previous)
+
+
 def test_fetch_add_hands_each_item_to_one_thread():
     """Threads that claim items from one counter at once each get distinct items and together
     all of them (a plain read-add-write would lose claims when two threads race); anything but

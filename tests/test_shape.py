@@ -1,5 +1,6 @@
 """The code's shape holds: no package configures anything on import, no module imports
-another's private names, and no class grows past 400 lines."""
+another's private names, no class grows past 400 lines, and every cached kernel can be
+loaded from numba's cache."""
 import ast
 import subprocess
 import sys
@@ -46,3 +47,28 @@ def test_no_class_passes_400_lines():
             for path, tree in _modules() for node in ast.walk(tree)
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
     assert not long, long
+
+
+def test_no_cached_kernel_closes_over_another_kernel():
+    """numba keys a closure's cache entry by its cells, and a kernel (a dispatcher, an
+    intrinsic) pickles differently in every process: a cached kernel made by a function that
+    closes over kernels is compiled again by every process (the clusters' query kernels were,
+    23 s a process). Every cached kernel of the packages, module-level or held in a dict, has
+    cells of plain values only."""
+    import importlib
+    from numba.core.dispatcher import Dispatcher
+    from numba.core.extending import _Intrinsic
+    from numba.core.caching import NullCache
+    found, seen = [], 0
+    for path, _ in _modules():
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        module = importlib.import_module(name)
+        for attr, value in vars(module).items():
+            for kernel in (value.values() if isinstance(value, dict) else (value,)):
+                if not isinstance(kernel, Dispatcher) or isinstance(kernel._cache, NullCache):
+                    continue
+                seen += 1
+                cells = kernel.py_func.__closure__ or ()
+                if any(isinstance(c.cell_contents, (Dispatcher, _Intrinsic)) for c in cells):
+                    found.append(f"{name}.{attr}")
+    assert seen > 50 and not found, found
