@@ -3,8 +3,9 @@
 Nothing of the project is imported here; :mod:`lsh`, :mod:`slide` and :mod:`gpu_ref` import it.
 
 * threads: the threading layer, chosen explicitly once (:func:`configure_threading`, called by
-  the first :func:`set_num_threads`, :func:`engine_threads` or :func:`thread_chunks`), thread
-  counts and a single-threaded BLAS while the engine runs;
+  the first :func:`set_num_threads`, :func:`thread_count`, :func:`engine_threads` or
+  :func:`thread_chunks`), thread counts read and set without numba's locks, and a
+  single-threaded BLAS while the engine runs;
 * arrays on cache lines (:func:`aligned_empty`), array arguments for the kernels
   (:func:`as_rows`, :func:`leading_rows`) and a copy loop for inside them (:func:`copy_into`);
 * LLVM intrinsics for kernels: software prefetch, an atomic counter, a 16 x 16 tile transpose;
@@ -26,8 +27,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["configure_threading", "set_num_threads", "thread_count", "engine_threads", "blas_threads",
-           "thread_chunks", "CACHE_LINE", "aligned_empty", "aligned_zeros", "as_rows",
+__all__ = ["configure_threading", "set_num_threads", "thread_count", "engine_threads",
+           "blas_threads", "thread_chunks", "CACHE_LINE", "aligned_empty", "aligned_zeros", "as_rows",
            "leading_rows", "copy_into", "prefetch", "prefetch_l2", "prefetch_w", "fetch_add",
            "TILE", "transpose_tile", "borrowed"]
 
