@@ -202,8 +202,8 @@ def main(argv=None):
     group, group_key = [], None  # the settings that share one built index, timed side by side
 
     def time_group():
-        """Latencies of the group's settings taken in turns with the exact mode's (its own the
-        first time), and their speedups against the exact mode of the same turns."""
+        """Latencies of the group's settings taken in turns with the exact mode's (its own
+        from the first group), and their speedups against the exact mode of the same turns."""
         entries = [exact_entry] + [e for _, e in group if e is not exact_entry]
         single = _side_by_side(entries, Xte, 1, args.single_reps, rng, turn=args.turn)
         batch = _side_by_side(entries, Xte, 128, args.batch_reps, rng)
@@ -216,14 +216,17 @@ def main(argv=None):
         if "single_p50_ms" not in rows[0]:
             rows[0].update(single_p50_ms=single[0][0], single_p99_ms=single[0][1],
                            batch128_p50_ms=batch[0][0], batch128_p99_ms=batch[0][1])
-        for row in timed or rows[:1]:
+            _print(rows[0], k)
+        for row in timed:
             _print(row, k)
         group.clear()
 
     for mode, tables, candidates in settings:
         key = (mode, tables, None if mode == "ann" else candidates)
-        if group and key != group_key:
-            time_group()  # before this setting replaces the index the group shares
+        # before this setting replaces the index the group shares; the exact mode's own
+        # figures come from the first group's turns
+        if group and key != group_key and group_key[0] != "exact":
+            time_group()
         group_key = key
         if mode == "lsh":
             model.set_serving(tables or None, candidates or None)

@@ -505,17 +505,32 @@ def _rescore(H, W, b, pos, best, held, ids, scores):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rescore_row(H, r, W, b, top, m, ids, scores):
-    """Row ``r``'s top-k into ``ids``, ``scores`` [k], in float32, of the labels ``top[:m]``."""
+def _exact_scores(H, r, W, b, top, lo, m, step, out):
+    """``out[j]``: row ``r``'s float32 score of label ``top[j]``, for j = lo, lo + step, ...
+    below ``m``."""
     d = H.shape[1]
-    k = ids.size
-    for j in range(m):  # the rows are scattered through the layer: asked for ahead
+    for j in range(lo, m, step):  # the rows are scattered through the layer: asked for ahead
         prefetch(W[top[j]])
+    for j in range(lo, m, step):
+        out[j] = b[top[j]] + dot(W[top[j], :d], H[r])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _best_of(exact, top, m, ids, scores):
+    """The top-k into ``ids``, ``scores`` [k] of the labels ``top[:m]`` scored ``exact``."""
+    k = ids.size
     n = 0
     for j in range(m):
-        row = top[j]
-        n = heap_push(b[row] + dot(W[row, :d], H[r]), row, k, n, ids, scores)
+        n = heap_push(exact[j], top[j], k, n, ids, scores)
     heap_sorted(n, k, ids, scores)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rescore_row(H, r, W, b, top, m, ids, scores):
+    """Row ``r``'s top-k into ``ids``, ``scores`` [k], in float32, of the labels ``top[:m]``."""
+    exact = np.empty(m, np.float32)
+    _exact_scores(H, r, W, b, top, 0, m, 1, exact)
+    _best_of(exact, top, m, ids, scores)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -565,18 +580,10 @@ def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, sca
             n = _push_new(best[task, j], pos[task, j], keep, n, top, top_est)
     # the rows rescored, each thread over its share: a row's misses wait on one core's
     # outstanding loads, so two cores fetch the scattered float32 rows in about half the time
-    d = H.shape[1]
     exact = np.empty(n, np.float32)
     for task in prange(T):
-        for j in range(task, n, T):
-            prefetch(W[top[j]])
-        for j in range(task, n, T):
-            exact[j] = b[top[j]] + dot(W[top[j], :d], H[0])
-    k = ids.shape[1]
-    held_k = 0
-    for j in range(n):
-        held_k = heap_push(exact[j], top[j], k, held_k, ids[0], scores[0])
-    heap_sorted(held_k, k, ids[0], scores[0])
+        _exact_scores(H, 0, W, b, top, task, n, T, exact)
+    _best_of(exact, top, n, ids[0], scores[0])
 
 
 
@@ -766,7 +773,6 @@ class LabelClusters:
         avx2 = int8_kind() == "avx2"
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
-        estimates = self.q, self.scale, self.label_bias, self.sums
         if n == 1:  # one kernel: a batch's five cost more to start (docs/serving.md)
             _query_row(H, *self._row_head, self.budget, *self._row_tail, keep, threads, ids,
                        scores, avx2)
@@ -777,7 +783,7 @@ class LabelClusters:
         pos = np.empty((threads, n, keep), np.int64)
         best = np.empty((threads, n, keep), np.float32)
         held = np.empty((threads, n), np.int64)
-        _scan(hq, t, z, shift, *estimates, self.members, self.starts, ptr, rows, bounds, pos,
-              best, held, avx2)
+        _scan(hq, t, z, shift, self.q, self.scale, self.label_bias, self.sums, self.members,
+              self.starts, ptr, rows, bounds, pos, best, held, avx2)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores

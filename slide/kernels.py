@@ -89,7 +89,8 @@ def forward_input(x_indptr, x_indices, x_data, idf, l2, W0, b0, relu, acts):
     by columns into ``_ROW_SHARES`` tasks, in whole cache lines, so that threads share its
     waits on the weight rows (the same sums, bit for bit)."""
     n, H0 = x_indptr.size - 1, b0.size
-    # numba's thread count read here would keep the kernel from numba's cache
+    # a fixed number of shares, as measured on two threads; each share's sums are the same
+    # on any thread count
     parts = max(1, min(_ROW_SHARES, H0 // _LINE_FLOATS)) if n == 1 else 1
     for task in prange(n * parts):
         r, part = task // parts, task % parts
