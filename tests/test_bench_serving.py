@@ -62,3 +62,24 @@ def test_side_by_side_takes_turns_each_entry_on_rows_of_its_own():
         a, b, c = (queries[9 * turn + 3 * j:9 * turn + 3 * j + 3] for j in range(3))
         for x, y, z in zip(a, b, c):
             assert y[1][0] == (x[1][0] + stride) % span and z[1][0] == (x[1][0] + 2 * stride) % span
+
+
+def test_faiss_inverted_files_probing_every_list_find_the_exact_top_k(tmp_path):
+    """The FAISS peers of the clusters: probing every list, the float32 lists find the exact
+    top-k, and the product codes, their best ``PQ_REFINE`` k rescored in float32, nearly all
+    of it (the padding to whole codes changes no inner product)."""
+    import pytest
+    pytest.importorskip("faiss")
+    main(["--preset", "demo", "--n-train", "600", "--n-test", "200", "--epochs", "1",
+          "--tables", "0", "--single-reps", "2", "--batch-reps", "1", "--threads", "1",
+          "--ann-backends", "faiss-ivf,faiss-ivfpq", "--ann-probe", "0.05,1",
+          "--out", str(tmp_path / "serving")])
+    rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
+    ann = {(r["backend"], r["probe"]): r for r in rows if r["mode"] == "ann"}
+    assert sorted(ann) == [("faiss-ivf", 0.05), ("faiss-ivf", 1.0), ("faiss-ivfpq", 0.05),
+                           ("faiss-ivfpq", 1.0)]
+    assert ann["faiss-ivf", 1.0]["recall@5"] >= 0.99
+    assert ann["faiss-ivfpq", 1.0]["recall@5"] >= 0.9
+    for backend in ("faiss-ivf", "faiss-ivfpq"):
+        assert ann[backend, 0.05]["recall@5"] < ann[backend, 1.0]["recall@5"]
+        assert ann[backend, 1.0]["serving_mib"] > 0 and ann[backend, 1.0]["single_p50_ms"] > 0
