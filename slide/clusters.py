@@ -388,6 +388,42 @@ def _push_new(v, j, k, n, ids, scores):
     return heap_push(v, j, k, n, ids, scores)
 
 
+@intrinsic
+def _estimates8(typingctx, dots, scale, bias, sums, p, tr, zr, sr, est):
+    """``est[u] = scale[p + u] tr (dots[u] - sr - zr sums[p + u]) + bias[p + u]`` for the
+    ``GROUP`` lanes u at once, in the order the scalar sum would take (int32 integers, then
+    float32): LLVM would not vectorise the loop, not knowing that ``est`` overlaps none of
+    the arrays it reads."""
+    sig = types.void(dots, scale, bias, sums, p, tr, zr, sr, est)
+
+    def codegen(context, builder, signature, args):
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        vi, vf = ir.VectorType(i32, GROUP), ir.VectorType(f32, GROUP)
+        arrays = [context.make_array(signature.args[j])(context, builder, args[j])
+                  for j in (0, 1, 2, 3, 8)]
+        at = context.cast(builder, args[4], signature.args[4], types.intp)
+
+        def load(array, ty, offset):
+            ptr = builder.gep(array.data, [offset]) if offset is not None else array.data
+            return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=4)
+
+        def splat(value, ty, from_ty, to_ty):
+            x = context.cast(builder, value, from_ty, to_ty)
+            x = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(i32, 0))
+            return builder.shuffle_vector(x, ir.Constant(ty, ir.Undefined),
+                                          ir.Constant(vi, [0] * GROUP))
+        d, s, b, u = (load(arrays[0], vi, None), load(arrays[1], vf, at), load(arrays[2], vf, at),
+                      load(arrays[3], vi, at))
+        n = builder.sub(builder.sub(d, splat(args[7], vi, signature.args[7], types.int32)),
+                        builder.mul(splat(args[6], vi, signature.args[6], types.int32), u))
+        x = builder.sitofp(n, vf)
+        e = builder.fadd(builder.fmul(builder.fmul(
+            s, splat(args[5], vf, signature.args[5], types.float32)), x), b)
+        builder.store(e, builder.bitcast(arrays[4].data, vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, nibbles):
     """Row ``r``'s estimated scores of the ``GROUP`` rows of group ``g`` of ``q`` (with each
@@ -405,11 +441,8 @@ def _estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, nib
         _dot8_avx2(hq[r], q, g, dots)
     else:
         _dot8_loop(hq[r], q, g, dots)
-    tr, zr = t[r], z[r]
-    sr = shift[r] if nibbles else 0
-    p = g * GROUP
-    for u in range(GROUP):
-        est[u] = scale[p + u] * tr * np.float32(dots[u] - sr - zr * sums[p + u]) + bias[p + u]
+    _estimates8(dots, scale, bias, sums, g * GROUP, t[r], z[r], shift[r] if nibbles else 0,
+                est)
 
 
 @njit(cache=True, nogil=True, inline="always")

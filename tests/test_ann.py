@@ -351,3 +351,34 @@ def test_clusters_rebuilt_from_the_last_centroids(fitted, tiny_data, monkeypatch
     model.set_ann(probe=0.4)
     model.predict_topk(Xte[:5], 5, mode="ann")
     assert starts[-1] is None
+
+
+@pytest.mark.parametrize("nibbles", [False, True])
+def test_a_groups_estimates_are_the_scalar_formulas_bit_for_bit(nibbles):
+    """The eight estimates of a group in one vector step: scale · t · (dots - shift - z · sums)
+    + bias, integers first, then float32 in that order, as numpy computes each lane; a padding
+    lane (scale 0, bias -inf) stays -inf."""
+    from numba import njit
+    G = slide.clusters.GROUP
+    estimates8 = slide.clusters._estimates8
+
+    @njit
+    def run(dots, scale, bias, sums, p, t, z, shift, est):
+        estimates8(dots, scale, bias, sums, p, t, z, shift, est)
+
+    rng = np.random.default_rng(3)
+    n = 5 * G
+    scale = rng.random(n).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    sums = rng.integers(-127 * 512, 127 * 512, n).astype(np.int32)
+    scale[-1], bias[-1], sums[-1] = 0.0, -np.inf, 0
+    dots = rng.integers(0, 127 * 127 * 512, G).astype(np.int32)
+    t, z = np.float32(0.0123), np.int32(57)
+    shift = np.int32(8 * 40_000) if nibbles else np.int32(0)
+    for g in (0, 2, 4):
+        p = g * G
+        est = np.empty(G, np.float32)
+        run(dots, scale, bias, sums, p, t, z, shift, est)
+        x = (dots.astype(np.int64) - shift - np.int64(z) * sums[p:p + G]).astype(np.float32)
+        np.testing.assert_array_equal(est, scale[p:p + G] * t * x + bias[p:p + G])
+    assert np.isneginf(est[-1])
