@@ -90,12 +90,16 @@ def _clients(fn, rows, clients, queries, rng, want):
 
 #: ann backends whose knob is the share of the labels scored (the others': the query beam ef)
 PROBED = ("clusters", "faiss-ivf", "faiss-ivfpq")
+#: FAISS's inverted files, built and asked here (the others through ``set_ann``)
+FAISS_IVF = ("faiss-ivf", "faiss-ivfpq")
 #: FAISS's product-quantized lists: 4-bit codes of two dimensions each, the best this many
 #: times k rescored in float32
 PQ_DIMS, PQ_REFINE = 2, 16
 
 
 def _padded(V, width):
+    if V.shape[1] == width:  # no copy for the float32 lists, whose width is the vectors'
+        return V
     out = np.zeros((V.shape[0], width), np.float32)
     out[:, :V.shape[1]] = V
     return out
@@ -262,7 +266,7 @@ def main(argv=None):
         if mode == "lsh":
             model.set_serving(tables or None, candidates or None)
         predict = (lambda X, m=mode: model.predict_topk(X, k, mode=m))
-        if mode == "ann" and tables in ("faiss-ivf", "faiss-ivfpq"):
+        if mode == "ann" and tables in FAISS_IVF:
             if built.get("backend") != tables:
                 built = _faiss_ivf(model, tables)
             predict = _faiss_ivf_predict(model, built, candidates, k)
@@ -273,7 +277,7 @@ def main(argv=None):
                 model.predict_topk(Xte[:1], k, mode="ann")
                 built = {"backend": tables, "seconds": time.perf_counter() - t0,
                          "mib": model.server_.label_index().nbytes / 2**20}
-        if mode == "ann" and tables not in ("faiss-ivf", "faiss-ivfpq"):
+        if mode == "ann" and tables not in FAISS_IVF:
             index = model.server_.label_index()  # the same index, another beam or share
 
             def prepare(index=index, knob=candidates, probed=tables in PROBED):

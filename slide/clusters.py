@@ -392,8 +392,9 @@ def _push_new(v, j, k, n, ids, scores):
 def _estimates8(typingctx, dots, scale, bias, sums, p, tr, zr, sr, est):
     """``est[u] = scale[p + u] tr (dots[u] - sr - zr sums[p + u]) + bias[p + u]`` for the
     ``GROUP`` lanes u at once, in the order the scalar sum would take (int32 integers, then
-    float32): LLVM would not vectorise the loop, not knowing that ``est`` overlaps none of
-    the arrays it reads."""
+    float32; the integers are exact in int32 for depths below 2^31 / 127² ≈ 133,000): LLVM
+    would not vectorise the loop, not knowing that ``est`` overlaps none of the arrays it
+    reads."""
     sig = types.void(dots, scale, bias, sums, p, tr, zr, sr, est)
 
     def codegen(context, builder, signature, args):

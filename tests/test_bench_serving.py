@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 
 from bench.serving import _side_by_side, main
@@ -68,7 +69,6 @@ def test_faiss_inverted_files_probing_every_list_find_the_exact_top_k(tmp_path):
     """The FAISS peers of the clusters: probing every list, the float32 lists find the exact
     top-k, and the product codes, their best ``PQ_REFINE`` k rescored in float32, nearly all
     of it (the padding to whole codes changes no inner product)."""
-    import pytest
     pytest.importorskip("faiss")
     main(["--preset", "demo", "--n-train", "600", "--n-test", "200", "--epochs", "1",
           "--tables", "0", "--single-reps", "2", "--batch-reps", "1", "--threads", "1",
