@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from functools import lru_cache
 
 import numpy as np
 from llvmlite import ir
@@ -24,9 +23,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from slide.blas import gemm
+from slide.grouped import (AVX2, GROUP, LOOP, TILE_GROUPS, TILE_ROWS, VNNI, above8, estimates,
+                           int4_groups, int8_groups, int8_kind, quantize_queries,
+                           quantize_query_row, spread_words, tile4_avx2, tile4_loop, tile4_vnni,
+                           tile_avx2, tile_loop, tile_vnni)
 from slide.metrics import heap_push, heap_sorted
-from slide.runtime import aligned_empty, blas_threads, configure_threading, prefetch, thread_count
-from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
+from slide.runtime import blas_threads, configure_threading, prefetch, thread_count
 from slide.vecmath import REASSOC, dot
 
 __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT"]
@@ -168,35 +170,129 @@ def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, near
 
 #: bins of a row's centroid scores for choosing its clusters
 _BINS = 256
+#: lanes of the choice's vector passes (one AVX-512 register of float32 or int32)
+_LANES = 16
+
+
+@intrinsic
+def _extremes(typingctx, row):
+    """``(least, greatest)`` of the float32 ``row`` (1-D, contiguous), _LANES at a time (a
+    scalar loop's min and max wait on each other in turn); NaNs are never taken, an empty row
+    gives (inf, -inf)."""
+    ret = types.UniTuple(types.float32, 2)
+
+    def codegen(context, builder, signature, args):
+        f32, i64, i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+        vf = ir.VectorType(f32, _LANES)
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        n = cgutils.unpack_tuple(builder, a.shape, 1)[0]
+        ends = (float("inf"), float("-inf"))
+        lanes = [cgutils.alloca_once_value(builder, ir.Constant(vf, [e] * _LANES)) for e in ends]
+        ones = [cgutils.alloca_once_value(builder, ir.Constant(f32, e)) for e in ends]
+
+        def take(slot, x, op):  # x where it is beyond what the slot holds
+            held = builder.load(slot)
+            builder.store(builder.select(builder.fcmp_ordered(op, x, held), x, held), slot)
+        whole = builder.sdiv(n, ir.Constant(i64, _LANES))
+        with cgutils.for_range(builder, whole) as loop:
+            at = builder.gep(a.data, [builder.mul(loop.index, ir.Constant(i64, _LANES))])
+            v = builder.load(builder.bitcast(at, vf.as_pointer()), align=4)
+            for slot, op in zip(lanes, "<>"):
+                take(slot, v, op)
+        for slot, one, op in zip(lanes, ones, "<>"):
+            v = builder.load(slot)
+            for u in range(_LANES):
+                take(one, builder.extract_element(v, ir.Constant(i32, u)), op)
+        start = builder.mul(whole, ir.Constant(i64, _LANES))
+        with cgutils.for_range_slice(builder, start, n, ir.Constant(i64, 1)) as (j, _):
+            x = builder.load(builder.gep(a.data, [j]))
+            for one, op in zip(ones, "<>"):
+                take(one, x, op)
+        return context.make_tuple(builder, ret, [builder.load(one) for one in ones])
+    return ret(row), codegen
+
+
+def _bins_where(op: str):
+    """The codegen of :func:`_bins_below` (``op`` "<") and :func:`_bins_at` ("==")."""
+    def codegen(context, builder, signature, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        vi, mask_t = ir.VectorType(i32, _LANES), ir.VectorType(ir.IntType(1), _LANES)
+        bins, out = (context.make_array(signature.args[i])(context, builder, args[i])
+                     for i in (0, 2))
+        last = context.cast(builder, args[1], signature.args[1], types.int32)
+        m = cgutils.alloca_once_value(builder, context.cast(builder, args[3], signature.args[3],
+                                                            types.int64))
+        compress = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [vi, i32.as_pointer(), mask_t]), "llvm.masked.compressstore.v16i32")
+        count = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.IntType(_LANES), [ir.IntType(_LANES)]), f"llvm.ctpop.i{_LANES}")
+        bound = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(vi, ir.Undefined), last, ir.Constant(i32, 0)),
+            ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * _LANES))
+        n = cgutils.unpack_tuple(builder, bins.shape, 1)[0]
+        with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, _LANES))) as loop:
+            first = builder.mul(loop.index, ir.Constant(i64, _LANES))
+            v = builder.load(builder.bitcast(builder.gep(bins.data, [first]), vi.as_pointer()),
+                             align=4)
+            mask = builder.icmp_signed(op, v, bound)
+            c = builder.trunc(first, i32)
+            ids = builder.add(builder.shuffle_vector(
+                builder.insert_element(ir.Constant(vi, ir.Undefined), c, ir.Constant(i32, 0)),
+                ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * _LANES)),
+                ir.Constant(vi, list(range(_LANES))))
+            at = builder.load(m)
+            builder.call(compress, [ids, builder.gep(out.data, [at]), mask])
+            taken = builder.call(count, [builder.bitcast(mask, ir.IntType(_LANES))])
+            builder.store(builder.add(at, builder.zext(taken, i64)), m)
+        return builder.load(m)
+    return codegen
+
+
+@intrinsic
+def _bins_below(typingctx, bins, last, out, m):
+    """Appends to ``out`` from ``out[m]`` the clusters c whose ``bins[c] < last``, in order
+    (int32 ``bins``, its length a multiple of _LANES), by vector compress-stores; returns the
+    new count."""
+    return types.int64(bins, last, out, m), _bins_where("<")
+
+
+@intrinsic
+def _bins_at(typingctx, bins, last, out, m):
+    """:func:`_bins_below` of the clusters whose ``bins[c] == last``."""
+    return types.int64(bins, last, out, m), _bins_where("==")
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _choose(row, sizes, budget, chosen):
     """One row's best clusters by its centroid scores ``row``, whole, until they hold ``budget``
     entries (``sizes``: each cluster's), into ``chosen``; returns how many. Those of the score
-    bins above the one where the budget runs out, then that bin's in cluster order: two passes
-    over the scores, where sorting them took longer than scoring the candidates."""
+    bins above the one where the budget runs out, then that bin's in cluster order: passes
+    over the scores in vector steps, where sorting them took longer than scoring the
+    candidates."""
     n_clusters = row.size
-    lo, hi = np.inf, -np.inf
-    for c in range(n_clusters):
-        lo, hi = min(lo, row[c]), max(hi, row[c])
+    lo, hi = _extremes(row)
+    lo, hi = float(lo), float(hi)
     scale = (_BINS - 1) / (hi - lo) if hi > lo else 0.0
-    bins = np.empty(n_clusters, np.int64)
-    labels = np.zeros(_BINS, np.int64)  # the entries of the clusters in each bin
+    bins = np.empty(-(-n_clusters // _LANES) * _LANES, np.int32)
+    bins[n_clusters:] = _BINS  # the padding: in no bin
     for c in range(n_clusters):
         bins[c] = int((hi - row[c]) * scale)
+    labels = np.zeros(_BINS, np.int64)  # the entries of the clusters in each bin
+    for c in range(n_clusters):
         labels[bins[c]] += sizes[c]
     last, held = 0, labels[0]  # the bin where the budget runs out
     while held < budget and last + 1 < _BINS:
         last += 1
         held += labels[last]
-    m, held = 0, 0
-    for whole in (True, False):
-        for c in range(n_clusters):
-            if (bins[c] < last) if whole else (bins[c] == last and held < budget):
-                chosen[m] = c
-                m += 1
-                held += sizes[c]
+    held -= labels[last]
+    m = _bins_below(bins, last, chosen, 0)
+    end = _bins_at(bins, last, chosen, m)  # the last bin's, taken in order while they fit
+    for j in range(m, end):
+        if held >= budget:
+            break
+        chosen[m] = chosen[j]
+        held += sizes[chosen[j]]
+        m += 1
     return m
 
 
@@ -225,157 +321,13 @@ def _by_cluster(chosen, n_chosen, starts, tasks):
     return ptr, rows, bounds
 
 
-#: labels a step of the scan: one AVX2 register of their int32 sums; a cluster's int8 rows
-#: are stored in groups of this many, each group by 4-byte pieces of depth
-GROUP = 8
-#: the query's uint8 levels: AVX2's pairwise sums are int16 and saturate above 2 · 127 · 127,
-#: so the query takes 7 bits
-LEVELS = 127
-#: a centroid's 4-bit levels, -NIBBLE..NIBBLE, stored as w + OFFSET (0..15): they choose the
-#: clusters that int8 ones choose, in half the bytes a row reads (docs/serving.md)
-NIBBLE, OFFSET = 7, 8
 #: groups asked for ahead of the scan
 _AHEAD = 2
 
 
-@lru_cache(maxsize=None)
-def int8_kind() -> str | None:
-    """The int8 dot product the scan uses on the target CPU (:func:`slide.screen.target_has`):
-    ``"avx2"`` (``vpmaddubsw`` then ``vpmaddwd``; CPUs with AVX-512 have it too), or None
-    (a loop that LLVM vectorises as it can, with the same sums)."""
-    return "avx2" if target_has("avx2") else None
-
-
-def _grouped_sums(nibbles: bool):
-    """The codegen of :func:`_dot8_avx2` (``nibbles`` false) or :func:`_dot4_avx2`: a group's
-    eight sums in the eight int32 lanes of one register, so that no sum is reduced across
-    lanes, over two accumulators, each every other 32-byte piece of the rows. On a target
-    without AVX2 it compiles the loop instead, which such a target's kernels run."""
-    def codegen(context, builder, signature, args):
-        if not target_has("avx2"):
-            loop = _dot4_loop if nibbles else _dot8_loop
-            return context.compile_internal(builder, loop.py_func, signature, args)
-        h = context.make_array(signature.args[0])(context, builder, args[0])
-        w = context.make_array(signature.args[1])(context, builder, args[1])
-        o = context.make_array(signature.args[3])(context, builder, args[3])
-        i64, i32, i16, i8 = (ir.IntType(b) for b in (64, 32, 16, 8))
-        acc_t, load_t, pairs_t = ir.VectorType(i32, 8), ir.VectorType(i8, 32), ir.VectorType(i16, 16)
-
-        def x86(name, ret, *operands):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, operands),
-                                                  f"llvm.x86.avx2.{name}")
-        maddubs = x86("pmadd.ub.sw", pairs_t, load_t, load_t)
-        maddwd = x86("pmadd.wd", acc_t, pairs_t, pairs_t)
-        ones = ir.Constant(pairs_t, [1] * 16)
-        low, four = ir.Constant(load_t, [15] * 32), ir.Constant(pairs_t, [4] * 16)
-        stride = cgutils.unpack_tuple(builder, w.strides, 2)[0]
-        hp = builder.ptrtoint(h.data, i64)
-        wp = builder.add(builder.ptrtoint(w.data, i64),
-                         builder.mul(context.cast(builder, args[2], signature.args[2], types.int64),
-                                     stride))
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(2)]
-        zeros = ir.Constant(acc_t, None)
-
-        def spread(depth):
-            # the query's four bytes from this depth, in every lane
-            at = builder.add(hp, depth)
-            word = builder.load(builder.inttoptr(at, i32.as_pointer()), align=1)
-            return builder.bitcast(builder.shuffle_vector(
-                builder.insert_element(zeros, word, ir.Constant(i32, 0)), zeros,
-                ir.Constant(acc_t, [0] * 8)), load_t)
-
-        def step(piece, acc):
-            at = builder.add(wp, builder.mul(piece, ir.Constant(i64, 32)))
-            wv = builder.load(builder.inttoptr(at, load_t.as_pointer()), align=1)
-            if nibbles:  # the low halves hold depths 8 i..8 i + 3, the high ones the next four
-                lo = builder.and_(wv, low)
-                hi = builder.and_(builder.bitcast(
-                    builder.lshr(builder.bitcast(wv, pairs_t), four), load_t), low)
-                depth = builder.mul(piece, ir.Constant(i64, 8))
-                pairs = builder.add(  # at most 2 · 2 · 127 · 15 a pair: no int16 overflow
-                    builder.call(maddubs, [spread(depth), lo]),
-                    builder.call(maddubs, [spread(builder.add(depth, ir.Constant(i64, 4))), hi]))
-            else:
-                pairs = builder.call(maddubs, [spread(builder.mul(piece, ir.Constant(i64, 4))), wv])
-            builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
-
-        # the depth is the rows' (the query may be longer: zeros beyond)
-        pieces = builder.sdiv(cgutils.unpack_tuple(builder, w.shape, 2)[1],
-                              ir.Constant(i64, 4 * GROUP))
-        with cgutils.for_range(builder, builder.sdiv(pieces, ir.Constant(i64, 2))) as loop:
-            first = builder.mul(loop.index, ir.Constant(i64, 2))
-            step(first, accs[0])
-            step(builder.add(first, ir.Constant(i64, 1)), accs[1])
-        with cgutils.if_unlikely(builder, builder.icmp_signed(
-                "!=", builder.srem(pieces, ir.Constant(i64, 2)), ir.Constant(i64, 0))):
-            step(builder.sub(pieces, ir.Constant(i64, 1)), accs[0])
-        total = builder.add(builder.load(accs[0]), builder.load(accs[1]))
-        builder.store(total, builder.bitcast(o.data, acc_t.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return codegen
-
-
-@intrinsic
-def _dot8_avx2(typingctx, hq, q, g, out):
-    """``out[u] = sum_i hq[i] * w_u[i]`` in int32 for a uint8 row ``hq`` [>= D] (at most 127 a
-    byte) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G, GROUP D] (D a
-    multiple of 4, C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at ``q[g, GROUP 4 i + 4 u:...+ 4]``),
-    on AVX2: one ``vpmaddubsw`` (the query's four bytes broadcast) and one ``vpmaddwd`` a
-    piece (on a target without AVX2, the loop's code: kernels branch to it, never here)."""
-    return types.void(hq, q, g, out), _grouped_sums(nibbles=False)
-
-
-@intrinsic
-def _dot4_avx2(typingctx, hq, q, g, out):
-    """``out[u] = sum_i hq[i] * v_u[i]`` in int32 for a uint8 row ``hq`` [>= D] (at most 127
-    a byte) and the ``GROUP`` rows ``v_u`` of 4-bit values (0..15) of group ``g`` of ``q``
-    [G, GROUP D / 2] (D a multiple of 8, C-contiguous; 32 bytes a piece of 8 depths, 4 a row:
-    byte j of row u's holds depth 8 i + j in its low half, 8 i + 4 + j in its high half), on
-    AVX2: each half-byte set widened by a mask, then :func:`_dot8_avx2`'s two products, one
-    ``vpmaddwd`` for both halves (the loop's code on a target without AVX2)."""
-    return types.void(hq, q, g, out), _grouped_sums(nibbles=True)
-
-
-def _sums_loop(nibbles: bool):
-    @njit(cache=True, nogil=True, inline="always")
-    def sums(hq, q, g, out):
-        # the sums of _grouped_sums's kernels, for CPUs without AVX2
-        for u in range(GROUP):
-            out[u] = 0
-        for i in range(q.shape[1] // (4 * GROUP)):
-            for u in range(GROUP):
-                s = out[u]
-                for j in range(4):
-                    v = np.int32(q[g, GROUP * 4 * i + 4 * u + j])
-                    if nibbles:
-                        s += np.int32(hq[8 * i + j]) * (v & 15) + \
-                            np.int32(hq[8 * i + 4 + j]) * (v >> 4)
-                    else:
-                        s += np.int32(hq[4 * i + j]) * v
-                out[u] = s
-    return sums
-
-
-_dot8_loop, _dot4_loop = _sums_loop(nibbles=False), _sums_loop(nibbles=True)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _quantize_queries(H, hq, t, z, shift):
-    """uint8 rows of ``H`` [n, d] into ``hq`` [n, >= d] (zero beyond d), each over its own
-    range [min(0, min h), max(0, max h)] in ``LEVELS`` steps: h ~ t (q - z); ``shift``: what
-    a row's sums with 4-bit rows stored as w + 8 count beyond its sums with w, 8 sum(q)."""
-    for r in prange(H.shape[0]):
-        _quantize_row(H, r, hq, t, z, shift)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _quantize_row(H, r, hq, t, z, shift):
-    s, zr = query_range(H, r, LEVELS)  # the exact screen's range rule
-    total = 0
-    for i in range(H.shape[1]):
-        hq[r, i] = zr if s == 0.0 else min(LEVELS, max(0, round(H[r, i] / s) + zr))
-        total += hq[r, i]
-    t[r], z[r], shift[r] = s, zr, OFFSET * total
+def _kind() -> int:
+    """:func:`int8_kind` as the kernels' integer: VNNI, AVX2 or LOOP."""
+    return {"avx512vnni": VNNI, "avx2": AVX2}.get(int8_kind(), LOOP)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -388,113 +340,79 @@ def _push_new(v, j, k, n, ids, scores):
     return heap_push(v, j, k, n, ids, scores)
 
 
-@intrinsic
-def _estimates8(typingctx, dots, scale, bias, sums, p, tr, zr, sr, est):
-    """``est[u] = scale[p + u] tr (dots[u] - sr - zr sums[p + u]) + bias[p + u]`` for the
-    ``GROUP`` lanes u at once, in the order the scalar sum would take (int32 integers, then
-    float32; the integers are exact in int32 for depths below 2^31 / 127² ≈ 133,000): LLVM
-    would not vectorise the loop, not knowing that ``est`` overlaps none of the arrays it
-    reads."""
-    sig = types.void(dots, scale, bias, sums, p, tr, zr, sr, est)
-
-    def codegen(context, builder, signature, args):
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        vi, vf = ir.VectorType(i32, GROUP), ir.VectorType(f32, GROUP)
-        arrays = [context.make_array(signature.args[j])(context, builder, args[j])
-                  for j in (0, 1, 2, 3, 8)]
-        at = context.cast(builder, args[4], signature.args[4], types.intp)
-
-        def load(array, ty, offset):
-            ptr = builder.gep(array.data, [offset]) if offset is not None else array.data
-            return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=4)
-
-        def splat(value, ty, from_ty, to_ty):
-            x = context.cast(builder, value, from_ty, to_ty)
-            x = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(i32, 0))
-            return builder.shuffle_vector(x, ir.Constant(ty, ir.Undefined),
-                                          ir.Constant(vi, [0] * GROUP))
-        d, s, b, u = (load(arrays[0], vi, None), load(arrays[1], vf, at), load(arrays[2], vf, at),
-                      load(arrays[3], vi, at))
-        n = builder.sub(builder.sub(d, splat(args[7], vi, signature.args[7], types.int32)),
-                        builder.mul(splat(args[6], vi, signature.args[6], types.int32), u))
-        x = builder.sitofp(n, vf)
-        e = builder.fadd(builder.fmul(builder.fmul(
-            s, splat(args[5], vf, signature.args[5], types.float32)), x), b)
-        builder.store(e, builder.bitcast(arrays[4].data, vf.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return sig, codegen
-
-
 @njit(cache=True, nogil=True, inline="always")
-def _estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, nibbles):
-    """Row ``r``'s estimated scores of the ``GROUP`` rows of group ``g`` of ``q`` (with each
-    row's ``scale``, ``bias`` and integer ``sums``) into ``est``; ``dots`` [GROUP] their int32
-    scratch; ``avx2``: AVX2's sums, else the loop's (:func:`int8_kind`); ``nibbles``: 4-bit
-    rows stored as w + ``OFFSET`` (``shift``), else int8 rows. The kind is an argument, not a
-    kernel of its own per kind: numba's cache keys a closure by its cells, and a kernel's cell
-    is another on every start, so closures over kernels compiled again in every process."""
-    if nibbles:
-        if avx2:
-            _dot4_avx2(hq[r], q, g, dots)
-        else:
-            _dot4_loop(hq[r], q, g, dots)
-    elif avx2:
-        _dot8_avx2(hq[r], q, g, dots)
-    else:
-        _dot8_loop(hq[r], q, g, dots)
-    _estimates8(dots, scale, bias, sums, g * GROUP, t[r], z[r], shift[r] if nibbles else 0,
-                est)
+def _offer_group(est, o, p, members, m, least, ids, best):
+    """The estimates ``est[o:o + GROUP]`` of the group whose first place is ``p``, offered as
+    their labels (``members``) to a row's heap (``ids``, ``best``, ``m`` entries) where they
+    beat its ``least``; returns the heap's size and least. The group is tested against the
+    least at once before any is offered."""
+    if above8(est, o, least):
+        for u in range(GROUP):
+            if est[o + u] > least:
+                m = _push_new(est[o + u], members[p + u], ids.size, m, ids, best)
+                least = best[0] if m == ids.size else np.float32(-np.inf)
+    return m, least
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, m, ids, best, dots, est,
            ahead, avx2):
     """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a group at
-    a time (``dots``, ``est`` [GROUP] their scratch), offered as their labels (``members``) to
-    its heap (``ids``, ``best``, ``m`` of ``ids.size`` entries) where they beat its least;
-    returns the heap's size. A group's estimates are tested against the least before any is
-    offered: offered one at a time, each waited on the heap's branches. ``ahead``: groups
-    asked for ahead (0: none, the rows being in cache)."""
-    keep = ids.size
-    least = best[0] if m == keep else -np.inf
+    a time (``dots``, ``est`` [GROUP] their scratch), offered to its heap (``ids``, ``best``,
+    ``m`` of ``ids.size`` entries; :func:`_offer_group`); returns the heap's size.
+    ``ahead``: groups asked for ahead (0: none, the rows being in cache)."""
+    least = best[0] if m == ids.size else np.float32(-np.inf)
     end = hi // GROUP
     for g in range(lo // GROUP, end):
         if ahead and g + ahead < end:
             prefetch(q[g + ahead])
-        _estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, False)
-        p = g * GROUP
-        top = -np.inf  # a NaN estimate is never offered
-        for u in range(GROUP):
-            top = est[u] if est[u] > top else top
-        if top > least:
-            for u in range(GROUP):
-                if est[u] > least:
-                    m = _push_new(est[u], members[p + u], keep, m, ids, best)
-                    least = best[0] if m == keep else -np.inf
+        estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, False)
+        m, least = _offer_group(est, 0, g * GROUP, members, m, least, ids, best)
+    return m
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _offer_all(est, lo, hi, members, m, ids, best):
+    """:func:`_offer` of the groups ``lo..hi`` from a row's estimates of them ``est`` [GROUP
+    (hi - lo)]."""
+    least = best[0] if m == ids.size else np.float32(-np.inf)
+    for g in range(lo, hi):
+        m, least = _offer_group(est, GROUP * (g - lo), g * GROUP, members, m, least, ids, best)
     return m
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _scan(hq, t, z, shift, q, scale, bias, sums, members, starts, ptr, rows, bounds, pos, best,
-          held, avx2):
-    """Cluster by cluster, each task its run of them: every label's int8 estimate for each
-    row that chose its cluster, offered to the task's heap of ``keep`` for that row (a
-    cluster's int8 rows stay in cache while its rows are scored)."""
-    n, keep = hq.shape[0], pos.shape[2]
+def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, rows, bounds,
+          pos, best, held, kind):
+    """Cluster by cluster, each task its run of them, the cluster's rows in tiles of up to
+    TILE_ROWS: the tile's estimates of every group of the cluster (:func:`tile_vnni` from
+    the rows' ``spread`` copies where ``kind`` is VNNI, else from ``hq``; ``widest``: the most
+    groups a cluster has), then each row's offered to the task's heap of ``keep`` for it."""
+    n, keep = pos.shape[1], pos.shape[2]
     for task in prange(bounds.size - 1):
-        # the task's own heaps: views of the shared arrays would count references to them
-        # from both threads at every row of every cluster
         my_pos = np.empty((n, keep), np.int64)
         my_best = np.empty((n, keep), np.float32)
         my_held = np.zeros(n, np.int64)
-        dots = np.empty(GROUP, np.int32)
-        est = np.empty(GROUP, np.float32)
+        tile = np.empty((TILE_ROWS, GROUP * widest), np.float32)
         for c in range(bounds[task], bounds[task + 1]):
-            for j in range(ptr[c], ptr[c + 1]):
-                r = rows[j]
-                my_held[r] = _offer(r, starts[c], starts[c + 1], hq, t, z, shift, q, scale, bias,
-                                    sums, members, my_held[r], my_pos[r], my_best[r], dots, est,
-                                    0, avx2)
+            lo, hi = starts[c] // GROUP, starts[c + 1] // GROUP
+            for j in range(ptr[c], ptr[c + 1], TILE_ROWS):
+                nr = min(TILE_ROWS, ptr[c + 1] - j)
+                for g in range(lo, hi, TILE_GROUPS):
+                    ng, o = min(TILE_GROUPS, hi - g), GROUP * (g - lo)
+                    if kind == VNNI:
+                        tile_vnni(spread, rows, j, nr, q, g, ng, t, z, z, scale, bias, sums,
+                                   tile, o)
+                    elif kind == AVX2:
+                        tile_avx2(hq, rows, j, nr, q, g, ng, t, z, z, scale, bias, sums, tile,
+                                   o)
+                    else:
+                        tile_loop(hq, rows, j, nr, q, g, ng, t, z, z, scale, bias, sums, tile,
+                                   o)
+                for a in range(nr):
+                    r = rows[j + a]
+                    my_held[r] = _offer_all(tile[a], lo, hi, members, my_held[r], my_pos[r],
+                                            my_best[r])
         pos[task] = my_pos
         best[task] = my_best
         held[task] = my_held
@@ -505,22 +423,36 @@ def _centroid_scores(r, lo, hi, hq, t, z, shift, cq, cscale, cbias, csums, dots,
     """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the 4-bit copy
     ``cq`` into ``out`` [C] (the groups' padding left out; ``est`` [GROUP] scratch)."""
     for g in range(lo, hi):
-        _estimates(r, g, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, avx2, True)
+        estimates(r, g, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, avx2, True)
         for u in range(min(GROUP, out.size - g * GROUP)):
             out[g * GROUP + u] = est[u]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _choose_clusters(hq, t, z, shift, cq, cscale, cbias, csums, sizes, budget, chosen, n_chosen,
-                     avx2):
-    """Each row's clusters (:func:`_choose`) by its centroids' 4-bit estimates."""
-    for r in prange(hq.shape[0]):
-        coarse = np.empty(sizes.size, np.float32)
-        dots = np.empty(GROUP, np.int32)
-        est = np.empty(GROUP, np.float32)
-        _centroid_scores(r, 0, cq.shape[0], hq, t, z, shift, cq, cscale, cbias, csums, dots, est,
-                         coarse, avx2)
-        n_chosen[r] = _choose(coarse, sizes, budget, chosen[r])
+def _choose_clusters(hq, spread, t, z, shift, cq, cscale, cbias, csums, sizes, budget, chosen,
+                     n_chosen, kind):
+    """Each row's clusters (:func:`_choose`) by its centroids' 4-bit estimates, scored in
+    tiles of TILE_ROWS rows (:func:`tile4_vnni` from the rows' ``spread`` copies where
+    ``kind`` is VNNI, else from ``hq``)."""
+    n, groups = hq.shape[0], cq.shape[0]
+    every = np.arange(n, dtype=np.int32)
+    for i in prange(-(-n // TILE_ROWS)):
+        j = i * TILE_ROWS
+        nr = min(TILE_ROWS, n - j)
+        coarse = np.empty((TILE_ROWS, GROUP * groups), np.float32)
+        for g in range(0, groups, TILE_GROUPS):
+            ng = min(TILE_GROUPS, groups - g)
+            if kind == VNNI:
+                tile4_vnni(spread, every, j, nr, cq, g, ng, t, z, shift, cscale, cbias, csums,
+                            coarse, GROUP * g)
+            elif kind == AVX2:
+                tile4_avx2(hq, every, j, nr, cq, g, ng, t, z, shift, cscale, cbias, csums,
+                            coarse, GROUP * g)
+            else:
+                tile4_loop(hq, every, j, nr, cq, g, ng, t, z, shift, cscale, cbias, csums,
+                            coarse, GROUP * g)
+        for a in range(nr):
+            n_chosen[j + a] = _choose(coarse[a, :sizes.size], sizes, budget, chosen[j + a])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -579,7 +511,7 @@ def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, sca
     scale_q = np.zeros(1, np.float32)
     zero = np.zeros(1, np.int32)
     shift = np.zeros(1, np.int32)
-    _quantize_row(H, 0, hq, scale_q, zero, shift)
+    quantize_query_row(H, 0, hq, scale_q, zero, shift)
     coarse = np.empty(sizes.size, np.float32)
     for t in prange(T):
         dots = np.empty(GROUP, np.int32)
@@ -618,71 +550,6 @@ def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, sca
     for task in prange(T):
         _exact_scores(H, 0, W, b, top, task, n, T, exact)
     _best_of(exact, top, n, ids[0], scores[0])
-
-
-
-
-def _int8_copy(V, order, sizes, starts):
-    """The int8 copy of the rows ``order`` of ``V`` [n, d + 1] (weights, bias last) laid out
-    by :func:`_grouped`, with each place's scale, bias and int8 sum (padding: 0, -inf, 0),
-    and where each of ``order`` went: ``(q, scale, bias, sums, place)``."""
-    d = V.shape[1] - 1
-    depth = -(-d // 4) * 4
-    W = np.zeros((V.shape[0], depth), np.float32)
-    W[:, :d] = V[:, :d]
-    rows = quantize_labels(W, np.ascontiguousarray(V[:, d]))
-    q, place = _grouped(rows.q, order, sizes, starts)
-    return (q, *_placed(place, starts[-1], rows.meta[order, SCALE], rows.meta[order, BIAS],
-                        rows.q[order].sum(axis=1, dtype=np.int32)), place)
-
-
-def _placed(place, entries, scale, bias, sums):
-    """Each copied row's ``scale``, ``bias`` and integer ``sums`` at its ``place`` of
-    ``entries``, the padding's 0, -inf and 0: ``(scale, bias, sums)``."""
-    out = (np.zeros(entries, np.float32), np.full(entries, -np.inf, np.float32),
-           np.zeros(entries, np.int32))
-    for a, values in zip(out, (scale, bias, sums)):
-        a[place] = values
-    return out
-
-
-def _int4_copy(V, order, sizes, starts):
-    """The 4-bit copy of the rows ``order`` of ``V`` [n, d + 1] (weights, bias last) laid out
-    for :func:`_dot4_avx2`, with each place's scale, bias and sum of its levels (padding: 0,
-    -inf, 0), and where each of ``order`` went: ``(q, scale, bias, sums, place)``."""
-    d = V.shape[1] - 1
-    depth = -(-d // 8) * 8
-    W = V[:, :d]
-    top = np.abs(W).max(axis=1) if d else np.zeros(V.shape[0], np.float32)
-    step = (top / NIBBLE).astype(np.float32)
-    levels = np.zeros((V.shape[0], depth), np.int8)
-    nonzero = step > 0
-    levels[nonzero, :d] = np.clip(np.rint(W[nonzero] / step[nonzero, None]), -NIBBLE, NIBBLE)
-    flat, place = _grouped((levels + OFFSET).astype(np.int8), order, sizes, starts, pieces=8)
-    # [group, piece of 8 depths, row, 8] -> the low half-bytes the piece's first four depths
-    nibbles = flat.reshape(flat.shape[0], depth // 8, GROUP, 2, 4).astype(np.uint8)
-    q = aligned_empty((flat.shape[0], GROUP * depth // 2), np.uint8)
-    q.reshape(flat.shape[0], depth // 8, GROUP, 4)[...] = (nibbles[:, :, :, 0] |
-                                                          (nibbles[:, :, :, 1] << 4))
-    return (q, *_placed(place, starts[-1], step[order], V[order, d],
-                        levels[order].sum(axis=1, dtype=np.int32)), place)
-
-
-def _grouped(q, order, sizes, starts, pieces: int = 4):
-    """``q`` int8 [n, D]'s rows ``order`` (cluster by cluster, ``sizes`` of them in each) laid
-    out for :func:`_dot8_avx2`: each cluster from ``starts`` (its rows padded with zeros to a
-    multiple of ``GROUP``), groups of ``GROUP`` rows by pieces of ``pieces`` bytes of depth,
-    int8 [P / GROUP, GROUP D]; and the place of each of ``order`` in it."""
-    D = q.shape[1]
-    cluster_of = np.repeat(np.arange(sizes.size), sizes)
-    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    place = starts[cluster_of] + np.arange(order.size) - first[cluster_of]
-    flat = np.zeros((starts[-1], D), np.int8)
-    flat[place] = q[order]
-    out = aligned_empty((starts[-1] // GROUP, GROUP * D), np.int8)
-    by_piece = flat.reshape(-1, GROUP, D // pieces, pieces).transpose(0, 2, 1, 3)
-    out.reshape(-1, D // pieces, GROUP, pieces)[...] = by_piece  # [group, piece, row, bytes]
-    return out, place
 
 
 class LabelClusters:
@@ -727,13 +594,14 @@ class LabelClusters:
         # each cluster's int8 rows in one piece, padded to whole groups (rows that are never
         # offered: scale 0, bias -inf, member -1), their depth to whole 4-byte pieces
         self.starts = np.concatenate(([0], np.cumsum(-(-self.sizes // GROUP) * GROUP)))
-        self.q, self.scale, self.label_bias, self.sums, place = _int8_copy(V, order, self.sizes,
+        self.q, self.scale, self.label_bias, self.sums, place = int8_groups(V, order, self.sizes,
                                                                            self.starts)
         self.members = np.full(self.starts[-1], -1, np.int32)
         self.members[place] = order
+        self._widest = int(np.diff(self.starts).max()) // GROUP  # a batch tile's scratch
         # the centroids' own 4-bit copy, in one run of groups: a row's pass over them reads an
         # eighth of their float32 bytes, and a row alone chooses as in a batch
-        self.coarse = _int4_copy(C, np.arange(n_clusters), np.array([n_clusters]),
+        self.coarse = int4_groups(C, np.arange(n_clusters), np.array([n_clusters]),
                                  np.array([0, -(-n_clusters // GROUP) * GROUP]))[:4]
         # the biases as given: a view of V would hold its whole copy of the layer
         self.W, self.b = W, np.ascontiguousarray(b, np.float32)
@@ -786,15 +654,18 @@ class LabelClusters:
         t = np.empty(n, np.float32)
         z = np.empty(n, np.int32)
         shift = np.empty(n, np.int32)
-        _quantize_queries(H, hq, t, z, shift)
+        quantize_queries(H, hq, t, z, shift)
         return hq, t, z, shift
 
     def _chosen(self, hq, t, z, shift):
         n, n_clusters = hq.shape[0], self.sizes.size
         chosen = np.empty((n, n_clusters), np.int32)
         counts = np.empty(n, np.int64)
-        _choose_clusters(hq, t, z, shift, *self.coarse, self.sizes, self.budget, chosen, counts,
-                         int8_kind() == "avx2")
+        kind = _kind()
+        spread = spread_words(hq, 2 * self.coarse[0].shape[1] // GROUP, nibbles=True) \
+            if kind == VNNI else np.empty((n, 0, 4 * GROUP), np.int32)
+        _choose_clusters(hq, spread, t, z, shift, *self.coarse, self.sizes, self.budget, chosen,
+                         counts, kind)
         return chosen, counts
 
     def query(self, H, k: int, threads: int = 1, keep: int | None = None):
@@ -804,7 +675,7 @@ class LabelClusters:
         H = np.ascontiguousarray(H, np.float32)
         n = H.shape[0]
         keep = max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
-        avx2 = int8_kind() == "avx2"
+        avx2 = int8_kind() is not None
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
         if n == 1:  # one kernel: a batch's five cost more to start (docs/serving.md)
@@ -817,7 +688,10 @@ class LabelClusters:
         pos = np.empty((threads, n, keep), np.int64)
         best = np.empty((threads, n, keep), np.float32)
         held = np.empty((threads, n), np.int64)
-        _scan(hq, t, z, shift, self.q, self.scale, self.label_bias, self.sums, self.members,
-              self.starts, ptr, rows, bounds, pos, best, held, avx2)
+        kind = _kind()
+        spread = spread_words(hq, self.q.shape[1] // GROUP) if kind == VNNI else \
+            np.empty((n, 0, 2 * GROUP), np.int32)
+        _scan(hq, spread, t, z, self.q, self.scale, self.label_bias, self.sums, self.members,
+              self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores

@@ -9,6 +9,7 @@ import pytest
 
 from slide import SlideClassifier
 import slide.clusters
+import slide.grouped
 from slide.ann import LIBRARIES, LabelIndex, available_backend, make_index
 from slide.clusters import LabelClusters, cluster_count
 
@@ -111,9 +112,14 @@ def _probe_all(W, b, H):
             assert np.mean([np.intersect1d(a, e).size for a, e in zip(rows, exact)]) >= 9.9
 
 
-@pytest.mark.parametrize("kind", sorted({slide.clusters.int8_kind(), None}, key=str))
+_KINDS = sorted({slide.clusters.int8_kind(), "avx2" if slide.grouped.target_has("avx2") else None,
+                 None}, key=str)
+
+
+@pytest.mark.parametrize("kind", _KINDS)
 def test_clusters_score_every_label_exactly_when_probing_all(monkeypatch, kind):
-    """The host's int8 kernel (AVX2), and the loop of CPUs without one."""
+    """The host's int8 kernels (AVX-512 VNNI's batch tiles, AVX2's), those of CPUs with AVX2
+    only, and the loop of CPUs without."""
     monkeypatch.setattr(slide.clusters, "int8_kind", lambda: kind)
     _probe_all(*_layer())
 
@@ -122,16 +128,16 @@ def _group_sums(name, hq, q):
     """Each query row's int32 sums with every group of ``q`` by the kernel ``name`` (the loop,
     and the AVX2 one where the host has it): yields int32 [rows of hq, groups · GROUP]."""
     from numba import njit
-    avx2 = slide.clusters.int8_kind() == "avx2"
-    kernels = [getattr(slide.clusters, name + "_loop")] + \
-        ([getattr(slide.clusters, name + "_avx2")] if avx2 else [])
+    avx2 = slide.grouped.target_has("avx2")
+    kernels = [getattr(slide.grouped, name + "_loop")] + \
+        ([getattr(slide.grouped, name + "_avx2")] if avx2 else [])
     for kernel in kernels:
         @njit
         def sums(hq, q, out):
             for r in range(hq.shape[0]):
                 for g in range(q.shape[0]):
                     kernel(hq[r], q, g, out[r, g * 8:(g + 1) * 8])
-        out = np.zeros((hq.shape[0], q.shape[0] * slide.clusters.GROUP), np.int32)
+        out = np.zeros((hq.shape[0], q.shape[0] * slide.grouped.GROUP), np.int32)
         sums(hq, q, out)
         yield out
 
@@ -147,13 +153,13 @@ def test_a_group_of_int8_rows_sums_as_numpy_does(d):
     W[0] = 1.0  # every byte 127
     W[1, ::2] = -5.0  # -127 at every other byte
     index = LabelClusters(clusters=3).build(W, np.zeros(37, np.float32))
-    depth = index.q.shape[1] // slide.clusters.GROUP
-    assert depth == -(-d // 4) * 4 and np.all(index.starts % slide.clusters.GROUP == 0)
+    depth = index.q.shape[1] // slide.grouped.GROUP
+    assert depth == -(-d // 8) * 8 and np.all(index.starts % slide.grouped.GROUP == 0)
     rows = np.zeros((37, depth), np.int8)
     rows[:, :d] = quantize_labels(np.ascontiguousarray(W), np.zeros(37, np.float32)).q
-    hq = rng.integers(0, slide.clusters.LEVELS + 1, (4, depth)).astype(np.uint8)
-    hq[0] = slide.clusters.LEVELS
-    for out in _group_sums("_dot8", hq, index.q):
+    hq = rng.integers(0, slide.grouped.LEVELS + 1, (4, depth)).astype(np.uint8)
+    hq[0] = slide.grouped.LEVELS
+    for out in _group_sums("dot8", hq, index.q):
         real = index.members >= 0
         want = hq.astype(np.int64) @ rows[index.members[real]].T.astype(np.int64)
         np.testing.assert_array_equal(out[:, real], want)
@@ -161,10 +167,80 @@ def test_a_group_of_int8_rows_sums_as_numpy_does(d):
     assert np.all(np.isneginf(index.label_bias[~real])) and np.all(index.scale[~real] == 0)
 
 
+def _tile_case(nibbles, d, rng):
+    """A layer's grouped copy for the tile kernels: ``(q, scale, bias, sums, stored [rows,
+    depth] int64)``, the int8 copy of an index (``nibbles`` false) or a 4-bit copy, with rows
+    at the extremes of both ranges."""
+    C = slide.grouped
+    W = rng.standard_normal((37, d)).astype(np.float32)
+    W[0] = 1.0
+    W[1, ::2] = -5.0
+    b = rng.standard_normal(37).astype(np.float32)
+    if nibbles:
+        starts = np.array([0, 40])
+        q, scale, bias, sums, _ = C.int4_groups(np.hstack((W, b[:, None])), np.arange(37),
+                                               np.array([37]), starts)
+        return q, scale, bias, sums, _levels4(q, 40)
+    index = LabelClusters(clusters=1).build(W, b)
+    q, G = index.q, C.GROUP
+    depth = q.shape[1] // G
+    stored = q.reshape(q.shape[0], depth // 4, G, 4).transpose(0, 2, 1, 3).reshape(-1, depth)
+    return q, index.scale, index.label_bias, index.sums, stored.astype(np.int64)
+
+
+@pytest.mark.parametrize("nibbles", [False, True])
+@pytest.mark.parametrize("d", [44, 3])
+def test_a_tile_of_rows_estimates_a_clusters_groups_as_numpy_does(d, nibbles):
+    """A tile's estimates, each of up to TILE_ROWS rows (any of the batch's, in any order) of
+    each of up to TILE_GROUPS groups of the int8 or the 4-bit copy, written at an offset of
+    the tile's rows: the scalar formula of numpy's int32 sums bit for bit, for every tile
+    shape, by VNNI's tiles (the instruction, or the generic code of CPUs without it), AVX2's
+    (or the loop) and the loop, at the extremes of both ranges."""
+    from numba import njit
+    C = slide.grouped
+    rng = np.random.default_rng(2)
+    q, scale, bias, lsums, stored = _tile_case(nibbles, d, rng)
+    G, depth = C.GROUP, stored.shape[1]
+    hq = rng.integers(0, C.LEVELS + 1, (9, depth)).astype(np.uint8)
+    hq[0] = C.LEVELS
+    t = rng.random(9).astype(np.float32)
+    z = rng.integers(0, C.LEVELS, 9).astype(np.int32)
+    shift = (C.OFFSET * hq.sum(1)).astype(np.int32) if nibbles else np.zeros(9, np.int32)
+    sums = hq.astype(np.int64) @ stored.T
+    x = (sums - shift[:, None] - z[:, None].astype(np.int64) * lsums).astype(np.float32)
+    want = scale * t[:, None] * x + bias
+    order = np.array([7, 0, 3, 8, 1, 5], np.int32)
+    vnni, avx2, loop = (C.tile4_vnni, C.tile4_avx2, C.tile4_loop) if nibbles else \
+        (C.tile_vnni, C.tile_avx2, C.tile_loop)
+
+    @njit
+    def tile(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o):
+        if kind == C.VNNI:
+            vnni(spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+        elif kind == C.AVX2:
+            avx2(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+        else:
+            loop(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+
+    spread = C.spread_words(hq, depth, nibbles)
+    for kind in (C.VNNI, C.AVX2, C.LOOP):
+        for nr in range(1, C.TILE_ROWS + 1):
+            for ng in range(1, C.TILE_GROUPS + 1):
+                for j0, g in ((0, 0), (len(order) - nr, q.shape[0] - ng)):
+                    out = np.full((C.TILE_ROWS, G * (q.shape[0] + 1)), 7.0, np.float32)
+                    tile(kind, hq, spread, order, j0, nr, q, g, ng, t, z, shift, scale, bias,
+                         lsums, out, G)
+                    np.testing.assert_array_equal(out[:nr, G:G + G * ng],
+                                                  want[order[j0:j0 + nr]][:, G * g:G * (g + ng)])
+                    # nothing beyond the tile's rows and groups is written
+                    assert np.all(out[nr:] == 7) and np.all(out[:, :G] == 7)
+                    assert np.all(out[:, G + G * ng:] == 7)
+
+
 def _levels4(q, rows):
-    """The 4-bit copy ``q`` (:func:`slide.clusters._int4_copy`'s layout) decoded: its stored
+    """The 4-bit copy ``q`` (:func:`slide.grouped.int4_groups`'s layout) decoded: its stored
     values 0..15, int64 [rows, D]."""
-    G = slide.clusters.GROUP
+    G = slide.grouped.GROUP
     pieces = q.reshape(q.shape[0], -1, G, 4)  # [group, piece of 8 depths, row, 4 bytes]
     both = np.concatenate((pieces & 15, pieces >> 4), axis=3)  # depths 8 i + 0..7
     return both.transpose(0, 2, 1, 3).reshape(-1, 8 * pieces.shape[1])[:rows].astype(np.int64)
@@ -174,31 +250,31 @@ def _levels4(q, rows):
 def test_a_group_of_4bit_rows_sums_as_numpy_does(d):
     """The centroids' 4-bit copy: each row's levels -7..7 of its largest weight, stored as w +
     8, two to a byte; a query's int32 sums with them from the grouped layout (the host's
-    kernel and the loop alike) are numpy's, at the extremes of both ranges, with an odd count
-    of 8-depth pieces (44 -> 48) or a padded one (3 -> 8)."""
+    kernel and the loop alike) are numpy's, at the extremes of both ranges, with the depth
+    padded to whole pairs of 8-depth pieces (44 -> 48, 3 -> 16)."""
     rng = np.random.default_rng(1)
-    n, G = 37, slide.clusters.GROUP
+    n, G = 37, slide.grouped.GROUP
     V = rng.standard_normal((n, d + 1)).astype(np.float32)
     V[0, :d] = 1.0  # every level 7
     V[1, :d:2], V[1, 1:d:2] = -5.0, 0.1  # -7 at every other depth, 0 between
     V[2, :d] = 0.0  # no scale: every level 0
     starts = np.array([0, -(-n // G) * G])
-    q, scale, bias, sums, place = slide.clusters._int4_copy(V, np.arange(n), np.array([n]), starts)
-    depth = -(-d // 8) * 8
+    q, scale, bias, sums, place = slide.grouped.int4_groups(V, np.arange(n), np.array([n]), starts)
+    depth = -(-d // 16) * 16
     assert q.shape == (starts[-1] // G, G * depth // 2) and np.all(place == np.arange(n))
     stored = _levels4(q, n)
-    levels = stored - slide.clusters.OFFSET
+    levels = stored - slide.grouped.OFFSET
     np.testing.assert_array_equal(levels[:, d:], 0)
     assert np.all(levels[0, :d] == 7) and np.all(levels[1, :d:2] == -7) and np.all(levels[2] == 0)
-    assert np.abs(levels).max() <= slide.clusters.NIBBLE
+    assert np.abs(levels).max() <= slide.grouped.NIBBLE
     # each weight within half a step of its level; the sums are the levels'
     assert np.all(np.abs(levels[:, :d] * scale[:n, None] - V[:, :d]) <= 0.5001 * scale[:n, None])
     np.testing.assert_array_equal(sums[:n], levels.sum(1))
     np.testing.assert_array_equal(bias[:n], V[:, d])
     assert np.all(np.isneginf(bias[n:])) and np.all(scale[n:] == 0)
-    hq = rng.integers(0, slide.clusters.LEVELS + 1, (4, depth)).astype(np.uint8)
-    hq[0] = slide.clusters.LEVELS
-    for out in _group_sums("_dot4", hq, q):
+    hq = rng.integers(0, slide.grouped.LEVELS + 1, (4, depth)).astype(np.uint8)
+    hq[0] = slide.grouped.LEVELS
+    for out in _group_sums("dot4", hq, q):
         np.testing.assert_array_equal(out[:, :n], hq.astype(np.int64) @ stored.T)
 
 
@@ -225,8 +301,8 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
     mine = [set(cluster[index.members == j]) == {first[j], second[j]} for j in range(3000)]
     assert np.mean(mine) > 0.99  # up to float32's rounding at a near-tie
     sizes = np.diff(index.starts)
-    assert np.all(sizes % slide.clusters.GROUP == 0) and index.sizes.sum() == 6000
-    assert np.all((index.sizes <= sizes) & (sizes < index.sizes + slide.clusters.GROUP))
+    assert np.all(sizes % slide.grouped.GROUP == 0) and index.sizes.sum() == 6000
+    assert np.all((index.sizes <= sizes) & (sizes < index.sizes + slide.grouped.GROUP))
     assert np.all([np.all(index.members[index.starts[c]:index.starts[c] + index.sizes[c]] >= 0)
                    for c in range(index.sizes.size)])
     exact = np.argsort(-(H @ W.T + b), axis=1)[:, :10]
@@ -241,7 +317,7 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
     # the centroids' scores as the query estimates them: 4-bit levels, 7-bit queries
     q, scale, bias, sums = index.coarse
     n_clusters = sizes.size
-    levels = _levels4(q, n_clusters) - slide.clusters.OFFSET
+    levels = _levels4(q, n_clusters) - slide.grouped.OFFSET
     hq, t, z, _ = index._quantized(H)
     estimates = (scale[:n_clusters] * t[:, None] *
                  ((hq.astype(np.int64) - z[:, None]) @ levels.T) + bias[:n_clusters])
@@ -355,16 +431,18 @@ def test_clusters_rebuilt_from_the_last_centroids(fitted, tiny_data, monkeypatch
 
 @pytest.mark.parametrize("nibbles", [False, True])
 def test_a_groups_estimates_are_the_scalar_formulas_bit_for_bit(nibbles):
-    """The eight estimates of a group in one vector step: scale · t · (dots - shift - z · sums)
-    + bias, integers first, then float32 in that order, as numpy computes each lane; a padding
-    lane (scale 0, bias -inf) stays -inf."""
+    """The eight estimates of a group in one vector step, from its sums at an offset: scale ·
+    t · (dots - shift - z · sums) + bias, integers first, then float32 in that order, as numpy
+    computes each lane; a padding lane (scale 0, bias -inf) stays -inf. The bits of the lanes
+    above a bound are those numpy finds, a NaN's never set."""
     from numba import njit
-    G = slide.clusters.GROUP
-    estimates8 = slide.clusters._estimates8
+    G = slide.grouped.GROUP
+    estimates8, above8 = slide.grouped.estimates8, slide.grouped.above8
 
     @njit
-    def run(dots, scale, bias, sums, p, t, z, shift, est):
-        estimates8(dots, scale, bias, sums, p, t, z, shift, est)
+    def run(dots, o, scale, bias, sums, p, t, z, shift, est, least):
+        estimates8(dots, o, scale, bias, sums, p, t, z, shift, est)
+        return above8(est, 0, least)
 
     rng = np.random.default_rng(3)
     n = 5 * G
@@ -372,13 +450,17 @@ def test_a_groups_estimates_are_the_scalar_formulas_bit_for_bit(nibbles):
     bias = rng.standard_normal(n).astype(np.float32)
     sums = rng.integers(-127 * 512, 127 * 512, n).astype(np.int32)
     scale[-1], bias[-1], sums[-1] = 0.0, -np.inf, 0
-    dots = rng.integers(0, 127 * 127 * 512, G).astype(np.int32)
+    dots = rng.integers(0, 127 * 127 * 512, 3 * G).astype(np.int32)
     t, z = np.float32(0.0123), np.int32(57)
     shift = np.int32(8 * 40_000) if nibbles else np.int32(0)
-    for g in (0, 2, 4):
+    for g, o in ((0, 0), (2, G), (4, 2 * G)):
         p = g * G
+        x = (dots[o:o + G].astype(np.int64) - shift - np.int64(z) * sums[p:p + G]).astype(np.float32)
+        want = scale[p:p + G] * t * x + bias[p:p + G]
+        least = np.median(want[np.isfinite(want)])  # some lanes above it, some not
         est = np.empty(G, np.float32)
-        run(dots, scale, bias, sums, p, t, z, shift, est)
-        x = (dots.astype(np.int64) - shift - np.int64(z) * sums[p:p + G]).astype(np.float32)
-        np.testing.assert_array_equal(est, scale[p:p + G] * t * x + bias[p:p + G])
+        bits = run(dots, o, scale, bias, sums, p, t, z, shift, est, least)
+        np.testing.assert_array_equal(est, want)
+        assert bits == sum(1 << u for u in range(G) if want[u] > least) and 0 < bits < 255
     assert np.isneginf(est[-1])
+    assert run(dots, 0, scale * np.nan, bias, sums, 0, t, z, shift, est, -np.inf) == 0
