@@ -2,14 +2,14 @@
 clusters (an inverted file), each label in its nearest cluster and in a second chosen by SOAR's
 rule, the layer copied to int8 in cluster order. A query estimates every cluster's centroid
 score with ``[h, 1]`` from the centroids' own 4-bit copy, takes the entries of the best
-clusters until they hold its budget, estimates their scores from the layer's int8 copy (AVX2's
-int8 products, eight labels to a register, or a loop with the same sums) and rescores the best
-estimates in float32.
+clusters until they hold its budget, estimates their scores from the layer's int8 copy (the
+kernels of :mod:`slide.grouped`, eight labels to a register) and rescores the best estimates
+in float32.
 
 Where LSH's tables find a label only when a random projection agrees, the centroids are the
 layer's own summary: on git_openstack, a fiftieth of the entries taken this way holds 0.95 of
-the exact top-10, a twentieth 0.99. A batch's candidates are scored cluster by cluster while
-each cluster's rows are in cache, so batches gain as much as single rows (docs/serving.md).
+the exact top-10, a twentieth 0.99. A batch's candidates are scored cluster by cluster, the
+rows that chose a cluster in tiles that share each load of its bytes (docs/serving.md).
 """
 from __future__ import annotations
 
