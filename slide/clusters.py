@@ -25,8 +25,8 @@ from numba.extending import intrinsic
 from slide.blas import gemm
 from slide.grouped import (AVX2, GROUP, LOOP, TILE_GROUPS, TILE_ROWS, VNNI, above8, estimates,
                            int4_groups, int8_groups, int8_kind, quantize_queries,
-                           quantize_query_row, spread_words, tile4_avx2, tile4_loop, tile4_vnni,
-                           tile_avx2, tile_loop, tile_vnni)
+                           quantize_query_row, splat, spread_words, tile4_estimates,
+                           tile_estimates)
 from slide.metrics import heap_push, heap_sorted
 from slide.runtime import blas_threads, configure_threading, prefetch, thread_count
 from slide.vecmath import REASSOC, dot
@@ -226,9 +226,7 @@ def _bins_where(op: str):
             ir.VoidType(), [vi, i32.as_pointer(), mask_t]), "llvm.masked.compressstore.v16i32")
         count = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
             ir.IntType(_LANES), [ir.IntType(_LANES)]), f"llvm.ctpop.i{_LANES}")
-        bound = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(vi, ir.Undefined), last, ir.Constant(i32, 0)),
-            ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * _LANES))
+        bound = splat(builder, last, _LANES)
         n = cgutils.unpack_tuple(builder, bins.shape, 1)[0]
         with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, _LANES))) as loop:
             first = builder.mul(loop.index, ir.Constant(i64, _LANES))
@@ -236,10 +234,7 @@ def _bins_where(op: str):
                              align=4)
             mask = builder.icmp_signed(op, v, bound)
             c = builder.trunc(first, i32)
-            ids = builder.add(builder.shuffle_vector(
-                builder.insert_element(ir.Constant(vi, ir.Undefined), c, ir.Constant(i32, 0)),
-                ir.Constant(vi, ir.Undefined), ir.Constant(vi, [0] * _LANES)),
-                ir.Constant(vi, list(range(_LANES))))
+            ids = builder.add(splat(builder, c, _LANES), ir.Constant(vi, list(range(_LANES))))
             at = builder.load(m)
             builder.call(compress, [ids, builder.gep(out.data, [at]), mask])
             taken = builder.call(count, [builder.bitcast(mask, ir.IntType(_LANES))])
@@ -385,9 +380,10 @@ def _offer_all(est, lo, hi, members, m, ids, best):
 def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, rows, bounds,
           pos, best, held, kind):
     """Cluster by cluster, each task its run of them, the cluster's rows in tiles of up to
-    TILE_ROWS: the tile's estimates of every group of the cluster (:func:`tile_vnni` from
-    the rows' ``spread`` copies where ``kind`` is VNNI, else from ``hq``; ``widest``: the most
-    groups a cluster has), then each row's offered to the task's heap of ``keep`` for it."""
+    TILE_ROWS: the tile's estimates of every group of the cluster (:func:`tile_estimates`:
+    VNNI's from the rows' ``spread`` copies where ``kind`` is VNNI, else from ``hq``;
+    ``widest``: the most groups a cluster has), then each row's offered to the task's heap of
+    ``keep`` for it."""
     n, keep = pos.shape[1], pos.shape[2]
     for task in prange(bounds.size - 1):
         my_pos = np.empty((n, keep), np.int64)
@@ -399,16 +395,8 @@ def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, 
             for j in range(ptr[c], ptr[c + 1], TILE_ROWS):
                 nr = min(TILE_ROWS, ptr[c + 1] - j)
                 for g in range(lo, hi, TILE_GROUPS):
-                    ng, o = min(TILE_GROUPS, hi - g), GROUP * (g - lo)
-                    if kind == VNNI:
-                        tile_vnni(spread, rows, j, nr, q, g, ng, t, z, z, scale, bias, sums,
-                                   tile, o)
-                    elif kind == AVX2:
-                        tile_avx2(hq, rows, j, nr, q, g, ng, t, z, z, scale, bias, sums, tile,
-                                   o)
-                    else:
-                        tile_loop(hq, rows, j, nr, q, g, ng, t, z, z, scale, bias, sums, tile,
-                                   o)
+                    tile_estimates(kind, hq, spread, rows, j, nr, q, g, min(TILE_GROUPS, hi - g),
+                                   t, z, scale, bias, sums, tile, GROUP * (g - lo))
                 for a in range(nr):
                     r = rows[j + a]
                     my_held[r] = _offer_all(tile[a], lo, hi, members, my_held[r], my_pos[r],
@@ -432,8 +420,7 @@ def _centroid_scores(r, lo, hi, hq, t, z, shift, cq, cscale, cbias, csums, dots,
 def _choose_clusters(hq, spread, t, z, shift, cq, cscale, cbias, csums, sizes, budget, chosen,
                      n_chosen, kind):
     """Each row's clusters (:func:`_choose`) by its centroids' 4-bit estimates, scored in
-    tiles of TILE_ROWS rows (:func:`tile4_vnni` from the rows' ``spread`` copies where
-    ``kind`` is VNNI, else from ``hq``)."""
+    tiles of TILE_ROWS rows (:func:`tile4_estimates`)."""
     n, groups = hq.shape[0], cq.shape[0]
     every = np.arange(n, dtype=np.int32)
     for i in prange(-(-n // TILE_ROWS)):
@@ -441,16 +428,8 @@ def _choose_clusters(hq, spread, t, z, shift, cq, cscale, cbias, csums, sizes, b
         nr = min(TILE_ROWS, n - j)
         coarse = np.empty((TILE_ROWS, GROUP * groups), np.float32)
         for g in range(0, groups, TILE_GROUPS):
-            ng = min(TILE_GROUPS, groups - g)
-            if kind == VNNI:
-                tile4_vnni(spread, every, j, nr, cq, g, ng, t, z, shift, cscale, cbias, csums,
-                            coarse, GROUP * g)
-            elif kind == AVX2:
-                tile4_avx2(hq, every, j, nr, cq, g, ng, t, z, shift, cscale, cbias, csums,
-                            coarse, GROUP * g)
-            else:
-                tile4_loop(hq, every, j, nr, cq, g, ng, t, z, shift, cscale, cbias, csums,
-                            coarse, GROUP * g)
+            tile4_estimates(kind, hq, spread, every, j, nr, cq, g, min(TILE_GROUPS, groups - g),
+                            t, z, shift, cscale, cbias, csums, coarse, GROUP * g)
         for a in range(nr):
             n_chosen[j + a] = _choose(coarse[a, :sizes.size], sizes, budget, chosen[j + a])
 

@@ -21,6 +21,7 @@ from slide.runtime import aligned_empty
 __all__ = ["GROUP", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP", "AVX2",
            "VNNI", "int8_kind", "dot8_avx2", "dot4_avx2", "dot8_loop", "dot4_loop",
            "tile_vnni", "tile_avx2", "tile4_vnni", "tile4_avx2", "tile_loop", "tile4_loop",
+           "tile_estimates", "tile4_estimates", "splat",
            "spread_words", "quantize_queries", "quantize_query_row", "estimates8", "above8",
            "estimates", "int8_groups", "int4_groups", "grouped_layout"]
 
@@ -48,6 +49,20 @@ def int8_kind() -> str | None:
     return None
 
 
+def _x86(builder, name: str, ret, *operands):
+    """The declaration of LLVM's x86 intrinsic ``llvm.x86.NAME`` in the builder's module."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, operands),
+                                          f"llvm.x86.{name}")
+
+
+def splat(builder, value, lanes: int):
+    """An LLVM vector of ``lanes`` copies of the scalar ``value`` (insert, then shuffle)."""
+    ty = ir.VectorType(value.type, lanes)
+    x = builder.insert_element(ir.Constant(ty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(x, ir.Constant(ty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+
+
 def _grouped_sums(nibbles: bool):
     """The codegen of :func:`dot8_avx2` (``nibbles`` false) or :func:`dot4_avx2`: a group's
     eight sums in the eight int32 lanes of one register, so that no sum is reduced across
@@ -63,11 +78,8 @@ def _grouped_sums(nibbles: bool):
         i64, i32, i16, i8 = (ir.IntType(b) for b in (64, 32, 16, 8))
         acc_t, load_t, pairs_t = ir.VectorType(i32, 8), ir.VectorType(i8, 32), ir.VectorType(i16, 16)
 
-        def x86(name, ret, *operands):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, operands),
-                                                  f"llvm.x86.avx2.{name}")
-        maddubs = x86("pmadd.ub.sw", pairs_t, load_t, load_t)
-        maddwd = x86("pmadd.wd", acc_t, pairs_t, pairs_t)
+        maddubs = _x86(builder, "avx2.pmadd.ub.sw", pairs_t, load_t, load_t)
+        maddwd = _x86(builder, "avx2.pmadd.wd", acc_t, pairs_t, pairs_t)
         ones = ir.Constant(pairs_t, [1] * 16)
         low, four = ir.Constant(load_t, [15] * 32), ir.Constant(pairs_t, [4] * 16)
         stride = cgutils.unpack_tuple(builder, w.strides, 2)[0]
@@ -76,15 +88,12 @@ def _grouped_sums(nibbles: bool):
                          builder.mul(context.cast(builder, args[2], signature.args[2], types.int64),
                                      stride))
         accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(2)]
-        zeros = ir.Constant(acc_t, None)
 
         def spread(depth):
             # the query's four bytes from this depth, in every lane
             at = builder.add(hp, depth)
             word = builder.load(builder.inttoptr(at, i32.as_pointer()), align=1)
-            return builder.bitcast(builder.shuffle_vector(
-                builder.insert_element(zeros, word, ir.Constant(i32, 0)), zeros,
-                ir.Constant(acc_t, [0] * 8)), load_t)
+            return builder.bitcast(splat(builder, word, 8), load_t)
 
         def step(piece, acc):
             at = builder.add(wp, builder.mul(piece, ir.Constant(i64, 32)))
@@ -199,11 +208,8 @@ def _tiles(vnni: bool, nibbles: bool):
         halves_t = ir.VectorType(i16, width // 2)
         low, four = ir.Constant(load_t, [15] * width), ir.Constant(halves_t, [4] * (width // 2))
 
-        def x86(name, ret, *operands):
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, operands),
-                                                  f"llvm.x86.{name}")
         if vnni and target_has("avx512vnni"):
-            dpbusd = x86("avx512.vpdpbusd.512", acc_t, acc_t, acc_t, acc_t)
+            dpbusd = _x86(builder, "avx512.vpdpbusd.512", acc_t, acc_t, acc_t, acc_t)
 
             def product(acc, xs, ws):
                 for x, w in zip(xs, ws):
@@ -221,8 +227,8 @@ def _tiles(vnni: bool, nibbles: bool):
                             p, p, ir.Constant(acc_t, [4 * u + j for u in range(16)])))
                 return acc
         else:
-            maddubs = x86("avx2.pmadd.ub.sw", halves_t, load_t, load_t)
-            maddwd = x86("avx2.pmadd.wd", acc_t, halves_t, halves_t)
+            maddubs = _x86(builder, "avx2.pmadd.ub.sw", halves_t, load_t, load_t)
+            maddwd = _x86(builder, "avx2.pmadd.wd", acc_t, halves_t, halves_t)
             ones = ir.Constant(halves_t, [1] * 16)
 
             def product(acc, xs, ws):
@@ -235,12 +241,6 @@ def _tiles(vnni: bool, nibbles: bool):
             return builder.load(builder.inttoptr(address, ty.as_pointer()), align=1)
 
         v8, f8 = ir.VectorType(i32, GROUP), ir.VectorType(ir.FloatType(), GROUP)
-
-        def splat(x, ty):
-            x = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(i32, 0))
-            return builder.shuffle_vector(x, ir.Constant(ty, ir.Undefined),
-                                          ir.Constant(ir.VectorType(i32, ty.count),
-                                                      [0] * ty.count))
 
         def body(rows, groups):
             row_at, row = [], []
@@ -269,8 +269,8 @@ def _tiles(vnni: bool, nibbles: bool):
                         xs = [load(builder.add(at, ir.Constant(i64, 64 * h)), load_t)
                               for h in range(2 if nibbles else 1)]
                     else:  # the piece's words in every lane
-                        xs = [builder.bitcast(splat(load(builder.add(at, ir.Constant(i64, 4 * h)),
-                                                         i32), acc_t), load_t)
+                        xs = [builder.bitcast(splat(builder, load(builder.add(
+                            at, ir.Constant(i64, 4 * h)), i32), acc_t.count), load_t)
                               for h in range(2 if nibbles else 1)]
                     for gg in range(groups):
                         acc = accs[a][gg]
@@ -282,10 +282,10 @@ def _tiles(vnni: bool, nibbles: bool):
                                                                ty.as_pointer()), align=4)
                                   for p in places] for A, ty in ((S, f8), (B, f8), (U, v8)))
             for a in range(rows):
-                tr = splat(builder.load(builder.gep(T.data, [row[a]])), f8)
-                zr = splat(builder.load(builder.gep(Z.data, [row[a]])), v8)
-                sr = splat(builder.load(builder.gep(F.data, [row[a]])) if nibbles else
-                           ir.Constant(i32, 0), v8)
+                tr = splat(builder, builder.load(builder.gep(T.data, [row[a]])), GROUP)
+                zr = splat(builder, builder.load(builder.gep(Z.data, [row[a]])), GROUP)
+                sr = splat(builder, builder.load(builder.gep(F.data, [row[a]])) if nibbles else
+                           ir.Constant(i32, 0), GROUP)
                 for gg in range(groups):
                     v = builder.load(accs[a][gg])
                     if vnni:  # the two pieces' lanes summed
@@ -358,6 +358,31 @@ def _tile_loops(nibbles: bool):
 tile_loop, tile4_loop = _tile_loops(nibbles=False), _tile_loops(nibbles=True)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def tile_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, scale, bias, sums, out, o):
+    """A tile's estimates of the int8 copy's groups by the ``kind``'s kernel (VNNI's from the
+    rows' ``spread`` words, else from ``hq``); the arguments as :func:`tile_vnni`'s (the int8
+    copy takes no shift: ``z`` stands in)."""
+    if kind == VNNI:
+        tile_vnni(spread, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
+    elif kind == AVX2:
+        tile_avx2(hq, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
+    else:
+        tile_loop(hq, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def tile4_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums,
+                    out, o):
+    """:func:`tile_estimates` of the 4-bit copy's groups (the rows' ``shift`` taken off)."""
+    if kind == VNNI:
+        tile4_vnni(spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+    elif kind == AVX2:
+        tile4_avx2(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+    else:
+        tile4_loop(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+
+
 def spread_words(hq, depth, nibbles: bool = False):
     """Each row's 4-byte words of ``hq`` [n, >= depth] as ``vpdpbusd`` reads two pieces of a
     group at once, each word in eight lanes: int32 [n, depth / 8, 16], words 2 i and 2 i + 1;
@@ -410,18 +435,13 @@ def estimates8(typingctx, dots, o, scale, bias, sums, p, tr, zr, sr, est):
             ptr = builder.gep(array.data, [offset]) if offset is not None else array.data
             return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=4)
 
-        def splat(value, ty, from_ty, to_ty):
-            x = context.cast(builder, value, from_ty, to_ty)
-            x = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(i32, 0))
-            return builder.shuffle_vector(x, ir.Constant(ty, ir.Undefined),
-                                          ir.Constant(vi, [0] * GROUP))
+        def lanes(j, to_ty):  # argument j, cast, in every lane
+            return splat(builder, context.cast(builder, args[j], signature.args[j], to_ty), GROUP)
         d, s, b, u = (load(arrays[0], vi, first), load(arrays[1], vf, at),
                       load(arrays[2], vf, at), load(arrays[3], vi, at))
-        n = builder.sub(builder.sub(d, splat(args[8], vi, signature.args[8], types.int32)),
-                        builder.mul(splat(args[7], vi, signature.args[7], types.int32), u))
+        n = builder.sub(builder.sub(d, lanes(8, types.int32)), builder.mul(lanes(7, types.int32), u))
         x = builder.sitofp(n, vf)
-        e = builder.fadd(builder.fmul(builder.fmul(
-            s, splat(args[6], vf, signature.args[6], types.float32)), x), b)
+        e = builder.fadd(builder.fmul(builder.fmul(s, lanes(6, types.float32)), x), b)
         builder.store(e, builder.bitcast(arrays[4].data, vf.as_pointer()), align=4)
         return context.get_dummy_value()
     return sig, codegen

@@ -210,17 +210,15 @@ def test_a_tile_of_rows_estimates_a_clusters_groups_as_numpy_does(d, nibbles):
     x = (sums - shift[:, None] - z[:, None].astype(np.int64) * lsums).astype(np.float32)
     want = scale * t[:, None] * x + bias
     order = np.array([7, 0, 3, 8, 1, 5], np.int32)
-    vnni, avx2, loop = (C.tile4_vnni, C.tile4_avx2, C.tile4_loop) if nibbles else \
-        (C.tile_vnni, C.tile_avx2, C.tile_loop)
 
     @njit
     def tile(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o):
-        if kind == C.VNNI:
-            vnni(spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
-        elif kind == C.AVX2:
-            avx2(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+        if nibbles:
+            C.tile4_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias,
+                              sums, out, o)
         else:
-            loop(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
+            C.tile_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, scale, bias, sums,
+                             out, o)
 
     spread = C.spread_words(hq, depth, nibbles)
     for kind in (C.VNNI, C.AVX2, C.LOOP):
