@@ -23,10 +23,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from slide.blas import gemm
-from slide.grouped import (AVX2, GROUP, LOOP, TILE_GROUPS, TILE_ROWS, VNNI, above8, estimates,
-                           int4_groups, int8_groups, int8_kind, quantize_queries,
-                           quantize_query_row, splat, spread_words, tile4_estimates,
-                           tile_estimates)
+from slide.amx import (AMX_ROWS, amx_begin, amx_end, amx_group_sums, amx_ready, gather_rows,
+                       tile_config)
+from slide.grouped import (AMX, AVX2, GROUP, LOOP, TILE_GROUPS, TILE_ROWS, VNNI, above8,
+                           estimates, estimates8, int4_groups, int8_groups, int8_kind,
+                           pair_above, quantize_queries, quantize_query_row, splat,
+                           spread_words, tile4_estimates, tile_estimates)
 from slide.metrics import heap_push, heap_sorted
 from slide.runtime import blas_threads, configure_threading, prefetch, thread_count
 from slide.vecmath import REASSOC, dot
@@ -321,8 +323,10 @@ _AHEAD = 2
 
 
 def _kind() -> int:
-    """:func:`int8_kind` as the kernels' integer: VNNI, AVX2 or LOOP."""
-    return {"avx512vnni": VNNI, "avx2": AVX2}.get(int8_kind(), LOOP)
+    """:func:`int8_kind` as the kernels' integer: VNNI, AVX2 or LOOP; AMX where the process
+    may use it (:func:`amx_ready`) and the CPU is the host's VNNI one."""
+    kind = {"avx512vnni": VNNI, "avx2": AVX2}.get(int8_kind(), LOOP)
+    return AMX if kind == VNNI and amx_ready() else kind
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -376,31 +380,74 @@ def _offer_all(est, lo, hi, members, m, ids, best):
     return m
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _offer_sums(dots, lo, hi, tr, zr, scale, bias, sums, members, m, ids, best, est):
+    """:func:`_offer_all` of a row's int32 sums ``dots`` [GROUP (hi - lo)] with the groups
+    ``lo..hi``: two groups' estimates compared with the heap's least in registers
+    (:func:`pair_above`), a group's made (:func:`estimates8`, into ``est`` [GROUP]) and
+    offered only where one is above."""
+    least = best[0] if m == ids.size else np.float32(-np.inf)
+    for g in range(lo, hi, 2):
+        o = GROUP * (g - lo)
+        if g + 1 < hi:
+            bits = pair_above(dots, o, scale, bias, sums, g * GROUP, tr, zr, 0, least)
+            if bits == 0:
+                continue
+        else:
+            bits = (1 << GROUP) - 1
+        for gg in range(2):
+            if bits >> (GROUP * gg) & ((1 << GROUP) - 1):
+                estimates8(dots, o + GROUP * gg, scale, bias, sums, (g + gg) * GROUP, tr, zr, 0,
+                           est)
+                m, least = _offer_group(est, 0, (g + gg) * GROUP, members, m, least, ids, best)
+    return m
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, rows, bounds,
-          pos, best, held, kind):
-    """Cluster by cluster, each task its run of them, the cluster's rows in tiles of up to
-    TILE_ROWS: the tile's estimates of every group of the cluster (:func:`tile_estimates`:
-    VNNI's from the rows' ``spread`` copies where ``kind`` is VNNI, else from ``hq``;
-    ``widest``: the most groups a cluster has), then each row's offered to the task's heap of
-    ``keep`` for it."""
+          pos, best, held, kind, cfg):
+    """Cluster by cluster, each task its run of them, the cluster's rows in tiles, each row
+    offered to the task's heap of ``keep`` for it. AMX (``kind``; ``cfg``: its tiles'
+    configuration): AMX_ROWS rows' sums with every group of the cluster, then each row's
+    estimates compared as they are made (:func:`_offer_sums`). Else TILE_ROWS rows'
+    estimates of every group (:func:`tile_estimates`: VNNI's from the rows' ``spread``
+    copies, the others' from ``hq``; ``widest``: the most groups a cluster has), then each
+    row's offered (:func:`_offer_all`)."""
     n, keep = pos.shape[1], pos.shape[2]
+    amx = kind == AMX
+    block = AMX_ROWS if amx else TILE_ROWS
     for task in prange(bounds.size - 1):
         my_pos = np.empty((n, keep), np.int64)
         my_best = np.empty((n, keep), np.float32)
         my_held = np.zeros(n, np.int64)
-        tile = np.empty((TILE_ROWS, GROUP * widest), np.float32)
+        tile = np.empty((0 if amx else block, GROUP * widest), np.float32)
+        A = np.zeros((block if amx else 0, q.shape[1] // GROUP), np.uint8)
+        dots = np.empty((block if amx else 0, GROUP * widest), np.int32)
+        est = np.empty(GROUP, np.float32)
+        if amx:
+            amx_begin(cfg)
         for c in range(bounds[task], bounds[task + 1]):
             lo, hi = starts[c] // GROUP, starts[c + 1] // GROUP
-            for j in range(ptr[c], ptr[c + 1], TILE_ROWS):
-                nr = min(TILE_ROWS, ptr[c + 1] - j)
-                for g in range(lo, hi, TILE_GROUPS):
-                    tile_estimates(kind, hq, spread, rows, j, nr, q, g, min(TILE_GROUPS, hi - g),
-                                   t, z, scale, bias, sums, tile, GROUP * (g - lo))
+            for j in range(ptr[c], ptr[c + 1], block):
+                nr = min(block, ptr[c + 1] - j)
+                if amx:
+                    gather_rows(hq, rows, j, nr, A)
+                    amx_group_sums(A, q, lo, hi, dots)
+                else:
+                    for g in range(lo, hi, TILE_GROUPS):
+                        tile_estimates(kind, hq, spread, rows, j, nr, q, g,
+                                       min(TILE_GROUPS, hi - g), t, z, scale, bias, sums, tile,
+                                       GROUP * (g - lo))
                 for a in range(nr):
                     r = rows[j + a]
-                    my_held[r] = _offer_all(tile[a], lo, hi, members, my_held[r], my_pos[r],
-                                            my_best[r])
+                    if amx:
+                        my_held[r] = _offer_sums(dots[a], lo, hi, t[r], z[r], scale, bias, sums,
+                                                 members, my_held[r], my_pos[r], my_best[r], est)
+                    else:
+                        my_held[r] = _offer_all(tile[a], lo, hi, members, my_held[r],
+                                                my_pos[r], my_best[r])
+        if amx:
+            amx_end()
         pos[task] = my_pos
         best[task] = my_best
         held[task] = my_held
@@ -642,7 +689,7 @@ class LabelClusters:
         counts = np.empty(n, np.int64)
         kind = _kind()
         spread = spread_words(hq, 2 * self.coarse[0].shape[1] // GROUP, nibbles=True) \
-            if kind == VNNI else np.empty((n, 0, 4 * GROUP), np.int32)
+            if kind >= VNNI else np.empty((n, 0, 4 * GROUP), np.int32)
         _choose_clusters(hq, spread, t, z, shift, *self.coarse, self.sizes, self.budget, chosen,
                          counts, kind)
         return chosen, counts
@@ -671,6 +718,7 @@ class LabelClusters:
         spread = spread_words(hq, self.q.shape[1] // GROUP) if kind == VNNI else \
             np.empty((n, 0, 2 * GROUP), np.int32)
         _scan(hq, spread, t, z, self.q, self.scale, self.label_bias, self.sums, self.members,
-              self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind)
+              self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind,
+              tile_config(self.q.shape[1] // GROUP))
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores

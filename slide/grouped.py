@@ -19,11 +19,11 @@ from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
 from slide.runtime import aligned_empty
 
 __all__ = ["GROUP", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP", "AVX2",
-           "VNNI", "int8_kind", "dot8_avx2", "dot4_avx2", "dot8_loop", "dot4_loop",
+           "VNNI", "AMX", "int8_kind", "dot8_avx2", "dot4_avx2", "dot8_loop", "dot4_loop",
            "tile_vnni", "tile_avx2", "tile4_vnni", "tile4_avx2", "tile_loop", "tile4_loop",
            "tile_estimates", "tile4_estimates", "splat",
-           "spread_words", "quantize_queries", "quantize_query_row", "estimates8", "above8",
-           "estimates", "int8_groups", "int4_groups", "grouped_layout"]
+           "spread_words", "quantize_queries", "quantize_query_row", "estimates8", "pair_above",
+           "above8", "estimates", "int8_groups", "int4_groups", "grouped_layout"]
 
 
 #: labels a step of the scan: one AVX2 register of their int32 sums; a cluster's int8 rows
@@ -173,8 +173,9 @@ dot8_loop, dot4_loop = _sums_loop(nibbles=False), _sums_loop(nibbles=True)
 #: a tile of the batch scan: this many of a cluster's rows, each against this many groups,
 #: their sums in registers together, so that each load of the int8 rows serves every row
 TILE_ROWS, TILE_GROUPS = 4, 2
-#: the kernels' int8 kinds (:func:`int8_kind`), as the integers they branch on
-LOOP, AVX2, VNNI = 0, 1, 2
+#: the kernels' int8 kinds (:func:`int8_kind`), as the integers they branch on; AMX's
+#: (:mod:`slide.amx`) scans a batch, and otherwise runs as VNNI does
+LOOP, AVX2, VNNI, AMX = 0, 1, 2, 3
 
 
 def _tiles(vnni: bool, nibbles: bool):
@@ -363,7 +364,7 @@ def tile_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, scale, bias, 
     """A tile's estimates of the int8 copy's groups by the ``kind``'s kernel (VNNI's from the
     rows' ``spread`` words, else from ``hq``); the arguments as :func:`tile_vnni`'s (the int8
     copy takes no shift: ``z`` stands in)."""
-    if kind == VNNI:
+    if kind >= VNNI:
         tile_vnni(spread, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
     elif kind == AVX2:
         tile_avx2(hq, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
@@ -375,7 +376,7 @@ def tile_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, scale, bias, 
 def tile4_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums,
                     out, o):
     """:func:`tile_estimates` of the 4-bit copy's groups (the rows' ``shift`` taken off)."""
-    if kind == VNNI:
+    if kind >= VNNI:
         tile4_vnni(spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
     elif kind == AVX2:
         tile4_avx2(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
@@ -414,6 +415,29 @@ def quantize_query_row(H, r, hq, t, z, shift):
     t[r], z[r], shift[r] = s, zr, OFFSET * total
 
 
+def _estimate_lanes(context, builder, signature, args, lanes: int):
+    """:func:`estimates8`'s estimates of ``lanes`` labels as one LLVM vector, from its first
+    nine arguments (``dots, o, scale, bias, sums, p, tr, zr, sr``)."""
+    i32, f32 = ir.IntType(32), ir.FloatType()
+    vi, vf = ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
+    arrays = [context.make_array(signature.args[j])(context, builder, args[j])
+              for j in (0, 2, 3, 4)]
+    at = context.cast(builder, args[5], signature.args[5], types.intp)
+    first = context.cast(builder, args[1], signature.args[1], types.intp)
+
+    def load(array, ty, offset):
+        return builder.load(builder.bitcast(builder.gep(array.data, [offset]), ty.as_pointer()),
+                            align=4)
+
+    def every(j, to_ty):  # argument j, cast, in every lane
+        return splat(builder, context.cast(builder, args[j], signature.args[j], to_ty), lanes)
+    d, s, b, u = (load(arrays[0], vi, first), load(arrays[1], vf, at), load(arrays[2], vf, at),
+                  load(arrays[3], vi, at))
+    n = builder.sub(builder.sub(d, every(8, types.int32)), builder.mul(every(7, types.int32), u))
+    x = builder.sitofp(n, vf)
+    return builder.fadd(builder.fmul(builder.fmul(s, every(6, types.float32)), x), b)
+
+
 @intrinsic
 def estimates8(typingctx, dots, o, scale, bias, sums, p, tr, zr, sr, est):
     """``est[u] = scale[p + u] tr (dots[o + u] - sr - zr sums[p + u]) + bias[p + u]`` for the
@@ -424,26 +448,26 @@ def estimates8(typingctx, dots, o, scale, bias, sums, p, tr, zr, sr, est):
     sig = types.void(dots, o, scale, bias, sums, p, tr, zr, sr, est)
 
     def codegen(context, builder, signature, args):
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        vi, vf = ir.VectorType(i32, GROUP), ir.VectorType(f32, GROUP)
-        arrays = [context.make_array(signature.args[j])(context, builder, args[j])
-                  for j in (0, 2, 3, 4, 9)]
-        at = context.cast(builder, args[5], signature.args[5], types.intp)
-        first = context.cast(builder, args[1], signature.args[1], types.intp)
-
-        def load(array, ty, offset):
-            ptr = builder.gep(array.data, [offset]) if offset is not None else array.data
-            return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=4)
-
-        def lanes(j, to_ty):  # argument j, cast, in every lane
-            return splat(builder, context.cast(builder, args[j], signature.args[j], to_ty), GROUP)
-        d, s, b, u = (load(arrays[0], vi, first), load(arrays[1], vf, at),
-                      load(arrays[2], vf, at), load(arrays[3], vi, at))
-        n = builder.sub(builder.sub(d, lanes(8, types.int32)), builder.mul(lanes(7, types.int32), u))
-        x = builder.sitofp(n, vf)
-        e = builder.fadd(builder.fmul(builder.fmul(s, lanes(6, types.float32)), x), b)
-        builder.store(e, builder.bitcast(arrays[4].data, vf.as_pointer()), align=4)
+        e = _estimate_lanes(context, builder, signature, args, GROUP)
+        out = context.make_array(signature.args[9])(context, builder, args[9])
+        builder.store(e, builder.bitcast(out.data, e.type.as_pointer()), align=4)
         return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def pair_above(typingctx, dots, o, scale, bias, sums, p, tr, zr, sr, least):
+    """The bits u (1 << u) of the 2 ``GROUP`` estimates of two groups (:func:`estimates8`'s,
+    the same floats) above ``least``, made and compared in registers: most groups hold no
+    label that a row's heap takes, and their estimates need not be stored."""
+    sig = types.int64(dots, o, scale, bias, sums, p, tr, zr, sr, least)
+
+    def codegen(context, builder, signature, args):
+        e = _estimate_lanes(context, builder, signature, args, 2 * GROUP)
+        v = splat(builder, context.cast(builder, args[9], signature.args[9], types.float32),
+                  2 * GROUP)
+        bits = builder.bitcast(builder.fcmp_ordered(">", e, v), ir.IntType(2 * GROUP))
+        return builder.zext(bits, ir.IntType(64))
     return sig, codegen
 
 

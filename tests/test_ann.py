@@ -119,9 +119,53 @@ _KINDS = sorted({slide.clusters.int8_kind(), "avx2" if slide.grouped.target_has(
 @pytest.mark.parametrize("kind", _KINDS)
 def test_clusters_score_every_label_exactly_when_probing_all(monkeypatch, kind):
     """The host's int8 kernels (AVX-512 VNNI's batch tiles, AVX2's), those of CPUs with AVX2
-    only, and the loop of CPUs without."""
+    only, and the loop of CPUs without (AMX's tiles: the next test)."""
     monkeypatch.setattr(slide.clusters, "int8_kind", lambda: kind)
+    monkeypatch.setattr(slide.clusters, "amx_ready", lambda: False)
     _probe_all(*_layer())
+
+
+def test_clusters_score_every_label_exactly_by_amx_tiles(monkeypatch):
+    """A batch's scan in AMX's tiles (the instruction where the process may use it, the same
+    sums as loops on a target without it): every rank and score as probing all requires."""
+    import slide.amx
+    if slide.amx._on_target() and not slide.amx.amx_ready():
+        pytest.skip("the CPU has AMX but Linux did not lend this process its tiles")
+    monkeypatch.setattr(slide.clusters, "_kind", lambda: slide.grouped.AMX)
+    _probe_all(*_layer())
+
+
+@pytest.mark.parametrize("d", [3, 44, 64, 130])
+def test_amx_tiles_sum_a_groups_rows_as_numpy_does(d):
+    """AMX's int32 sums of up to 16 query rows with one or two groups of the int8 copy, at
+    depths of a part of a 64-byte step, whole steps and both (the depth padded to 8, 48, 64,
+    136), the rows and labels at the extremes of both ranges; the tile configuration of
+    each depth."""
+    import slide.amx as X
+    from numba import njit
+    if X._on_target() and not X.amx_ready():
+        pytest.skip("the CPU has AMX but Linux did not lend this process its tiles")
+    q, _, _, _, stored = _tile_case(False, d, np.random.default_rng(4))
+    G, depth = slide.grouped.GROUP, stored.shape[1]
+    cfg = X.tile_config(depth)
+    rows, colsb = cfg[48:64], cfg[16:48].view(np.uint16)
+    assert cfg[0] == 1 and rows[2] == 16 and colsb[2] == 64 and rows[4] == 16
+    assert colsb[3] == depth % 64 and rows[6] == (depth % 64) // 4
+
+    @njit
+    def sums(cfg, A, q, g, ng, C):
+        slide.amx.amx_begin(cfg)
+        slide.amx.amx_sums(A, q, g, ng, C)
+        slide.amx.amx_end()
+
+    A = np.random.default_rng(5).integers(0, 128, (X.AMX_ROWS, depth)).astype(np.uint8)
+    A[0] = 127
+    want = A.astype(np.int64) @ stored.T
+    for g, ng in ((0, 1), (0, 2), (q.shape[0] - 2, 2), (q.shape[0] - 1, 1)):
+        C = np.full((X.AMX_ROWS, 3 * G), 7, np.int32)
+        sums(cfg, A, q, g, ng, C)
+        np.testing.assert_array_equal(C[:, :G * ng], want[:, G * g:G * (g + ng)])
+        assert np.all(C[:, G * ng:] == 7)  # nothing beyond the groups written
 
 
 def _group_sums(name, hq, q):
@@ -432,15 +476,21 @@ def test_a_groups_estimates_are_the_scalar_formulas_bit_for_bit(nibbles):
     """The eight estimates of a group in one vector step, from its sums at an offset: scale ·
     t · (dots - shift - z · sums) + bias, integers first, then float32 in that order, as numpy
     computes each lane; a padding lane (scale 0, bias -inf) stays -inf. The bits of the lanes
-    above a bound are those numpy finds, a NaN's never set."""
+    above a bound are those numpy finds, a NaN's never set; so are those of two groups'
+    estimates compared in registers (``pair_above``)."""
     from numba import njit
     G = slide.grouped.GROUP
-    estimates8, above8 = slide.grouped.estimates8, slide.grouped.above8
+    estimates8, above8, pair_above = (slide.grouped.estimates8, slide.grouped.above8,
+                                      slide.grouped.pair_above)
 
     @njit
     def run(dots, o, scale, bias, sums, p, t, z, shift, est, least):
         estimates8(dots, o, scale, bias, sums, p, t, z, shift, est)
         return above8(est, 0, least)
+
+    @njit
+    def pair(dots, o, scale, bias, sums, p, t, z, shift, least):
+        return pair_above(dots, o, scale, bias, sums, p, t, z, shift, least)
 
     rng = np.random.default_rng(3)
     n = 5 * G
@@ -460,5 +510,13 @@ def test_a_groups_estimates_are_the_scalar_formulas_bit_for_bit(nibbles):
         bits = run(dots, o, scale, bias, sums, p, t, z, shift, est, least)
         np.testing.assert_array_equal(est, want)
         assert bits == sum(1 << u for u in range(G) if want[u] > least) and 0 < bits < 255
+        if o + 2 * G <= dots.size:
+            x = (dots[o:o + 2 * G].astype(np.int64) - shift -
+                 np.int64(z) * sums[p:p + 2 * G]).astype(np.float32)
+            want2 = scale[p:p + 2 * G] * t * x + bias[p:p + 2 * G]
+            got = pair(dots, o, scale, bias, sums, p, t, z, shift, least)
+            assert got == sum(1 << u for u in range(2 * G) if want2[u] > least)
+            assert got & 255 and got >> G
     assert np.isneginf(est[-1])
     assert run(dots, 0, scale * np.nan, bias, sums, 0, t, z, shift, est, -np.inf) == 0
+    assert pair(dots, 0, scale * np.nan, bias, sums, 0, t, z, shift, -np.inf) == 0
