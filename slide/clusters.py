@@ -320,6 +320,9 @@ def _by_cluster(chosen, n_chosen, starts, tasks):
 
 #: groups asked for ahead of the scan
 _AHEAD = 2
+#: the fewest of a batch's rows in a cluster that AMX's tiles take: fewer fill too little of
+#: a tile of AMX_ROWS to beat VNNI's tiles (batches of 8 and 32 at git_openstack)
+AMX_FROM = 8
 
 
 def _kind() -> int:
@@ -405,29 +408,29 @@ def _offer_sums(dots, lo, hi, tr, zr, scale, bias, sums, members, m, ids, best, 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, rows, bounds,
-          pos, best, held, kind, cfg):
+          pos, best, held, kind, cfg, amx_from):
     """Cluster by cluster, each task its run of them, the cluster's rows in tiles, each row
     offered to the task's heap of ``keep`` for it. AMX (``kind``; ``cfg``: its tiles'
-    configuration): AMX_ROWS rows' sums with every group of the cluster, then each row's
-    estimates compared as they are made (:func:`_offer_sums`). Else TILE_ROWS rows'
-    estimates of every group (:func:`tile_estimates`: VNNI's from the rows' ``spread``
-    copies, the others' from ``hq``; ``widest``: the most groups a cluster has), then each
-    row's offered (:func:`_offer_all`)."""
+    configuration), in a cluster that ``amx_from`` rows or more chose: AMX_ROWS rows' sums
+    with every group of the cluster, then each row's estimates compared as they are made
+    (:func:`_offer_sums`). Else TILE_ROWS rows' estimates of every group
+    (:func:`tile_estimates`: VNNI's from the rows' ``spread`` copies, the others' from ``hq``;
+    ``widest``: the most groups a cluster has), then each row's offered (:func:`_offer_all`)."""
     n, keep = pos.shape[1], pos.shape[2]
-    amx = kind == AMX
-    block = AMX_ROWS if amx else TILE_ROWS
     for task in prange(bounds.size - 1):
         my_pos = np.empty((n, keep), np.int64)
         my_best = np.empty((n, keep), np.float32)
         my_held = np.zeros(n, np.int64)
-        tile = np.empty((0 if amx else block, GROUP * widest), np.float32)
-        A = np.zeros((block if amx else 0, q.shape[1] // GROUP), np.uint8)
-        dots = np.empty((block if amx else 0, GROUP * widest), np.int32)
+        tile = np.empty((TILE_ROWS, GROUP * widest), np.float32)
+        A = np.zeros((AMX_ROWS if kind == AMX else 0, q.shape[1] // GROUP), np.uint8)
+        dots = np.empty((AMX_ROWS if kind == AMX else 0, GROUP * widest), np.int32)
         est = np.empty(GROUP, np.float32)
-        if amx:
+        if kind == AMX:
             amx_begin(cfg)
         for c in range(bounds[task], bounds[task + 1]):
             lo, hi = starts[c] // GROUP, starts[c + 1] // GROUP
+            amx = kind == AMX and ptr[c + 1] - ptr[c] >= amx_from
+            block = AMX_ROWS if amx else TILE_ROWS
             for j in range(ptr[c], ptr[c + 1], block):
                 nr = min(block, ptr[c + 1] - j)
                 if amx:
@@ -446,7 +449,7 @@ def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, 
                     else:
                         my_held[r] = _offer_all(tile[a], lo, hi, members, my_held[r],
                                                 my_pos[r], my_best[r])
-        if amx:
+        if kind == AMX:
             amx_end()
         pos[task] = my_pos
         best[task] = my_best
@@ -715,10 +718,10 @@ class LabelClusters:
         best = np.empty((threads, n, keep), np.float32)
         held = np.empty((threads, n), np.int64)
         kind = _kind()
-        spread = spread_words(hq, self.q.shape[1] // GROUP) if kind == VNNI else \
+        spread = spread_words(hq, self.q.shape[1] // GROUP) if kind >= VNNI else \
             np.empty((n, 0, 2 * GROUP), np.int32)
         _scan(hq, spread, t, z, self.q, self.scale, self.label_bias, self.sums, self.members,
               self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind,
-              tile_config(self.q.shape[1] // GROUP))
+              tile_config(self.q.shape[1] // GROUP), AMX_FROM)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores

@@ -127,12 +127,15 @@ def test_clusters_score_every_label_exactly_when_probing_all(monkeypatch, kind):
 
 def test_clusters_score_every_label_exactly_by_amx_tiles(monkeypatch):
     """A batch's scan in AMX's tiles (the instruction where the process may use it, the same
-    sums as loops on a target without it): every rank and score as probing all requires."""
+    sums as loops on a target without it), in every cluster, in none (VNNI's tiles) and in
+    those that enough rows chose: every rank and score as probing all requires."""
     import slide.amx
     if slide.amx._on_target() and not slide.amx.amx_ready():
         pytest.skip("the CPU has AMX but Linux did not lend this process its tiles")
     monkeypatch.setattr(slide.clusters, "_kind", lambda: slide.grouped.AMX)
-    _probe_all(*_layer())
+    for fewest in (1, 10 ** 9, slide.clusters.AMX_FROM):  # every cluster by AMX, none, the rule
+        monkeypatch.setattr(slide.clusters, "AMX_FROM", fewest)
+        _probe_all(*_layer())
 
 
 @pytest.mark.parametrize("d", [3, 44, 64, 130])
