@@ -628,6 +628,7 @@ class LabelClusters:
         self.members = np.full(self.starts[-1], -1, np.int32)
         self.members[place] = order
         self._widest = int(np.diff(self.starts).max()) // GROUP  # a batch tile's scratch
+        self._tiles = tile_config(self.q.shape[1] // GROUP)  # AMX's, at the copy's depth
         # the centroids' own 4-bit copy, in one run of groups: a row's pass over them reads an
         # eighth of their float32 bytes, and a row alone chooses as in a batch
         self.coarse = int4_groups(C, np.arange(n_clusters), np.array([n_clusters]),
@@ -721,7 +722,7 @@ class LabelClusters:
         spread = spread_words(hq, self.q.shape[1] // GROUP) if kind >= VNNI else \
             np.empty((n, 0, 2 * GROUP), np.int32)
         _scan(hq, spread, t, z, self.q, self.scale, self.label_bias, self.sums, self.members,
-              self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind,
-              tile_config(self.q.shape[1] // GROUP), AMX_FROM)
+              self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind, self._tiles,
+              AMX_FROM)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)
         return ids, scores

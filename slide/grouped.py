@@ -438,6 +438,14 @@ def _estimate_lanes(context, builder, signature, args, lanes: int):
     return builder.fadd(builder.fmul(builder.fmul(s, every(6, types.float32)), x), b)
 
 
+def _bits_above(context, builder, x, least, least_type):
+    """The lanes of the float32 vector ``x`` above the scalar ``least`` as the bits of an
+    int64, lane u at 1 << u (an ordered compare: a NaN is never above)."""
+    v = splat(builder, context.cast(builder, least, least_type, types.float32), x.type.count)
+    bits = builder.bitcast(builder.fcmp_ordered(">", x, v), ir.IntType(x.type.count))
+    return builder.zext(bits, ir.IntType(64))
+
+
 @intrinsic
 def estimates8(typingctx, dots, o, scale, bias, sums, p, tr, zr, sr, est):
     """``est[u] = scale[p + u] tr (dots[o + u] - sr - zr sums[p + u]) + bias[p + u]`` for the
@@ -464,10 +472,7 @@ def pair_above(typingctx, dots, o, scale, bias, sums, p, tr, zr, sr, least):
 
     def codegen(context, builder, signature, args):
         e = _estimate_lanes(context, builder, signature, args, 2 * GROUP)
-        v = splat(builder, context.cast(builder, args[9], signature.args[9], types.float32),
-                  2 * GROUP)
-        bits = builder.bitcast(builder.fcmp_ordered(">", e, v), ir.IntType(2 * GROUP))
-        return builder.zext(bits, ir.IntType(64))
+        return _bits_above(context, builder, e, args[9], signature.args[9])
     return sig, codegen
 
 
@@ -481,12 +486,7 @@ def above8(typingctx, est, o, least):
         e = context.make_array(signature.args[0])(context, builder, args[0])
         at = builder.gep(e.data, [context.cast(builder, args[1], signature.args[1], types.intp)])
         x = builder.load(builder.bitcast(at, vf.as_pointer()), align=4)
-        v = context.cast(builder, args[2], signature.args[2], types.float32)
-        v = builder.insert_element(ir.Constant(vf, ir.Undefined), v, ir.Constant(ir.IntType(32), 0))
-        v = builder.shuffle_vector(v, ir.Constant(vf, ir.Undefined),
-                                   ir.Constant(ir.VectorType(ir.IntType(32), GROUP), [0] * GROUP))
-        bits = builder.bitcast(builder.fcmp_ordered(">", x, v), ir.IntType(GROUP))
-        return builder.zext(bits, ir.IntType(64))
+        return _bits_above(context, builder, x, args[2], signature.args[2])
     return types.int64(est, o, least), codegen
 
 
