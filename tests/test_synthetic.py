@@ -22,6 +22,10 @@ def test_generator_is_deterministic_and_shaped():
     assert X.shape == (500, PRESETS["demo"].n_features) and Y.shape == (500, PRESETS["demo"].n_labels)
     assert np.all(np.diff(Y.indptr) >= 1) and np.all(np.diff(X.indptr) >= 1)
     np.testing.assert_allclose(sp.linalg.norm(X, axis=1), 1.0, rtol=1e-5)
+    # each row's columns in order, as a loader's are: a query's checks would copy and sort them
+    for M in (a[0], a[2]):
+        rows = np.repeat(np.arange(M.shape[0]), np.diff(M.indptr))
+        assert np.all((np.diff(M.indices) > 0) | (np.diff(rows) > 0))
     with pytest.raises(ValueError, match="unknown preset"):
         make_dataset("nope")
 
