@@ -205,9 +205,8 @@ def make_dataset(shape="demo", n_train: int | None = None, n_test: int | None = 
     X.data = np.log1p(X.data).astype(np.float32)
     norms = np.sqrt(np.asarray(X.multiply(X).sum(axis=1)).ravel()).astype(np.float32)
     X = sp.csr_matrix(sp.diags(1.0 / np.maximum(norms, 1e-12)) @ X, dtype=np.float32)
-    # the product leaves a row's columns out of order (and may say they are in order): sorted,
-    # as a loader's rows are, so that a query's checks need not copy and sort them
-    X.has_sorted_indices = False
+    # the product leaves a row's columns out of order: sorted, as a loader's rows are, so that
+    # a query's checks need not copy and sort them
     X.sort_indices()
     Y = sp.csr_matrix((np.ones(y_ids.size, np.float32), y_ids.astype(np.int32), y_indptr), shape=(n, L))
     Y.sort_indices()
