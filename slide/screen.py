@@ -509,13 +509,14 @@ def dot_int8(q, h):
 def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx, ids, scores):
     d = H.shape[1]
     k = ids.shape[1]
-    n_rows = cand.shape[0]
+    n_rows = H.shape[0]
     part_pos = np.empty((parts, n_rows, k), np.int64)
     part_top = np.empty((parts, n_rows, k), np.float32)
     sizes = np.empty((parts, n_rows), np.int64)
     for task in prange(n_rows * parts):
         r, p = task // parts, task % parts
         h = H[r]
+        row = cand[min(np.int64(r), cand.shape[0] - 1)]  # one row shared by all, or each its own
         nh = 0.0
         for i in range(d):
             nh += np.float64(h[i]) * h[i]
@@ -532,14 +533,14 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
             # a row; its 16 bytes of scale, bounds and bias are one line beside it. Asked of
             # L2 FAR ahead too, more of them are on their way at once (docs/serving.md)
             if a + AHEAD < hi:
-                ahead = cand[r, a + AHEAD]
+                ahead = row[a + AHEAD]
                 prefetch(q[ahead])
                 prefetch(meta[ahead])
             if a + FAR < hi:
-                far = cand[r, a + FAR]
+                far = row[a + FAR]
                 prefetch_l2(q[far])
                 prefetch_l2(meta[far])
-            i = cand[r, a]
+            i = row[a]
             v = meta[i, SCALE] * dot_int8(q[i], h) + meta[i, BIAS]
             # |h·w - h·ŵ| <= |h| |w - ŵ|, and float32 rounding in this score and the rescored
             # one (see the module docstring)
@@ -555,15 +556,16 @@ def _screen_candidates(H, W, b, q, meta, rounding, cand, lengths, parts, approx,
         n = 0
         for a in range(lo, hi):
             if not ups[a] < floor:
-                i = cand[r, a]
+                i = row[a]
                 n = heap_push(b[i] + dot(W[i, :d], h), a, k, n, pos, top)
         sizes[p, r] = n
     # the runs in candidate order, so that ties still go to the earlier candidate
     heaps_merge(part_pos, part_top, sizes, ids, scores)
     for r in prange(n_rows):
         pos, top = ids[r], scores[r]  # candidate positions, as label ids from here
+        row = cand[min(np.int64(r), cand.shape[0] - 1)]
         for j in range(k):
-            pos[j] = cand[r, pos[j]] if pos[j] >= 0 and np.isfinite(top[j]) else -1
+            pos[j] = row[pos[j]] if pos[j] >= 0 and np.isfinite(top[j]) else -1
 
 
 def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, ids, scores):
@@ -573,7 +575,9 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
 
     ``H`` float32 [n, d]; ``W`` float32 [L, d], or a row block whose rows lead with the weights
     (the output layer's); ``b`` float32 [L]; ``cand`` int32 [n, w], whose first ``lengths[r]``
-    entries (int64 [n], at most w) are label ids in [0, L), as the serving tables give them.
+    entries (int64 [n], at most w) are label ids in [0, L), as the serving tables give them, or
+    [1, w]: one row of candidates for every row (one compiled kernel either way, where a
+    broadcast view would be another).
     Writes ``ids`` int64 [n, k] (label ids, best first, ties to the earlier candidate) and
     ``scores`` float32 [n, k]; -1 / -inf where a row has fewer than k candidates, -1 where a
     score is not finite.
@@ -592,15 +596,15 @@ def screened_candidates(H, W, b, labels: Int8Labels, cand, lengths, parts: int, 
     if labels.q.shape != (W.shape[0], d) or W.shape[1] < d:
         raise ValueError(f"the int8 labels are of a {list(labels.q.shape)} matrix; W is "
                          f"{list(W.shape)} and H has {d} columns: quantize W again")
-    if cand.shape[0] != n or np.shape(lengths) != (n,) or ids.shape != scores.shape \
+    if cand.shape[0] not in (1, n) or np.shape(lengths) != (n,) or ids.shape != scores.shape \
             or ids.shape[0] != n:
-        raise ValueError(f"one row of candidates, lengths, ids and scores for each of the {n} "
-                         f"rows of H, got {cand.shape[0]}, {np.shape(lengths)}, {ids.shape} and "
-                         f"{scores.shape}")
+        raise ValueError(f"one row of candidates (or one for all), lengths, ids and scores for "
+                         f"each of the {n} rows of H, got {cand.shape[0]}, {np.shape(lengths)}, "
+                         f"{ids.shape} and {scores.shape}")
     if np.shape(b) != (W.shape[0],) or (n and (lengths.min() < 0 or lengths.max() > cand.shape[1])):
         raise ValueError(f"b must hold one bias per row of W ({W.shape[0]}) and each length must "
                          f"be within the {cand.shape[1]} candidates a row, got {np.shape(b)} and "
                          f"lengths {lengths.min()}..{lengths.max()}")
-    approx = np.empty(cand.shape, np.float32)
+    approx = np.empty((n, cand.shape[1]), np.float32)
     _screen_candidates(H, W, b, labels.q, labels.meta, rounding_allowance(d), cand, lengths,
                        max(1, int(parts)), approx, ids, scores)

@@ -116,12 +116,11 @@ class Server:
         label (:func:`slide.screen.screened_candidates`), which reads a quarter of the float32
         layer's bytes and rescores only what its bounds cannot rule out."""
         s = self.state
-        labels = self._once("every", lambda: np.arange(s.n_labels, dtype=np.int32))
+        labels = self._once("every", lambda: np.arange(s.n_labels, dtype=np.int32)[None])
         n = h.shape[0]
         parts = max(1, thread_count() // n)
-        screened_candidates(h, s.weight_rows("W"), self.bias(), self.candidate_screen(),
-                            np.broadcast_to(labels, (n, labels.size)),
-                            np.full(n, labels.size, np.int64), parts, ids, scores)
+        screened_candidates(h, s.weight_rows("W"), self.bias(), self.candidate_screen(), labels,
+                            np.full(n, labels.shape[1], np.int64), parts, ids, scores)
 
     def configure(self, tables: int | None = None, candidates: int | None = None,
                   center: bool = True) -> None:

@@ -1,3 +1,4 @@
+import os
 import threading
 
 import numpy as np
@@ -10,6 +11,16 @@ from slide.synthetic import DatasetShape, make_dataset
 TINY = DatasetShape("tiny", n_features=2000, n_labels=400, n_train=3000, n_test=600,
                     features_per_sample=30.0, labels_per_sample=2.0, cluster_size=20,
                     same_cluster=0.8, label_share=0.3, topic_share=0.3)
+
+
+#: the most worker processes ``-n auto`` starts: each compiles the kernels its modules use for
+#: itself (where another has not cached them yet), so many more than the cores only repeat work
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_WORKERS, cores or 1))
 
 
 @pytest.fixture(scope="session")

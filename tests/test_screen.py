@@ -135,7 +135,7 @@ def test_exact_predictions_of_few_rows_screen_every_label(monkeypatch, tiny_data
     real = serving.screened_candidates
 
     def counted(*args, **kw):
-        calls.append(args[4].shape[0])
+        calls.append(args[0].shape[0])
         return real(*args, **kw)
 
     monkeypatch.setattr(serving, "SCREEN_MIN_LABELS", 1 << 40)
@@ -227,6 +227,13 @@ def test_screened_candidates_match_the_score_matrix(rng):
     assert ids[0, 0] == -1 and scores[0, 0] == np.inf  # label 11's infinite score
     assert list(ids[1]).index(7) < list(ids[1]).index(3)  # a tie: 7 is the earlier candidate
     assert list(ids[2, 2:]) == [-1, -1]
+    # one row of candidates for every row: as if each had its own copy of it
+    every = np.full(3, 7, np.int64)
+    want_ids, want_scores = _candidates_topk(h, W, b, np.repeat(cand[:1], 3, axis=0), every, k)
+    for parts in (1, 3):
+        screen.screened_candidates(h, W, b, labels, cand[:1], every, parts, ids, scores)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(scores, want_scores, rtol=1e-6)
     with pytest.raises(ValueError, match="quantize W again"):
         screen.screened_candidates(h[:, :5], W, b, labels, cand, lengths, 1, ids, scores)
     with pytest.raises(ValueError, match="each of the 3 rows"):
