@@ -31,6 +31,7 @@ from slide.grouped import (AMX, AVX2, GROUP, LOOP, TILE_GROUPS, TILE_ROWS, VNNI,
                            spread_words, tile4_estimates, tile_estimates)
 from slide.metrics import heap_push, heap_sorted
 from slide.runtime import blas_threads, configure_threading, prefetch, thread_count
+from slide.toplanes import new_tops, top_held, top_offer, trailing_zeros
 from slide.vecmath import REASSOC, dot
 
 __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT"]
@@ -333,77 +334,76 @@ def _kind() -> int:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _push_new(v, j, k, n, ids, scores):
-    """:func:`heap_push`, unless the heap holds ``j`` already: a label in two clusters is
-    offered twice, with the same estimate."""
-    for e in range(n):
-        if ids[e] == j:
-            return n
-    return heap_push(v, j, k, n, ids, scores)
+def _offer_bits(est, o, bits, p, members, least, scores, ids, keep):
+    """The estimates ``est[o + u]`` of the lanes u that ``bits`` name (1 << u) and that beat
+    ``least``, offered as their labels ``members[p + u]`` to a row's lanes (``scores``,
+    ``ids``: :mod:`slide.toplanes`, ``keep`` entries); returns the least an estimate must
+    beat then."""
+    while bits:
+        u = trailing_zeros(bits)
+        bits &= bits - 1
+        if est[o + u] > least:
+            top_offer(scores, ids, est[o + u], members[p + u])
+            least = scores[keep - 1]
+    return least
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _offer_group(est, o, p, members, m, least, ids, best):
-    """The estimates ``est[o:o + GROUP]`` of the group whose first place is ``p``, offered as
-    their labels (``members``) to a row's heap (``ids``, ``best``, ``m`` entries) where they
-    beat its ``least``; returns the heap's size and least. The group is tested against the
-    least at once before any is offered."""
-    if above8(est, o, least):
-        for u in range(GROUP):
-            if est[o + u] > least:
-                m = _push_new(est[o + u], members[p + u], ids.size, m, ids, best)
-                least = best[0] if m == ids.size else np.float32(-np.inf)
-    return m, least
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, m, ids, best, dots, est,
-           ahead, avx2):
+def _offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, scores, ids, keep, dots,
+           est, ahead, avx2):
     """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a group at
-    a time (``dots``, ``est`` [GROUP] their scratch), offered to its heap (``ids``, ``best``,
-    ``m`` of ``ids.size`` entries; :func:`_offer_group`); returns the heap's size.
-    ``ahead``: groups asked for ahead (0: none, the rows being in cache)."""
-    least = best[0] if m == ids.size else np.float32(-np.inf)
+    a time (``dots``, ``est`` [GROUP] their scratch), offered to its lanes (``scores``,
+    ``ids``, ``keep`` entries; :func:`_offer_bits`), each group tested against the least at
+    once. ``ahead``: groups asked for ahead (0: none, the rows being in cache)."""
+    least = scores[keep - 1]
     end = hi // GROUP
     for g in range(lo // GROUP, end):
         if ahead and g + ahead < end:
             prefetch(q[g + ahead])
         estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, False)
-        m, least = _offer_group(est, 0, g * GROUP, members, m, least, ids, best)
-    return m
+        least = _offer_bits(est, 0, above8(est, 0, least), g * GROUP, members, least, scores,
+                            ids, keep)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _offer_all(est, lo, hi, members, m, ids, best):
+def _offer_all(est, lo, hi, members, scores, ids, keep):
     """:func:`_offer` of the groups ``lo..hi`` from a row's estimates of them ``est`` [GROUP
     (hi - lo)]."""
-    least = best[0] if m == ids.size else np.float32(-np.inf)
+    least = scores[keep - 1]
     for g in range(lo, hi):
-        m, least = _offer_group(est, GROUP * (g - lo), g * GROUP, members, m, least, ids, best)
-    return m
+        o = GROUP * (g - lo)
+        least = _offer_bits(est, o, above8(est, o, least), g * GROUP, members, least, scores,
+                            ids, keep)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _offer_sums(dots, lo, hi, tr, zr, scale, bias, sums, members, m, ids, best, est):
+def _offer_sums(dots, lo, hi, tr, zr, scale, bias, sums, members, scores, ids, keep, est):
     """:func:`_offer_all` of a row's int32 sums ``dots`` [GROUP (hi - lo)] with the groups
-    ``lo..hi``: two groups' estimates compared with the heap's least in registers
-    (:func:`pair_above`), a group's made (:func:`estimates8`, into ``est`` [GROUP]) and
-    offered only where one is above."""
-    least = best[0] if m == ids.size else np.float32(-np.inf)
+    ``lo..hi``: two groups' estimates compared with the least in registers
+    (:func:`pair_above`), made (:func:`estimates8`, into ``est`` [2 GROUP]) and offered only
+    where one is above."""
+    least = scores[keep - 1]
     for g in range(lo, hi, 2):
         o = GROUP * (g - lo)
         if g + 1 < hi:
             bits = pair_above(dots, o, scale, bias, sums, g * GROUP, tr, zr, 0, least)
             if bits == 0:
                 continue
+            estimates8(dots, o + GROUP, scale, bias, sums, (g + 1) * GROUP, tr, zr, 0,
+                       est[GROUP:])
         else:
             bits = (1 << GROUP) - 1
-        for gg in range(2):
-            if bits >> (GROUP * gg) & ((1 << GROUP) - 1):
-                estimates8(dots, o + GROUP * gg, scale, bias, sums, (g + gg) * GROUP, tr, zr, 0,
-                           est)
-                m, least = _offer_group(est, 0, (g + gg) * GROUP, members, m, least, ids, best)
-    return m
+        estimates8(dots, o, scale, bias, sums, g * GROUP, tr, zr, 0, est)
+        least = _offer_bits(est, 0, bits, g * GROUP, members, least, scores, ids, keep)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _held_out(scores, ids, keep, pos, best):
+    """The first ``keep`` lanes of a row into ``pos``, ``best`` [keep]; returns how many hold
+    an entry."""
+    for a in range(keep):
+        pos[a], best[a] = ids[a], scores[a]
+    return top_held(ids, keep)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -418,13 +418,11 @@ def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, 
     ``widest``: the most groups a cluster has), then each row's offered (:func:`_offer_all`)."""
     n, keep = pos.shape[1], pos.shape[2]
     for task in prange(bounds.size - 1):
-        my_pos = np.empty((n, keep), np.int64)
-        my_best = np.empty((n, keep), np.float32)
-        my_held = np.zeros(n, np.int64)
+        my_scores, my_ids = new_tops(n, keep)
         tile = np.empty((TILE_ROWS, GROUP * widest), np.float32)
         A = np.zeros((AMX_ROWS if kind == AMX else 0, q.shape[1] // GROUP), np.uint8)
         dots = np.empty((AMX_ROWS if kind == AMX else 0, GROUP * widest), np.int32)
-        est = np.empty(GROUP, np.float32)
+        est = np.empty(2 * GROUP, np.float32)
         if kind == AMX:
             amx_begin(cfg)
         for c in range(bounds[task], bounds[task + 1]):
@@ -444,16 +442,14 @@ def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, 
                 for a in range(nr):
                     r = rows[j + a]
                     if amx:
-                        my_held[r] = _offer_sums(dots[a], lo, hi, t[r], z[r], scale, bias, sums,
-                                                 members, my_held[r], my_pos[r], my_best[r], est)
+                        _offer_sums(dots[a], lo, hi, t[r], z[r], scale, bias, sums, members,
+                                    my_scores[r], my_ids[r], keep, est)
                     else:
-                        my_held[r] = _offer_all(tile[a], lo, hi, members, my_held[r],
-                                                my_pos[r], my_best[r])
+                        _offer_all(tile[a], lo, hi, members, my_scores[r], my_ids[r], keep)
         if kind == AMX:
             amx_end()
-        pos[task] = my_pos
-        best[task] = my_best
-        held[task] = my_held
+        for r in range(n):
+            held[task, r] = _held_out(my_scores[r], my_ids[r], keep, pos[task, r], best[task, r])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -490,13 +486,19 @@ def _rescore(H, W, b, pos, best, held, ids, scores):
     tasks' heaps hold."""
     tasks, _, keep = pos.shape
     for r in prange(H.shape[0]):
-        top = np.empty(keep, np.int64)
-        top_est = np.empty(keep, np.float32)
-        m = 0
-        for task in range(tasks):
-            for j in range(held[task, r]):
-                m = _push_new(best[task, r, j], pos[task, r, j], keep, m, top, top_est)
-        _rescore_row(H, r, W, b, top, m, ids[r], scores[r])
+        top_est, top = _merged(pos[:, r], best[:, r], held[:, r], keep)
+        _rescore_row(H, r, W, b, top, top_held(top, keep), ids[r], scores[r])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _merged(pos, best, held, keep):
+    """The lanes (:mod:`slide.toplanes`) of the best ``keep`` of one row's tasks' entries
+    ``pos``, ``best`` [tasks, keep] (``held`` [tasks] of each)."""
+    top_est, top = new_tops(1, keep)
+    for task in range(pos.shape[0]):
+        for j in range(held[task]):
+            top_offer(top_est[0], top[0], best[task, j], pos[task, j])
+    return top_est[0], top[0]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -553,26 +555,20 @@ def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, sca
     best = np.empty((T, keep), np.float32)
     held = np.zeros(T, np.int64)
     for task in prange(T):
-        my_pos = np.empty(keep, np.int64)
-        my_best = np.empty(keep, np.float32)
+        my_scores, my_ids = new_tops(1, keep)
         dots = np.empty(GROUP, np.int32)
         est = np.empty(GROUP, np.float32)
-        n = 0
         for j in range(task, m, T):
             c = chosen[j]
             if j + T < m:  # the next cluster's first groups, asked for ahead
                 lo, hi = starts[chosen[j + T]], starts[chosen[j + T] + 1]
                 for g in range(lo // GROUP, min(hi, lo + _AHEAD * GROUP) // GROUP):
                     prefetch(q[g])
-            n = _offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias,
-                       sums, members, n, my_pos, my_best, dots, est, _AHEAD, avx2)
-        pos[task], best[task], held[task] = my_pos, my_best, n
-    top = np.empty(keep, np.int64)
-    top_est = np.empty(keep, np.float32)
-    n = 0
-    for task in range(T):
-        for j in range(held[task]):
-            n = _push_new(best[task, j], pos[task, j], keep, n, top, top_est)
+            _offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias, sums,
+                   members, my_scores[0], my_ids[0], keep, dots, est, _AHEAD, avx2)
+        held[task] = _held_out(my_scores[0], my_ids[0], keep, pos[task], best[task])
+    top_est, top = _merged(pos, best, held, keep)
+    n = top_held(top, keep)
     # the rows rescored, each thread over its share: a row's misses wait on one core's
     # outstanding loads, so two cores fetch the scattered float32 rows in about half the time
     exact = np.empty(n, np.float32)
