@@ -410,7 +410,7 @@ def _held_out(scores, ids, keep, pos, best):
 def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, rows, bounds,
           pos, best, held, kind, cfg, amx_from):
     """Cluster by cluster, each task its run of them, the cluster's rows in tiles, each row
-    offered to the task's heap of ``keep`` for it. AMX (``kind``; ``cfg``: its tiles'
+    offered to the task's lanes of ``keep`` for it. AMX (``kind``; ``cfg``: its tiles'
     configuration), in a cluster that ``amx_from`` rows or more chose: AMX_ROWS rows' sums
     with every group of the cluster, then each row's estimates compared as they are made
     (:func:`_offer_sums`). Else TILE_ROWS rows' estimates of every group
@@ -483,10 +483,10 @@ def _choose_clusters(hq, spread, t, z, shift, cq, cscale, cbias, csums, sizes, b
 @njit(cache=True, nogil=True, parallel=True)
 def _rescore(H, W, b, pos, best, held, ids, scores):
     """Each row's top-k (``ids``: W's rows), in float32, of the ``keep`` best labels its
-    tasks' heaps hold."""
+    tasks' lanes hold."""
     tasks, _, keep = pos.shape
     for r in prange(H.shape[0]):
-        top_est, top = _merged(pos[:, r], best[:, r], held[:, r], keep)
+        _, top = _merged(pos[:, r], best[:, r], held[:, r], keep)
         _rescore_row(H, r, W, b, top, top_held(top, keep), ids[r], scores[r])
 
 
@@ -567,7 +567,7 @@ def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, sca
             _offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias, sums,
                    members, my_scores[0], my_ids[0], keep, dots, est, _AHEAD, avx2)
         held[task] = _held_out(my_scores[0], my_ids[0], keep, pos[task], best[task])
-    top_est, top = _merged(pos, best, held, keep)
+    _, top = _merged(pos, best, held, keep)
     n = top_held(top, keep)
     # the rows rescored, each thread over its share: a row's misses wait on one core's
     # outstanding loads, so two cores fetch the scattered float32 rows in about half the time
