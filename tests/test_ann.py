@@ -108,7 +108,7 @@ def _probe_all(W, b, H):
     S = H @ W.T + b
     exact = np.argsort(-S, axis=1, kind="stable")[:, :10]
     index = LabelClusters(probe=1.0).build(W, b)
-    for threads in (1, 3):  # one task, and tasks whose heaps are merged
+    for threads in (1, 3):  # one task, and tasks whose lanes are merged
         for rows, scores in (index.query(H, 10, threads, keep=W.shape[0]),
                              _single_rows(index, H[:40], threads=threads, keep=W.shape[0])):
             # a label's two entries make one candidate
