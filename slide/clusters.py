@@ -296,24 +296,31 @@ def _choose(row, sizes, budget, chosen):
 
 @njit(cache=True, nogil=True)
 def _by_cluster(chosen, n_chosen, starts, tasks):
-    """The rows that chose each cluster (CSR ``ptr`` [C + 1], ``rows``), and ``tasks`` + 1
-    bounds that split the clusters into runs of about equal work (labels times rows)."""
-    n_clusters = starts.size - 1
+    """The rows that chose each cluster (CSR ``ptr`` [C + 1], ``rows``, each cluster's in
+    order), and ``tasks`` + 1 bounds that split the clusters into runs of about equal work
+    (labels times rows). The rows are first set as bits of their clusters, then read out
+    cluster by cluster: placed one by one, each went to another cluster's run, and the stores
+    missed the caches (docs/serving.md)."""
+    n, n_clusters = chosen.shape[0], starts.size - 1
+    words = -(-n // 64)
+    bits = np.zeros((n_clusters, words), np.int64)
+    for r in range(n):
+        w, bit = r >> 6, np.int64(1) << (r & 63)
+        for j in range(n_chosen[r]):
+            bits[chosen[r, j], w] |= bit
     ptr = np.zeros(n_clusters + 1, np.int64)
-    for r in range(chosen.shape[0]):
-        for j in range(n_chosen[r]):
-            ptr[chosen[r, j] + 1] += 1
     work = np.zeros(n_clusters + 1, np.int64)
+    rows = np.empty(n_chosen[:n].sum(), np.int32)
+    at = 0
     for c in range(n_clusters):
-        work[c + 1] = work[c] + ptr[c + 1] * (starts[c + 1] - starts[c])
-        ptr[c + 1] += ptr[c]
-    rows = np.empty(ptr[-1], np.int32)
-    fill = ptr[:-1].copy()
-    for r in range(chosen.shape[0]):
-        for j in range(n_chosen[r]):
-            c = chosen[r, j]
-            rows[fill[c]] = r
-            fill[c] += 1
+        for w in range(words):
+            left = bits[c, w]
+            while left != 0:
+                rows[at] = 64 * w + trailing_zeros(left)
+                left &= left - 1
+                at += 1
+        ptr[c + 1] = at
+        work[c + 1] = work[c] + (at - ptr[c]) * (starts[c + 1] - starts[c])
     bounds = np.searchsorted(work, np.arange(tasks + 1) * (work[-1] / tasks))
     bounds[0], bounds[-1] = 0, n_clusters
     return ptr, rows, bounds

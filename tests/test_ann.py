@@ -530,3 +530,26 @@ def test_a_groups_estimates_are_the_scalar_formulas_bit_for_bit(nibbles):
     assert np.isneginf(est[-1])
     assert run(dots, 0, scale * np.nan, bias, sums, 0, t, z, shift, est, -np.inf) == 0
     assert pair(dots, 0, scale * np.nan, bias, sums, 0, t, z, shift, -np.inf) == 0
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+def test_rows_grouped_by_cluster_in_order_with_work_split(n):
+    """Each cluster's rows, in row order, as a loop over the rows' choices finds them (rows
+    past 64 sit in further words of the clusters' bits), and bounds that split the clusters
+    into runs of about equal labels times rows."""
+    rng = np.random.default_rng(n)
+    n_clusters = 37
+    starts = np.concatenate(([0], np.cumsum(8 * rng.integers(1, 5, n_clusters))))
+    chosen = np.zeros((n, n_clusters), np.int32)
+    counts = rng.integers(0, n_clusters + 1, n)
+    for r in range(n):
+        chosen[r, :counts[r]] = rng.permutation(n_clusters)[:counts[r]]
+    ptr, rows, bounds = slide.clusters._by_cluster(chosen, counts, starts, 3)
+    for c in range(n_clusters):
+        want = [r for r in range(n) if c in chosen[r, :counts[r]]]
+        assert rows[ptr[c]:ptr[c + 1]].tolist() == want
+    assert ptr[-1] == counts.sum() and bounds[0] == 0 and bounds[-1] == n_clusters
+    work = np.diff(ptr) * np.diff(starts)
+    assert np.all(np.diff(bounds) >= 0)
+    share = [work[bounds[t]:bounds[t + 1]].sum() for t in range(3)]
+    assert max(share) <= work.sum() / 3 + work.max()
