@@ -1,12 +1,13 @@
 """Intel AMX's int8 tiles for a batch's scan (:mod:`slide.clusters`): sixteen query rows
-against a group of eight labels of the grouped int8 copy (:func:`slide.grouped.int8_groups`),
-64 bytes of depth, in one ``tdpbusd``, where AVX-512 VNNI takes 128 ``vpdpbusd``. A batch's
+against a pair of groups, sixteen labels, of the grouped int8 copy
+(:func:`slide.grouped.int8_groups`), 64 bytes of depth, in one ``tdpbusd``, where AVX-512 VNNI
+takes 256 ``vpdpbusd``. A batch's
 rows share clusters (24 rows a cluster on average at a batch of 128 of the Amazon-670K preset),
 so that the tiles are mostly full and a cluster's sums come about as fast as its bytes
 (docs/serving.md).
 
-The layout is the one the other kernels read: a group's 4-byte pieces of depth, eight labels'
-each, are the rows of ``tdpbusd``'s second operand as they lie. Linux lends a process the tile
+The layout is the one the other kernels read: a pair's 4-byte pieces of depth, sixteen labels'
+each in 64 bytes, are the rows of ``tdpbusd``'s second operand as they lie, a full tile. Linux lends a process the tile
 registers only when asked (:func:`amx_ready`); where it does not, or the CPU has no AMX, the
 scan runs as before. On a target without AMX the kernels compile the same sums as loops, so
 that their results can be tested on any machine.
@@ -24,7 +25,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from slide.grouped import GROUP
+from slide.grouped import GROUP, PAIR
 from slide.screen import target_has
 
 __all__ = ["AMX_ROWS", "amx_ready", "tile_config", "amx_begin", "amx_end", "amx_sums",
@@ -34,7 +35,7 @@ __all__ = ["AMX_ROWS", "amx_ready", "tile_config", "amx_begin", "amx_end", "amx_
 AMX_ROWS = 16
 #: depth a step: a tile row's 64 bytes
 _STEP = 64
-# tile registers: the two groups' sums, the rows' step and last part, each group's step and
+# tile registers: the two pairs' sums, the rows' step and last part, each pair's step and
 # last part
 _C0, _C1, _A, _A_LAST, _B0, _B1, _B0_LAST, _B1_LAST = range(8)
 
@@ -69,11 +70,11 @@ def tile_config(depth: int) -> np.ndarray:
     cfg = np.zeros(64, np.uint8)
     cfg[0] = 1
     colsb, rows = cfg[16:48].view(np.uint16), cfg[48:64]
-    shapes = {_C0: (AMX_ROWS, 4 * GROUP), _C1: (AMX_ROWS, 4 * GROUP), _A: (AMX_ROWS, _STEP),
-              _B0: (_STEP // 4, 4 * GROUP), _B1: (_STEP // 4, 4 * GROUP)}
+    shapes = {_C0: (AMX_ROWS, 4 * PAIR), _C1: (AMX_ROWS, 4 * PAIR), _A: (AMX_ROWS, _STEP),
+              _B0: (_STEP // 4, 4 * PAIR), _B1: (_STEP // 4, 4 * PAIR)}
     if last:
-        shapes.update({_A_LAST: (AMX_ROWS, last), _B0_LAST: (last // 4, 4 * GROUP),
-                       _B1_LAST: (last // 4, 4 * GROUP)})
+        shapes.update({_A_LAST: (AMX_ROWS, last), _B0_LAST: (last // 4, 4 * PAIR),
+                       _B1_LAST: (last // 4, 4 * PAIR)})
     for tile, (r, c) in shapes.items():
         rows[tile], colsb[tile] = r, c
     return cfg
@@ -112,27 +113,28 @@ def amx_end(typingctx):
     return types.void(), codegen
 
 
-def _sums_loop(A, q, g, ng, C):
-    # amx_sums' sums where the target has no AMX: byte d of label u of group g sits at
-    # q[g, 32 (d // 4) + 4 u + d % 4]
-    depth = q.shape[1] // GROUP
+def _sums_loop(A, q, p, n_pairs, C):
+    # amx_sums' sums where the target has no AMX: byte d of label u of pair p sits at
+    # q[p, 64 (d // 4) + 4 u + d % 4]
+    depth = q.shape[1] // PAIR
     for a in range(AMX_ROWS):
-        for gg in range(ng):
-            for u in range(GROUP):
+        for pp in range(n_pairs):
+            for u in range(PAIR):
                 s = np.int32(0)
                 for d in range(depth):
-                    at = 4 * GROUP * (d // 4) + 4 * u + d % 4
-                    s += np.int32(A[a, d]) * np.int32(q[g + gg, at])
-                C[a, GROUP * gg + u] = s
+                    at = 4 * PAIR * (d // 4) + 4 * u + d % 4
+                    s += np.int32(A[a, d]) * np.int32(q[p + pp, at])
+                C[a, PAIR * pp + u] = s
 
 
 @intrinsic
-def amx_sums(typingctx, A, q, g, ng, C):
-    """``C[a, GROUP gg + u]``: the int32 sum of query row ``A[a]`` (uint8 [AMX_ROWS, >=
-    depth], its rows' stride a multiple of 4) with label u of group ``g + gg`` of the int8
-    copy ``q`` (int8 [groups, GROUP depth]), for gg < ``ng`` (1 or 2); ``C`` int32 [AMX_ROWS,
-    2 GROUP]. The thread's tiles configured for the depth first (:func:`amx_begin`)."""
-    sig = types.void(A, q, g, ng, C)
+def amx_sums(typingctx, A, q, p, n_pairs, C):
+    """``C[a, PAIR pp + u]``: the int32 sum of query row ``A[a]`` (uint8 [AMX_ROWS, >=
+    depth], its rows' stride a multiple of 4) with label u of pair ``p + pp`` of the int8
+    copy ``q`` (int8 [pairs, PAIR depth]), for pp < ``n_pairs`` (1 or 2); ``C`` int32
+    [AMX_ROWS, >= PAIR n_pairs]. The thread's tiles configured for the depth first
+    (:func:`amx_begin`)."""
+    sig = types.void(A, q, p, n_pairs, C)
 
     def codegen(context, builder, signature, args):
         if not _on_target():
@@ -146,14 +148,14 @@ def amx_sums(typingctx, A, q, g, ng, C):
         q_stride = cgutils.unpack_tuple(builder, Q.strides, 2)[0]
         c_stride = cgutils.unpack_tuple(builder, Cc.strides, 2)[0]
         depth = builder.sdiv(cgutils.unpack_tuple(builder, Q.shape, 2)[1],
-                             ir.Constant(i64, GROUP))
+                             ir.Constant(i64, PAIR))
         steps = builder.sdiv(depth, ir.Constant(i64, _STEP))
         last = builder.srem(depth, ir.Constant(i64, _STEP))
         a_base = builder.ptrtoint(Aa.data, i64)
         b_base = [builder.add(builder.ptrtoint(Q.data, i64),
                               builder.mul(builder.add(g_, ir.Constant(i64, gg)), q_stride))
                   for gg in range(2)]
-        piece = ir.Constant(i64, 4 * GROUP)  # a group's bytes a 4-byte piece of depth
+        piece = ir.Constant(i64, 4 * PAIR)  # a pair's bytes a 4-byte piece of depth
         two = builder.icmp_signed("==", ng_, ir.Constant(i64, 2))
 
         def ptr(address):
@@ -177,10 +179,10 @@ def amx_sums(typingctx, A, q, g, ng, C):
         step_bytes = ir.Constant(i64, _STEP)
         with cgutils.for_range(builder, steps) as loop:
             at = builder.mul(loop.index, step_bytes)
-            step(_A, (_B0, _B1), at, builder.mul(at, ir.Constant(i64, GROUP)))
+            step(_A, (_B0, _B1), at, builder.mul(at, ir.Constant(i64, PAIR)))
         with builder.if_then(builder.icmp_signed(">", last, ir.Constant(i64, 0))):
             at = builder.mul(steps, step_bytes)
-            step(_A_LAST, (_B0_LAST, _B1_LAST), at, builder.mul(at, ir.Constant(i64, GROUP)))
+            step(_A_LAST, (_B0_LAST, _B1_LAST), at, builder.mul(at, ir.Constant(i64, PAIR)))
         c_base = builder.ptrtoint(Cc.data, i64)
         _call(builder, "tilestored64", _tmm(_C0), ptr(c_base), c_stride)
         with builder.if_then(two):
@@ -191,11 +193,11 @@ def amx_sums(typingctx, A, q, g, ng, C):
 
 @njit(cache=True, nogil=True, inline="always")
 def amx_group_sums(A, q, lo, hi, C):
-    """``C[a, GROUP (g - lo) + u]``: :func:`amx_sums` of every group g of ``lo..hi`` (``C``
-    int32 [AMX_ROWS, >= GROUP (hi - lo)]). All are stored before the caller reads any: a load
-    that waits on a tile's store stalls the core."""
-    for g in range(lo, hi, 2):
-        amx_sums(A, q, g, min(2, hi - g), C[:, GROUP * (g - lo):])
+    """``C[a, GROUP (g - lo) + u]``: :func:`amx_sums` of every group g of ``lo..hi`` (even:
+    whole pairs; ``C`` int32 [AMX_ROWS, >= GROUP (hi - lo)]). All are stored before the
+    caller reads any: a load that waits on a tile's store stalls the core."""
+    for p in range(lo // 2, hi // 2, 2):
+        amx_sums(A, q, p, min(2, hi // 2 - p), C[:, PAIR * (p - lo // 2):])
 
 
 @njit(cache=True, nogil=True, inline="always")

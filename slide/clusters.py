@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 from slide.blas import gemm
 from slide.amx import (AMX_ROWS, amx_begin, amx_end, amx_group_sums, amx_ready, gather_rows,
                        tile_config)
-from slide.grouped import (AMX, AVX2, GROUP, LOOP, TILE_GROUPS, TILE_ROWS, VNNI, above8,
+from slide.grouped import (AMX, AVX2, GROUP, LOOP, PAIR, TILE_GROUPS, TILE_ROWS, VNNI, above8,
                            estimates, estimates8, int4_groups, int8_groups, int8_kind,
                            pair_above, quantize_queries, quantize_query_row, splat,
                            spread_words, tile4_estimates, tile_estimates)
@@ -361,12 +361,12 @@ def _offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, scores, id
     """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a group at
     a time (``dots``, ``est`` [GROUP] their scratch), offered to its lanes (``scores``,
     ``ids``, ``keep`` entries; :func:`_offer_bits`), each group tested against the least at
-    once. ``ahead``: groups asked for ahead (0: none, the rows being in cache)."""
+    once. ``ahead``: groups asked for ahead (even; 0: none, the rows being in cache)."""
     least = scores[keep - 1]
     end = hi // GROUP
     for g in range(lo // GROUP, end):
-        if ahead and g + ahead < end:
-            prefetch(q[g + ahead])
+        if ahead and g % 2 == 0 and g + ahead < end:  # a pair's bytes at its first group
+            prefetch(q[(g + ahead) // 2])
         estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, False)
         least = _offer_bits(est, 0, above8(est, 0, least), g * GROUP, members, least, scores,
                             ids, keep)
@@ -414,20 +414,20 @@ def _held_out(scores, ids, keep, pos, best):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, rows, bounds,
-          pos, best, held, kind, cfg, amx_from):
+def _scan(hq, t, z, q, scale, bias, sums, members, starts, widest, ptr, rows, bounds, pos, best,
+          held, kind, cfg, amx_from):
     """Cluster by cluster, each task its run of them, the cluster's rows in tiles, each row
     offered to the task's lanes of ``keep`` for it. AMX (``kind``; ``cfg``: its tiles'
     configuration), in a cluster that ``amx_from`` rows or more chose: AMX_ROWS rows' sums
     with every group of the cluster, then each row's estimates compared as they are made
     (:func:`_offer_sums`). Else TILE_ROWS rows' estimates of every group
-    (:func:`tile_estimates`: VNNI's from the rows' ``spread`` copies, the others' from ``hq``;
-    ``widest``: the most groups a cluster has), then each row's offered (:func:`_offer_all`)."""
+    (:func:`tile_estimates`; ``widest``: the most groups a cluster has), then each row's
+    offered (:func:`_offer_all`)."""
     n, keep = pos.shape[1], pos.shape[2]
     for task in prange(bounds.size - 1):
         my_scores, my_ids = new_tops(n, keep)
         tile = np.empty((TILE_ROWS, GROUP * widest), np.float32)
-        A = np.zeros((AMX_ROWS if kind == AMX else 0, q.shape[1] // GROUP), np.uint8)
+        A = np.zeros((AMX_ROWS if kind == AMX else 0, q.shape[1] // PAIR), np.uint8)
         dots = np.empty((AMX_ROWS if kind == AMX else 0, GROUP * widest), np.int32)
         est = np.empty(2 * GROUP, np.float32)
         if kind == AMX:
@@ -443,7 +443,7 @@ def _scan(hq, spread, t, z, q, scale, bias, sums, members, starts, widest, ptr, 
                     amx_group_sums(A, q, lo, hi, dots)
                 else:
                     for g in range(lo, hi, TILE_GROUPS):
-                        tile_estimates(kind, hq, spread, rows, j, nr, q, g,
+                        tile_estimates(kind, hq, rows, j, nr, q, g,
                                        min(TILE_GROUPS, hi - g), t, z, scale, bias, sums, tile,
                                        GROUP * (g - lo))
                 for a in range(nr):
@@ -569,8 +569,8 @@ def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, sca
             c = chosen[j]
             if j + T < m:  # the next cluster's first groups, asked for ahead
                 lo, hi = starts[chosen[j + T]], starts[chosen[j + T] + 1]
-                for g in range(lo // GROUP, min(hi, lo + _AHEAD * GROUP) // GROUP):
-                    prefetch(q[g])
+                for p in range(lo // PAIR, min(hi, lo + _AHEAD * GROUP) // PAIR):
+                    prefetch(q[p])
             _offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias, sums,
                    members, my_scores[0], my_ids[0], keep, dots, est, _AHEAD, avx2)
         held[task] = _held_out(my_scores[0], my_ids[0], keep, pos[task], best[task])
@@ -623,15 +623,15 @@ class LabelClusters:
         order = np.argsort(cluster, kind="stable") // assign.shape[1]
         self.sizes = np.bincount(cluster, minlength=n_clusters).astype(np.int64)
         self.entries = cluster.size
-        # each cluster's int8 rows in one piece, padded to whole groups (rows that are never
-        # offered: scale 0, bias -inf, member -1), their depth to whole 4-byte pieces
-        self.starts = np.concatenate(([0], np.cumsum(-(-self.sizes // GROUP) * GROUP)))
+        # each cluster's int8 rows in one piece, padded to whole pairs of groups (rows that are
+        # never offered: scale 0, bias -inf, member -1), their depth to whole 4-byte pieces
+        self.starts = np.concatenate(([0], np.cumsum(-(-self.sizes // PAIR) * PAIR)))
         self.q, self.scale, self.label_bias, self.sums, place = int8_groups(V, order, self.sizes,
                                                                            self.starts)
         self.members = np.full(self.starts[-1], -1, np.int32)
         self.members[place] = order
         self._widest = int(np.diff(self.starts).max()) // GROUP  # a batch tile's scratch
-        self._tiles = tile_config(self.q.shape[1] // GROUP)  # AMX's, at the copy's depth
+        self._tiles = tile_config(self.q.shape[1] // PAIR)  # AMX's, at the copy's depth
         # the centroids' own 4-bit copy, in one run of groups: a row's pass over them reads an
         # eighth of their float32 bytes, and a row alone chooses as in a batch
         self.coarse = int4_groups(C, np.arange(n_clusters), np.array([n_clusters]),
@@ -659,7 +659,7 @@ class LabelClusters:
     def depth(self) -> int:
         """A query's quantized depth: both copies' (the labels' whole 4-byte pieces, the
         centroids' 8-depth ones), zeros beyond the layer's."""
-        return max(self.q.shape[1] // GROUP, 2 * self.coarse[0].shape[1] // GROUP)
+        return max(self.q.shape[1] // PAIR, 2 * self.coarse[0].shape[1] // GROUP)
 
     @property
     def budget(self) -> int:
@@ -695,7 +695,7 @@ class LabelClusters:
         chosen = np.empty((n, n_clusters), np.int32)
         counts = np.empty(n, np.int64)
         kind = _kind()
-        spread = spread_words(hq, 2 * self.coarse[0].shape[1] // GROUP, nibbles=True) \
+        spread = spread_words(hq, 2 * self.coarse[0].shape[1] // GROUP) \
             if kind >= VNNI else np.empty((n, 0, 4 * GROUP), np.int32)
         _choose_clusters(hq, spread, t, z, shift, *self.coarse, self.sizes, self.budget, chosen,
                          counts, kind)
@@ -722,9 +722,7 @@ class LabelClusters:
         best = np.empty((threads, n, keep), np.float32)
         held = np.empty((threads, n), np.int64)
         kind = _kind()
-        spread = spread_words(hq, self.q.shape[1] // GROUP) if kind >= VNNI else \
-            np.empty((n, 0, 2 * GROUP), np.int32)
-        _scan(hq, spread, t, z, self.q, self.scale, self.label_bias, self.sums, self.members,
+        _scan(hq, t, z, self.q, self.scale, self.label_bias, self.sums, self.members,
               self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind, self._tiles,
               AMX_FROM)
         _rescore(H, self.W, self.b, pos, best, held, ids, scores)

@@ -1,8 +1,8 @@
-"""A layer's label vectors in groups of eight, as int8 or 4-bit copies, and the kernels that
-estimate a query's scores from them: a group's eight int32 sums in one register's lanes (AVX2's
-``vpmaddubsw`` and ``vpmaddwd``; a loop with the same sums elsewhere), and a batch's tiles,
-several rows against a group's bytes in one pass (AVX-512 VNNI's ``vpdpbusd`` where the CPU has
-it). Every kernel computes the same integers and then the same float32 estimates, so an answer
+"""A layer's label vectors in groups of eight, as int8 (two groups side by side) or 4-bit
+copies, and the kernels that estimate a query's scores from them: a group's eight int32 sums in
+one register's lanes (AVX2's ``vpmaddubsw`` and ``vpmaddwd``; a loop with the same sums
+elsewhere), and a batch's tiles, several rows against a group's bytes in one pass (AVX-512
+VNNI's ``vpdpbusd`` where the CPU has it). Every kernel computes the same integers and then the same float32 estimates, so an answer
 does not depend on which ran. The engine's index (:mod:`slide.clusters`) is built on them.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
 from slide.runtime import aligned_empty
 
-__all__ = ["GROUP", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP", "AVX2",
+__all__ = ["GROUP", "PAIR", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP", "AVX2",
            "VNNI", "AMX", "int8_kind", "dot8_avx2", "dot4_avx2", "dot8_loop", "dot4_loop",
            "tile_vnni", "tile_avx2", "tile4_vnni", "tile4_avx2", "tile_loop", "tile4_loop",
            "tile_estimates", "tile4_estimates", "splat",
@@ -26,9 +26,12 @@ __all__ = ["GROUP", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "L
            "above8", "estimates", "int8_groups", "int4_groups", "grouped_layout"]
 
 
-#: labels a step of the scan: one AVX2 register of their int32 sums; a cluster's int8 rows
-#: are stored in groups of this many, each group by 4-byte pieces of depth
+#: labels a step of the scan: one AVX2 register of their int32 sums; the 4-bit copy's rows
+#: are stored in groups of this many, each group by pieces of depth
 GROUP = 8
+#: labels a 4-byte piece of the int8 copy spans: two groups, side by side in one 64-byte run
+#: (an AVX-512 register, a row of an AMX tile), so that one load serves sixteen labels
+PAIR = 2 * GROUP
 #: the query's uint8 levels: AVX2's pairwise sums are int16 and saturate above 2 · 127 · 127,
 #: so the query takes 7 bits
 LEVELS = 127
@@ -84,9 +87,13 @@ def _grouped_sums(nibbles: bool):
         low, four = ir.Constant(load_t, [15] * 32), ir.Constant(pairs_t, [4] * 16)
         stride = cgutils.unpack_tuple(builder, w.strides, 2)[0]
         hp = builder.ptrtoint(h.data, i64)
+        g = context.cast(builder, args[2], signature.args[2], types.int64)
+        # the int8 copy: group g is half g % 2 of pair g // 2's pieces, 64 bytes a piece
+        per, piece_bytes = (1, 32) if nibbles else (2, 64)
         wp = builder.add(builder.ptrtoint(w.data, i64),
-                         builder.mul(context.cast(builder, args[2], signature.args[2], types.int64),
-                                     stride))
+                         builder.add(builder.mul(builder.sdiv(g, ir.Constant(i64, per)), stride),
+                                     builder.mul(builder.srem(g, ir.Constant(i64, per)),
+                                                 ir.Constant(i64, 32))))
         accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(2)]
 
         def spread(depth):
@@ -96,7 +103,7 @@ def _grouped_sums(nibbles: bool):
             return builder.bitcast(splat(builder, word, 8), load_t)
 
         def step(piece, acc):
-            at = builder.add(wp, builder.mul(piece, ir.Constant(i64, 32)))
+            at = builder.add(wp, builder.mul(piece, ir.Constant(i64, piece_bytes)))
             wv = builder.load(builder.inttoptr(at, load_t.as_pointer()), align=1)
             if nibbles:  # the low halves hold depths 8 i..8 i + 3, the high ones the next four
                 lo = builder.and_(wv, low)
@@ -112,7 +119,7 @@ def _grouped_sums(nibbles: bool):
 
         # the depth is the rows' (the query may be longer: zeros beyond)
         pieces = builder.sdiv(cgutils.unpack_tuple(builder, w.shape, 2)[1],
-                              ir.Constant(i64, 4 * GROUP))
+                              ir.Constant(i64, piece_bytes))
         with cgutils.for_range(builder, builder.sdiv(pieces, ir.Constant(i64, 2))) as loop:
             first = builder.mul(loop.index, ir.Constant(i64, 2))
             step(first, accs[0])
@@ -129,8 +136,9 @@ def _grouped_sums(nibbles: bool):
 @intrinsic
 def dot8_avx2(typingctx, hq, q, g, out):
     """``out[u] = sum_i hq[i] * w_u[i]`` in int32 for a uint8 row ``hq`` [>= D] (at most 127 a
-    byte) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G, GROUP D] (D a
-    multiple of 4, C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at ``q[g, GROUP 4 i + 4 u:...+ 4]``),
+    byte) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G / 2, PAIR D]
+    (:func:`int8_groups`; D a multiple of 4, C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at
+    ``q[g // 2, PAIR 4 i + GROUP 4 (g % 2) + 4 u:...+ 4]``),
     on AVX2: one ``vpmaddubsw`` (the query's four bytes broadcast) and one ``vpmaddwd`` a
     piece (on a target without AVX2, the loop's code: kernels branch to it, never here)."""
     return types.void(hq, q, g, out), _grouped_sums(nibbles=False)
@@ -151,13 +159,15 @@ def _sums_loop(nibbles: bool):
     @njit(cache=True, nogil=True, inline="always")
     def sums(hq, q, g, out):
         # the sums of _grouped_sums's kernels, for CPUs without AVX2
+        per = 1 if nibbles else 2  # groups a row of q holds, side by side in each piece
+        row, at, piece = g // per, 4 * GROUP * (g % per), 4 * GROUP * per
         for u in range(GROUP):
             out[u] = 0
-        for i in range(q.shape[1] // (4 * GROUP)):
+        for i in range(q.shape[1] // piece):
             for u in range(GROUP):
                 s = out[u]
                 for j in range(4):
-                    v = np.int32(q[g, GROUP * 4 * i + 4 * u + j])
+                    v = np.int32(q[row, piece * i + at + 4 * u + j])
                     if nibbles:
                         s += np.int32(hq[8 * i + j]) * (v & 15) + \
                             np.int32(hq[8 * i + 4 + j]) * (v >> 4)
@@ -180,10 +190,11 @@ LOOP, AVX2, VNNI, AMX = 0, 1, 2, 3
 
 def _tiles(vnni: bool, nibbles: bool):
     """The codegen of the tile kernels (:func:`tile_vnni`; ``vnni`` false: AVX2's;
-    ``nibbles``: of the 4-bit copy's groups, :func:`dot4_avx2`'s layout): one body per tile
-    shape (rows 1..TILE_ROWS, groups 1..TILE_GROUPS), chosen by a switch, each group's sums
-    in registers over the depth, then its estimates. On a target without the instructions:
-    the same sums from generic vector code (``vnni``) or the loop."""
+    ``nibbles``: of the 4-bit copy's groups, :func:`dot4_avx2`'s layout, else of the int8
+    copy's pairs): one body per tile shape (rows 1..TILE_ROWS, groups 1..TILE_GROUPS), chosen
+    by a switch, each group's sums in registers over the depth (VNNI's of a pair in one),
+    then its estimates. On a target without the instructions: the same sums from generic
+    vector code (``vnni``) or the loop."""
     def codegen(context, builder, signature, args):
         if not vnni and not target_has("avx2"):
             loop = tile4_loop if nibbles else tile_loop
@@ -196,14 +207,21 @@ def _tiles(vnni: bool, nibbles: bool):
         q_stride = cgutils.unpack_tuple(builder, Q.strides, Q.strides.type.count)[0]
         w_stride = cgutils.unpack_tuple(builder, Wq.strides, 2)[0]
         o_stride = cgutils.unpack_tuple(builder, O.strides, 2)[0]
-        w_base = builder.add(builder.ptrtoint(Wq.data, i64), builder.mul(g, w_stride))
+        # the 4-bit copy: a row of Wq a group; the int8 copy: a pair of groups (g even), each
+        # 4-byte piece of depth the pair's 64 bytes, group g's half first
+        w_base = builder.add(builder.ptrtoint(Wq.data, i64), builder.mul(
+            g if nibbles else builder.sdiv(g, ir.Constant(i64, 2)), w_stride))
         o_base = builder.add(builder.ptrtoint(O.data, i64), builder.mul(o, ir.Constant(i64, 4)))
-        width = 64 if vnni else 32  # a step's bytes of a group
+        width = 64 if vnni else 32  # a load's bytes
+        # a step's bytes of Wq's row: the 4-bit copy's, a load's; the int8 copy's, a piece
+        row_step = 64 if not nibbles else width
         # a step's bytes of a row's query: its spread words (one register, or the low and the
         # high halves' two), or the piece's word (the 4-bit piece's two)
-        per_step = (128 if nibbles else 64) if vnni else (8 if nibbles else 4)
+        per_step = (128 if vnni else 8) if nibbles else 4
         steps = builder.sdiv(cgutils.unpack_tuple(builder, Wq.shape, 2)[1],
-                             ir.Constant(i64, width))
+                             ir.Constant(i64, row_step))
+        # VNNI on the int8 copy: one register of sums a row, both groups' (lanes 0-7, 8-15)
+        shared = vnni and not nibbles
         acc_t = ir.VectorType(i32, width // 4)
         load_t = ir.VectorType(i8, width)
         halves_t = ir.VectorType(i16, width // 2)
@@ -250,14 +268,18 @@ def _tiles(vnni: bool, nibbles: bool):
                 r = builder.sext(builder.load(at), i64)
                 row.append(r)
                 row_at.append(builder.add(builder.ptrtoint(Q.data, i64), builder.mul(r, q_stride)))
+            units = 1 if shared else groups
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(acc_t, None))
-                     for _ in range(groups)] for _ in range(rows)]
+                     for _ in range(units)] for _ in range(rows)]
             with cgutils.for_range(builder, steps) as loop:
-                off = builder.mul(loop.index, ir.Constant(i64, width))
+                off = builder.mul(loop.index, ir.Constant(i64, row_step))
                 ws = []
-                for gg in range(groups):
-                    w = load(builder.add(builder.add(w_base, builder.mul(ir.Constant(i64, gg),
-                                                                         w_stride)), off), load_t)
+                for gg in range(units):
+                    # the 4-bit copy's next group is Wq's next row; the int8 copy's, the
+                    # piece's next 32 bytes
+                    w = load(builder.add(builder.add(w_base, builder.mul(
+                        ir.Constant(i64, gg), w_stride if nibbles else ir.Constant(i64, 32))),
+                        off), load_t)
                     if nibbles:  # the low halves, then the high ones, as bytes
                         ws.append((builder.and_(w, low), builder.and_(builder.bitcast(
                             builder.lshr(builder.bitcast(w, halves_t), four), load_t), low)))
@@ -266,14 +288,14 @@ def _tiles(vnni: bool, nibbles: bool):
                 q_off = builder.mul(loop.index, ir.Constant(i64, per_step))
                 for a in range(rows):
                     at = builder.add(row_at[a], q_off)
-                    if vnni:  # spread words: each register as vpdpbusd reads it
+                    if vnni and nibbles:  # spread words: each register as vpdpbusd reads it
                         xs = [load(builder.add(at, ir.Constant(i64, 64 * h)), load_t)
-                              for h in range(2 if nibbles else 1)]
+                              for h in range(2)]
                     else:  # the piece's words in every lane
                         xs = [builder.bitcast(splat(builder, load(builder.add(
                             at, ir.Constant(i64, 4 * h)), i32), acc_t.count), load_t)
                               for h in range(2 if nibbles else 1)]
-                    for gg in range(groups):
+                    for gg in range(units):
                         acc = accs[a][gg]
                         builder.store(product(builder.load(acc), xs, ws[gg]), acc)
             # the estimates from the sums in registers, as estimates8 computes them
@@ -288,10 +310,16 @@ def _tiles(vnni: bool, nibbles: bool):
                 sr = splat(builder, builder.load(builder.gep(F.data, [row[a]])) if nibbles else
                            ir.Constant(i32, 0), GROUP)
                 for gg in range(groups):
-                    v = builder.load(accs[a][gg])
-                    if vnni:  # the two pieces' lanes summed
+                    if shared:  # the group's half of the pair's register
+                        v = builder.load(accs[a][0])
+                        v = builder.shuffle_vector(v, v, ir.Constant(
+                            v8, list(range(GROUP * gg, GROUP * gg + GROUP))))
+                    elif vnni:  # the two pieces' lanes summed
+                        v = builder.load(accs[a][gg])
                         v = builder.add(*(builder.shuffle_vector(v, v, ir.Constant(
                             v8, list(range(h, h + GROUP)))) for h in (0, GROUP)))
+                    else:
+                        v = builder.load(accs[a][gg])
                     x = builder.sitofp(builder.sub(builder.sub(v, sr), builder.mul(zr, sums[gg])),
                                        f8)
                     e = builder.fadd(builder.fmul(builder.fmul(scale[gg], tr), x), bias[gg])
@@ -325,13 +353,15 @@ def _tile_kernel(vnni: bool, nibbles: bool):
 
 
 #: ``out[a, o + GROUP gg:...+ GROUP]``: query row ``r = rows[j0 + a]``'s estimates of group
-#: ``g + gg`` of ``q`` (:func:`dot8_avx2`'s layout, its depth a multiple of 8; its places'
-#: ``scale``, ``bias``, ``sums``; the row's ``t[r]``, ``z[r]``), as :func:`estimates8`
-#: computes them, for a < ``nr`` <= TILE_ROWS and gg < ``ng`` <= TILE_GROUPS, in one pass
-#: over the groups' bytes: AVX-512 VNNI's ``vpdpbusd`` on two pieces of a group at once, each
-#: row's words from its ``query`` copy spread (:func:`spread_words`); ``tile_avx2``: the same
-#: from the rows' uint8 copies ``hq`` [n, >= D] by AVX2's products; ``tile4_*``: of the
-#: 4-bit copy's groups (:func:`dot4_avx2`'s layout, the rows' ``shift`` taken off)
+#: ``g + gg`` of ``q`` (:func:`dot8_avx2`'s layout, g even, its depth a multiple of 8; its
+#: places' ``scale``, ``bias``, ``sums``; the row's ``t[r]``, ``z[r]``), as
+#: :func:`estimates8` computes them, for a < ``nr`` <= TILE_ROWS and gg < ``ng`` <=
+#: TILE_GROUPS, in one pass over the groups' bytes: AVX-512 VNNI's ``vpdpbusd`` on a piece
+#: of both groups at once, the row's word of ``query`` (its uint8 copy ``hq`` [n, >= D]) in
+#: every lane; ``tile_avx2``: the same by AVX2's products, a group a register; ``tile4_*``:
+#: of the 4-bit copy's groups (:func:`dot4_avx2`'s layout, any g), VNNI's on two pieces of a
+#: group at once, each row's words from its ``query`` copy spread (:func:`spread_words`), the
+#: rows' ``shift`` taken off
 tile_vnni, tile_avx2 = _tile_kernel(True, False), _tile_kernel(False, False)
 tile4_vnni, tile4_avx2 = _tile_kernel(True, True), _tile_kernel(False, True)
 
@@ -360,12 +390,11 @@ tile_loop, tile4_loop = _tile_loops(nibbles=False), _tile_loops(nibbles=True)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def tile_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, scale, bias, sums, out, o):
-    """A tile's estimates of the int8 copy's groups by the ``kind``'s kernel (VNNI's from the
-    rows' ``spread`` words, else from ``hq``); the arguments as :func:`tile_vnni`'s (the int8
-    copy takes no shift: ``z`` stands in)."""
+def tile_estimates(kind, hq, rows, j0, nr, q, g, ng, t, z, scale, bias, sums, out, o):
+    """A tile's estimates of the int8 copy's groups by the ``kind``'s kernel; the arguments
+    as :func:`tile_vnni`'s (the int8 copy takes no shift: ``z`` stands in)."""
     if kind >= VNNI:
-        tile_vnni(spread, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
+        tile_vnni(hq, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
     elif kind == AVX2:
         tile_avx2(hq, rows, j0, nr, q, g, ng, t, z, z, scale, bias, sums, out, o)
     else:
@@ -384,16 +413,15 @@ def tile4_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, shift, scale
         tile4_loop(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o)
 
 
-def spread_words(hq, depth, nibbles: bool = False):
+def spread_words(hq, depth):
     """Each row's 4-byte words of ``hq`` [n, >= depth] as ``vpdpbusd`` reads two pieces of a
-    group at once, each word in eight lanes: int32 [n, depth / 8, 16], words 2 i and 2 i + 1;
-    ``nibbles``: [n, depth / 16, 32], words 4 i and 4 i + 2 (the low halves' depths), then 4 i
-    + 1 and 4 i + 3 (the high halves')."""
+    group of the 4-bit copy at once, each word in eight lanes: int32 [n, depth / 16, 32],
+    words 4 i and 4 i + 2 (the low halves' depths), then 4 i + 1 and 4 i + 3 (the high
+    halves')."""
     words = np.ascontiguousarray(hq[:, :depth]).view(np.int32)
-    if nibbles:
-        words = words.reshape(hq.shape[0], depth // 16, 2, 2).transpose(0, 1, 3, 2)
+    words = words.reshape(hq.shape[0], depth // 16, 2, 2).transpose(0, 1, 3, 2)
     return np.ascontiguousarray(np.repeat(words.reshape(hq.shape[0], -1, 2, 1), GROUP,
-                                          axis=3)).reshape(hq.shape[0], -1, 16 * (1 + nibbles))
+                                          axis=3)).reshape(hq.shape[0], -1, 32)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -513,14 +541,15 @@ def estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, nibb
 
 def int8_groups(V, order, sizes, starts):
     """The int8 copy of the rows ``order`` of ``V`` [n, d + 1] (weights, bias last) laid out
-    by :func:`grouped_layout`, with each place's scale, bias and int8 sum (padding: 0, -inf, 0),
-    and where each of ``order`` went: ``(q, scale, bias, sums, place)``."""
+    by :func:`grouped_layout` in pairs of groups (``starts`` multiples of ``PAIR``), with each
+    place's scale, bias and int8 sum (padding: 0, -inf, 0), and where each of ``order`` went:
+    ``(q, scale, bias, sums, place)``."""
     d = V.shape[1] - 1
-    depth = -(-d // 8) * 8  # whole pairs of 4-byte pieces (:func:`tile_vnni`)
+    depth = -(-d // 4) * 4  # whole 4-byte pieces
     W = np.zeros((V.shape[0], depth), np.float32)
     W[:, :d] = V[:, :d]
     rows = quantize_labels(W, np.ascontiguousarray(V[:, d]))
-    q, place = grouped_layout(rows.q, order, sizes, starts)
+    q, place = grouped_layout(rows.q, order, sizes, starts, width=PAIR)
     return (q, *_placed(place, starts[-1], rows.meta[order, SCALE], rows.meta[order, BIAS],
                         rows.q[order].sum(axis=1, dtype=np.int32)), place)
 
@@ -557,18 +586,19 @@ def int4_groups(V, order, sizes, starts):
                         levels[order].sum(axis=1, dtype=np.int32)), place)
 
 
-def grouped_layout(q, order, sizes, starts, pieces: int = 4):
+def grouped_layout(q, order, sizes, starts, pieces: int = 4, width: int = GROUP):
     """``q`` int8 [n, D]'s rows ``order`` (cluster by cluster, ``sizes`` of them in each) laid
-    out for :func:`dot8_avx2`: each cluster from ``starts`` (its rows padded with zeros to a
-    multiple of ``GROUP``), groups of ``GROUP`` rows by pieces of ``pieces`` bytes of depth,
-    int8 [P / GROUP, GROUP D]; and the place of each of ``order`` in it."""
+    out for the kernels: each cluster from ``starts`` (its rows padded with zeros to a
+    multiple of ``width``), runs of ``width`` rows (a group, or a pair of groups side by side)
+    by pieces of ``pieces`` bytes of depth, int8 [P / width, width D]; and the place of each
+    of ``order`` in it."""
     D = q.shape[1]
     cluster_of = np.repeat(np.arange(sizes.size), sizes)
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     place = starts[cluster_of] + np.arange(order.size) - first[cluster_of]
     flat = np.zeros((starts[-1], D), np.int8)
     flat[place] = q[order]
-    out = aligned_empty((starts[-1] // GROUP, GROUP * D), np.int8)
-    by_piece = flat.reshape(-1, GROUP, D // pieces, pieces).transpose(0, 2, 1, 3)
-    out.reshape(-1, D // pieces, GROUP, pieces)[...] = by_piece  # [group, piece, row, bytes]
+    out = aligned_empty((starts[-1] // width, width * D), np.int8)
+    by_piece = flat.reshape(-1, width, D // pieces, pieces).transpose(0, 2, 1, 3)
+    out.reshape(-1, D // pieces, width, pieces)[...] = by_piece  # [run, piece, row, bytes]
     return out, place

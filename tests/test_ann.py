@@ -147,40 +147,43 @@ def test_clusters_score_every_label_exactly_by_amx_tiles(monkeypatch):
 
 @pytest.mark.parametrize("d", [3, 44, 64, 130])
 def test_amx_tiles_sum_a_groups_rows_as_numpy_does(d):
-    """AMX's int32 sums of up to 16 query rows with one or two groups of the int8 copy, at
-    depths of a part of a 64-byte step, whole steps and both (the depth padded to 8, 48, 64,
-    136), the rows and labels at the extremes of both ranges; the tile configuration of
-    each depth."""
+    """AMX's int32 sums of up to 16 query rows with one or two pairs of groups of the int8
+    copy, at depths of a part of a 64-byte step, whole steps and both (the depth padded to 4,
+    44, 64, 132), the rows and labels at the extremes of both ranges; the tile configuration
+    of each depth."""
     import slide.amx as X
     from numba import njit
     if X._on_target() and not X.amx_ready():
         pytest.skip("the CPU has AMX but Linux did not lend this process its tiles")
     q, _, _, _, stored = _tile_case(False, d, np.random.default_rng(4))
-    G, depth = slide.grouped.GROUP, stored.shape[1]
+    P, depth = slide.grouped.PAIR, stored.shape[1]
+    assert depth == -(-d // 4) * 4 and q.shape[0] >= 3
     cfg = X.tile_config(depth)
     rows, colsb = cfg[48:64], cfg[16:48].view(np.uint16)
     assert cfg[0] == 1 and rows[2] == 16 and colsb[2] == 64 and rows[4] == 16
+    assert colsb[0] == colsb[4] == 64 and rows[0] == 16  # full tiles: sixteen labels
     assert colsb[3] == depth % 64 and rows[6] == (depth % 64) // 4
 
     @njit
-    def sums(cfg, A, q, g, ng, C):
+    def sums(cfg, A, q, p, n_pairs, C):
         slide.amx.amx_begin(cfg)
-        slide.amx.amx_sums(A, q, g, ng, C)
+        slide.amx.amx_sums(A, q, p, n_pairs, C)
         slide.amx.amx_end()
 
     A = np.random.default_rng(5).integers(0, 128, (X.AMX_ROWS, depth)).astype(np.uint8)
     A[0] = 127
     want = A.astype(np.int64) @ stored.T
-    for g, ng in ((0, 1), (0, 2), (q.shape[0] - 2, 2), (q.shape[0] - 1, 1)):
-        C = np.full((X.AMX_ROWS, 3 * G), 7, np.int32)
-        sums(cfg, A, q, g, ng, C)
-        np.testing.assert_array_equal(C[:, :G * ng], want[:, G * g:G * (g + ng)])
-        assert np.all(C[:, G * ng:] == 7)  # nothing beyond the groups written
+    for p, n_pairs in ((0, 1), (0, 2), (q.shape[0] - 2, 2), (q.shape[0] - 1, 1)):
+        C = np.full((X.AMX_ROWS, 3 * P), 7, np.int32)
+        sums(cfg, A, q, p, n_pairs, C)
+        np.testing.assert_array_equal(C[:, :P * n_pairs], want[:, P * p:P * (p + n_pairs)])
+        assert np.all(C[:, P * n_pairs:] == 7)  # nothing beyond the pairs written
 
 
-def _group_sums(name, hq, q):
-    """Each query row's int32 sums with every group of ``q`` by the kernel ``name`` (the loop,
-    and the AVX2 one where the host has it): yields int32 [rows of hq, groups · GROUP]."""
+def _group_sums(name, hq, q, groups):
+    """Each query row's int32 sums with each of the ``groups`` of ``q`` by the kernel ``name``
+    (the loop, and the AVX2 one where the host has it): yields int32 [rows of hq, groups ·
+    GROUP]."""
     from numba import njit
     avx2 = slide.grouped.target_has("avx2")
     kernels = [getattr(slide.grouped, name + "_loop")] + \
@@ -189,9 +192,9 @@ def _group_sums(name, hq, q):
         @njit
         def sums(hq, q, out):
             for r in range(hq.shape[0]):
-                for g in range(q.shape[0]):
+                for g in range(out.shape[1] // 8):
                     kernel(hq[r], q, g, out[r, g * 8:(g + 1) * 8])
-        out = np.zeros((hq.shape[0], q.shape[0] * slide.grouped.GROUP), np.int32)
+        out = np.zeros((hq.shape[0], groups * slide.grouped.GROUP), np.int32)
         sums(hq, q, out)
         yield out
 
@@ -200,20 +203,22 @@ def _group_sums(name, hq, q):
 def test_a_group_of_int8_rows_sums_as_numpy_does(d):
     """Each label's int32 sum with a query from the grouped layout (the host's kernel and the
     loop alike) is numpy's of its int8 row, at the extremes of both ranges and with an odd
-    count of 4-byte pieces (44) or a padded one (3)."""
+    count of 4-byte pieces (44) or a padded one (3), each group half of a pair's bytes."""
     from slide.screen import quantize_labels
     rng = np.random.default_rng(1)
     W = rng.standard_normal((37, d)).astype(np.float32)
     W[0] = 1.0  # every byte 127
     W[1, ::2] = -5.0  # -127 at every other byte
     index = LabelClusters(clusters=3).build(W, np.zeros(37, np.float32))
-    depth = index.q.shape[1] // slide.grouped.GROUP
-    assert depth == -(-d // 8) * 8 and np.all(index.starts % slide.grouped.GROUP == 0)
+    P = slide.grouped.PAIR
+    depth = index.q.shape[1] // P
+    assert depth == -(-d // 4) * 4 and np.all(index.starts % P == 0)
+    assert index.q.shape[0] == index.starts[-1] // P
     rows = np.zeros((37, depth), np.int8)
     rows[:, :d] = quantize_labels(np.ascontiguousarray(W), np.zeros(37, np.float32)).q
     hq = rng.integers(0, slide.grouped.LEVELS + 1, (4, depth)).astype(np.uint8)
     hq[0] = slide.grouped.LEVELS
-    for out in _group_sums("dot8", hq, index.q):
+    for out in _group_sums("dot8", hq, index.q, 2 * index.q.shape[0]):
         real = index.members >= 0
         want = hq.astype(np.int64) @ rows[index.members[real]].T.astype(np.int64)
         np.testing.assert_array_equal(out[:, real], want)
@@ -236,9 +241,9 @@ def _tile_case(nibbles, d, rng):
                                                np.array([37]), starts)
         return q, scale, bias, sums, _levels4(q, 40)
     index = LabelClusters(clusters=1).build(W, b)
-    q, G = index.q, C.GROUP
-    depth = q.shape[1] // G
-    stored = q.reshape(q.shape[0], depth // 4, G, 4).transpose(0, 2, 1, 3).reshape(-1, depth)
+    q, P = index.q, C.PAIR
+    depth = q.shape[1] // P
+    stored = q.reshape(q.shape[0], depth // 4, P, 4).transpose(0, 2, 1, 3).reshape(-1, depth)
     return q, index.scale, index.label_bias, index.sums, stored.astype(np.int64)
 
 
@@ -271,15 +276,17 @@ def test_a_tile_of_rows_estimates_a_clusters_groups_as_numpy_does(d, nibbles):
             C.tile4_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, shift, scale, bias,
                               sums, out, o)
         else:
-            C.tile_estimates(kind, hq, spread, rows, j0, nr, q, g, ng, t, z, scale, bias, sums,
-                             out, o)
+            C.tile_estimates(kind, hq, rows, j0, nr, q, g, ng, t, z, scale, bias, sums, out, o)
 
-    spread = C.spread_words(hq, depth, nibbles)
+    spread = C.spread_words(hq, depth) if nibbles else np.empty((9, 0, 32), np.int32)
+    groups = q.shape[0] * (1 if nibbles else 2)
     for kind in (C.VNNI, C.AVX2, C.LOOP):
         for nr in range(1, C.TILE_ROWS + 1):
             for ng in range(1, C.TILE_GROUPS + 1):
-                for j0, g in ((0, 0), (len(order) - nr, q.shape[0] - ng)):
-                    out = np.full((C.TILE_ROWS, G * (q.shape[0] + 1)), 7.0, np.float32)
+                # the int8 copy's tiles start at a pair; the 4-bit copy's at any group
+                last = groups - ng if nibbles else groups - 2
+                for j0, g in ((0, 0), (len(order) - nr, last)):
+                    out = np.full((C.TILE_ROWS, G * (groups + 1)), 7.0, np.float32)
                     tile(kind, hq, spread, order, j0, nr, q, g, ng, t, z, shift, scale, bias,
                          lsums, out, G)
                     np.testing.assert_array_equal(out[:nr, G:G + G * ng],
@@ -326,7 +333,7 @@ def test_a_group_of_4bit_rows_sums_as_numpy_does(d):
     assert np.all(np.isneginf(bias[n:])) and np.all(scale[n:] == 0)
     hq = rng.integers(0, slide.grouped.LEVELS + 1, (4, depth)).astype(np.uint8)
     hq[0] = slide.grouped.LEVELS
-    for out in _group_sums("dot4", hq, q):
+    for out in _group_sums("dot4", hq, q, q.shape[0]):
         np.testing.assert_array_equal(out[:, :n], hq.astype(np.int64) @ stored.T)
 
 
@@ -353,8 +360,8 @@ def test_clusters_find_most_of_the_top_k_from_a_share_of_the_labels():
     mine = [set(cluster[index.members == j]) == {first[j], second[j]} for j in range(3000)]
     assert np.mean(mine) > 0.99  # up to float32's rounding at a near-tie
     sizes = np.diff(index.starts)
-    assert np.all(sizes % slide.grouped.GROUP == 0) and index.sizes.sum() == 6000
-    assert np.all((index.sizes <= sizes) & (sizes < index.sizes + slide.grouped.GROUP))
+    assert np.all(sizes % slide.grouped.PAIR == 0) and index.sizes.sum() == 6000
+    assert np.all((index.sizes <= sizes) & (sizes < index.sizes + slide.grouped.PAIR))
     assert np.all([np.all(index.members[index.starts[c]:index.starts[c] + index.sizes[c]] >= 0)
                    for c in range(index.sizes.size)])
     exact = np.argsort(-(H @ W.T + b), axis=1)[:, :10]
