@@ -188,6 +188,8 @@ def main(argv=None):
                         "faiss-ivfpq: FAISS's IndexIVFFlat, IndexIVFPQFastScan (4-bit codes, "
                         "float32 refine) with as many lists as the engine's clusters (bench only)")
     p.add_argument("--ann-ef", default="32,64,128,256", help="HNSW query beams to try")
+    p.add_argument("--ann-clusters", type=int, default=None,
+                   help="the clusters backend's clusters (default: its rule over the labels)")
     p.add_argument("--ann-probe", default="0.05,0.1,0.2",
                    help="shares of the labels the clusters (and faiss-ivf, faiss-ivfpq) score, to try")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the model's rule)")
@@ -272,7 +274,8 @@ def main(argv=None):
             predict = _faiss_ivf_predict(model, built, candidates, k)
         elif mode == "ann":
             if built.get("backend") != tables:
-                model.set_ann(backend=tables)
+                model.set_ann(backend=tables, **({"clusters": args.ann_clusters}
+                                                 if tables == "clusters" else {}))
                 t0 = time.perf_counter()
                 model.predict_topk(Xte[:1], k, mode="ann")
                 built = {"backend": tables, "seconds": time.perf_counter() - t0,

@@ -26,8 +26,8 @@ from slide.blas import gemm
 from slide.amx import (AMX_ROWS, amx_begin, amx_end, amx_group_sums, amx_ready, gather_rows,
                        tile_config)
 from slide.grouped import (AMX, AVX2, GROUP, LOOP, PAIR, TILE_GROUPS, TILE_ROWS, VNNI, above8,
-                           estimates, estimates8, int4_groups, int8_groups, int8_kind,
-                           pair_above, quantize_queries, quantize_query_row, splat,
+                           estimates4, estimates8, int4_groups, int8_groups, int8_kind,
+                           pair_above, pair_sums, quantize_queries, quantize_query_row, splat,
                            spread_words, tile4_estimates, tile_estimates)
 from slide.metrics import heap_push, heap_sorted
 from slide.runtime import blas_threads, configure_threading, prefetch, thread_count
@@ -326,8 +326,8 @@ def _by_cluster(chosen, n_chosen, starts, tasks):
     return ptr, rows, bounds
 
 
-#: groups asked for ahead of the scan
-_AHEAD = 2
+#: pairs of groups a single row's scan asks for ahead
+_AHEAD = 1
 #: the fewest of a batch's rows in a cluster that AMX's tiles take: fewer fill too little of
 #: a tile of AMX_ROWS to beat VNNI's tiles (batches of 8 and 32 at git_openstack)
 AMX_FROM = 8
@@ -356,20 +356,19 @@ def _offer_bits(est, o, bits, p, members, least, scores, ids, keep):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _offer(r, lo, hi, hq, t, z, shift, q, scale, bias, sums, members, scores, ids, keep, dots,
-           est, ahead, avx2):
-    """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``GROUP``), a group at
-    a time (``dots``, ``est`` [GROUP] their scratch), offered to its lanes (``scores``,
-    ``ids``, ``keep`` entries; :func:`_offer_bits`), each group tested against the least at
-    once. ``ahead``: groups asked for ahead (even; 0: none, the rows being in cache)."""
-    least = scores[keep - 1]
-    end = hi // GROUP
-    for g in range(lo // GROUP, end):
-        if ahead and g % 2 == 0 and g + ahead < end:  # a pair's bytes at its first group
-            prefetch(q[(g + ahead) // 2])
-        estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, False)
-        least = _offer_bits(est, 0, above8(est, 0, least), g * GROUP, members, least, scores,
-                            ids, keep)
+def _offer(r, lo, hi, hq, t, z, q, scale, bias, sums, members, scores, ids, keep, dots, est,
+           ahead, avx2):
+    """Row ``r``'s estimates of the int8 rows ``lo..hi`` (multiples of ``PAIR``), a pair of
+    groups at a time (:func:`pair_sums` into ``dots`` [PAIR]; ``est`` [PAIR] scratch),
+    offered to its lanes (``scores``, ``ids``, ``keep`` entries; :func:`_offer_sums`).
+    ``ahead``: pairs asked for ahead (0: none, the rows being in cache)."""
+    end = hi // PAIR
+    for p in range(lo // PAIR, end):
+        if ahead and p + ahead < end:
+            prefetch(q[p + ahead])
+        pair_sums(hq[r], q, p, dots, avx2)
+        _offer_sums(dots, 2 * p, 2 * p + 2, t[r], z[r], scale, bias, sums, members, scores,
+                    ids, keep, est)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -464,7 +463,7 @@ def _centroid_scores(r, lo, hi, hq, t, z, shift, cq, cscale, cbias, csums, dots,
     """Row ``r``'s estimated scores of the centroids in groups ``lo..hi`` of the 4-bit copy
     ``cq`` into ``out`` [C] (the groups' padding left out; ``est`` [GROUP] scratch)."""
     for g in range(lo, hi):
-        estimates(r, g, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, avx2, True)
+        estimates4(r, g, hq, t, z, shift, cq, cscale, cbias, csums, dots, est, avx2)
         for u in range(min(GROUP, out.size - g * GROUP)):
             out[g * GROUP + u] = est[u]
 
@@ -563,15 +562,15 @@ def _query_row(H, depth, cq, cscale, cbias, csums, starts, sizes, budget, q, sca
     held = np.zeros(T, np.int64)
     for task in prange(T):
         my_scores, my_ids = new_tops(1, keep)
-        dots = np.empty(GROUP, np.int32)
-        est = np.empty(GROUP, np.float32)
+        dots = np.empty(PAIR, np.int32)
+        est = np.empty(PAIR, np.float32)
         for j in range(task, m, T):
             c = chosen[j]
             if j + T < m:  # the next cluster's first groups, asked for ahead
                 lo, hi = starts[chosen[j + T]], starts[chosen[j + T] + 1]
-                for p in range(lo // PAIR, min(hi, lo + _AHEAD * GROUP) // PAIR):
+                for p in range(lo // PAIR, min(hi, lo + _AHEAD * PAIR) // PAIR):
                     prefetch(q[p])
-            _offer(0, starts[c], starts[c + 1], hq, scale_q, zero, shift, q, scale, bias, sums,
+            _offer(0, starts[c], starts[c + 1], hq, scale_q, zero, q, scale, bias, sums,
                    members, my_scores[0], my_ids[0], keep, dots, est, _AHEAD, avx2)
         held[task] = _held_out(my_scores[0], my_ids[0], keep, pos[task], best[task])
     _, top = _merged(pos, best, held, keep)

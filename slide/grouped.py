@@ -19,11 +19,11 @@ from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
 from slide.runtime import aligned_empty
 
 __all__ = ["GROUP", "PAIR", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP", "AVX2",
-           "VNNI", "AMX", "int8_kind", "dot8_avx2", "dot4_avx2", "dot8_loop", "dot4_loop",
+           "VNNI", "AMX", "int8_kind", "dot16_avx2", "dot4_avx2", "dot16_loop", "dot4_loop",
            "tile_vnni", "tile_avx2", "tile4_vnni", "tile4_avx2", "tile_loop", "tile4_loop",
            "tile_estimates", "tile4_estimates", "splat",
            "spread_words", "quantize_queries", "quantize_query_row", "estimates8", "pair_above",
-           "above8", "estimates", "int8_groups", "int4_groups", "grouped_layout"]
+           "above8", "estimates4", "pair_sums", "int8_groups", "int4_groups", "grouped_layout"]
 
 
 #: labels a step of the scan: one AVX2 register of their int32 sums; the 4-bit copy's rows
@@ -67,13 +67,15 @@ def splat(builder, value, lanes: int):
 
 
 def _grouped_sums(nibbles: bool):
-    """The codegen of :func:`dot8_avx2` (``nibbles`` false) or :func:`dot4_avx2`: a group's
-    eight sums in the eight int32 lanes of one register, so that no sum is reduced across
-    lanes, over two accumulators, each every other 32-byte piece of the rows. On a target
-    without AVX2 it compiles the loop instead, which such a target's kernels run."""
+    """The codegen of :func:`dot16_avx2` (``nibbles`` false: a pair of groups of the int8
+    copy) or :func:`dot4_avx2` (a group of the 4-bit copy): each group's eight sums in the
+    eight int32 lanes of one register, so that no sum is reduced across lanes, over two
+    accumulators a group, each every other piece of the rows; a pair's two groups share each
+    piece's query word. On a target without AVX2 it compiles the loop instead, which such a
+    target's kernels run."""
     def codegen(context, builder, signature, args):
         if not target_has("avx2"):
-            loop = dot4_loop if nibbles else dot8_loop
+            loop = dot4_loop if nibbles else dot16_loop
             return context.compile_internal(builder, loop.py_func, signature, args)
         h = context.make_array(signature.args[0])(context, builder, args[0])
         w = context.make_array(signature.args[1])(context, builder, args[1])
@@ -87,14 +89,14 @@ def _grouped_sums(nibbles: bool):
         low, four = ir.Constant(load_t, [15] * 32), ir.Constant(pairs_t, [4] * 16)
         stride = cgutils.unpack_tuple(builder, w.strides, 2)[0]
         hp = builder.ptrtoint(h.data, i64)
-        g = context.cast(builder, args[2], signature.args[2], types.int64)
-        # the int8 copy: group g is half g % 2 of pair g // 2's pieces, 64 bytes a piece
-        per, piece_bytes = (1, 32) if nibbles else (2, 64)
-        wp = builder.add(builder.ptrtoint(w.data, i64),
-                         builder.add(builder.mul(builder.sdiv(g, ir.Constant(i64, per)), stride),
-                                     builder.mul(builder.srem(g, ir.Constant(i64, per)),
-                                                 ir.Constant(i64, 32))))
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(2)]
+        # a row of w: a group of the 4-bit copy, 32 bytes a piece; a pair of the int8 copy, 64
+        # bytes a piece, its first group's 32 first
+        halves = 1 if nibbles else 2
+        piece_bytes = 32 * halves
+        wp = builder.add(builder.ptrtoint(w.data, i64), builder.mul(
+            context.cast(builder, args[2], signature.args[2], types.int64), stride))
+        accs = [[cgutils.alloca_once_value(builder, ir.Constant(acc_t, None)) for _ in range(2)]
+                for _ in range(halves)]
 
         def spread(depth):
             # the query's four bytes from this depth, in every lane
@@ -102,46 +104,56 @@ def _grouped_sums(nibbles: bool):
             word = builder.load(builder.inttoptr(at, i32.as_pointer()), align=1)
             return builder.bitcast(splat(builder, word, 8), load_t)
 
-        def step(piece, acc):
+        def step(piece, k):
             at = builder.add(wp, builder.mul(piece, ir.Constant(i64, piece_bytes)))
-            wv = builder.load(builder.inttoptr(at, load_t.as_pointer()), align=1)
-            if nibbles:  # the low halves hold depths 8 i..8 i + 3, the high ones the next four
-                lo = builder.and_(wv, low)
-                hi = builder.and_(builder.bitcast(
-                    builder.lshr(builder.bitcast(wv, pairs_t), four), load_t), low)
+            if nibbles:
                 depth = builder.mul(piece, ir.Constant(i64, 8))
-                pairs = builder.add(  # at most 2 · 2 · 127 · 15 a pair: no int16 overflow
-                    builder.call(maddubs, [spread(depth), lo]),
-                    builder.call(maddubs, [spread(builder.add(depth, ir.Constant(i64, 4))), hi]))
+                xs = (spread(depth), spread(builder.add(depth, ir.Constant(i64, 4))))
             else:
-                pairs = builder.call(maddubs, [spread(builder.mul(piece, ir.Constant(i64, 4))), wv])
-            builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
+                x = spread(builder.mul(piece, ir.Constant(i64, 4)))
+            for half in range(halves):
+                wv = builder.load(builder.inttoptr(builder.add(at, ir.Constant(i64, 32 * half)),
+                                                   load_t.as_pointer()), align=1)
+                if nibbles:  # the low halves hold depths 8 i..8 i + 3, the high ones the next 4
+                    lo = builder.and_(wv, low)
+                    hi = builder.and_(builder.bitcast(
+                        builder.lshr(builder.bitcast(wv, pairs_t), four), load_t), low)
+                    pairs = builder.add(  # at most 2 · 2 · 127 · 15 a pair: no int16 overflow
+                        builder.call(maddubs, [xs[0], lo]), builder.call(maddubs, [xs[1], hi]))
+                else:
+                    pairs = builder.call(maddubs, [x, wv])
+                acc = accs[half][k]
+                builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])),
+                              acc)
 
         # the depth is the rows' (the query may be longer: zeros beyond)
         pieces = builder.sdiv(cgutils.unpack_tuple(builder, w.shape, 2)[1],
                               ir.Constant(i64, piece_bytes))
         with cgutils.for_range(builder, builder.sdiv(pieces, ir.Constant(i64, 2))) as loop:
             first = builder.mul(loop.index, ir.Constant(i64, 2))
-            step(first, accs[0])
-            step(builder.add(first, ir.Constant(i64, 1)), accs[1])
+            step(first, 0)
+            step(builder.add(first, ir.Constant(i64, 1)), 1)
         with cgutils.if_unlikely(builder, builder.icmp_signed(
                 "!=", builder.srem(pieces, ir.Constant(i64, 2)), ir.Constant(i64, 0))):
-            step(builder.sub(pieces, ir.Constant(i64, 1)), accs[0])
-        total = builder.add(builder.load(accs[0]), builder.load(accs[1]))
-        builder.store(total, builder.bitcast(o.data, acc_t.as_pointer()), align=4)
+            step(builder.sub(pieces, ir.Constant(i64, 1)), 0)
+        out = builder.ptrtoint(o.data, i64)
+        for half in range(halves):
+            total = builder.add(builder.load(accs[half][0]), builder.load(accs[half][1]))
+            builder.store(total, builder.inttoptr(builder.add(out, ir.Constant(i64, 32 * half)),
+                                                  acc_t.as_pointer()), align=4)
         return context.get_dummy_value()
     return codegen
 
 
 @intrinsic
-def dot8_avx2(typingctx, hq, q, g, out):
+def dot16_avx2(typingctx, hq, q, p, out):
     """``out[u] = sum_i hq[i] * w_u[i]`` in int32 for a uint8 row ``hq`` [>= D] (at most 127 a
-    byte) and the ``GROUP`` int8 rows ``w_u`` of group ``g`` of ``q`` [G / 2, PAIR D]
+    byte) and the ``PAIR`` int8 rows ``w_u`` of pair ``p`` of ``q`` [G / 2, PAIR D]
     (:func:`int8_groups`; D a multiple of 4, C-contiguous; bytes 4 i..4 i + 3 of ``w_u`` at
-    ``q[g // 2, PAIR 4 i + GROUP 4 (g % 2) + 4 u:...+ 4]``),
-    on AVX2: one ``vpmaddubsw`` (the query's four bytes broadcast) and one ``vpmaddwd`` a
-    piece (on a target without AVX2, the loop's code: kernels branch to it, never here)."""
-    return types.void(hq, q, g, out), _grouped_sums(nibbles=False)
+    ``q[p, PAIR 4 i + 4 u:...+ 4]``), on AVX2: one ``vpmaddubsw`` (the query's four bytes
+    broadcast) and one ``vpmaddwd`` a group a piece (on a target without AVX2, the loop's
+    code: kernels branch to it, never here)."""
+    return types.void(hq, q, p, out), _grouped_sums(nibbles=False)
 
 
 @intrinsic
@@ -150,7 +162,7 @@ def dot4_avx2(typingctx, hq, q, g, out):
     a byte) and the ``GROUP`` rows ``v_u`` of 4-bit values (0..15) of group ``g`` of ``q``
     [G, GROUP D / 2] (D a multiple of 8, C-contiguous; 32 bytes a piece of 8 depths, 4 a row:
     byte j of row u's holds depth 8 i + j in its low half, 8 i + 4 + j in its high half), on
-    AVX2: each half-byte set widened by a mask, then :func:`dot8_avx2`'s two products, one
+    AVX2: each half-byte set widened by a mask, then :func:`dot16_avx2`'s two products, one
     ``vpmaddwd`` for both halves (the loop's code on a target without AVX2)."""
     return types.void(hq, q, g, out), _grouped_sums(nibbles=True)
 
@@ -158,16 +170,16 @@ def dot4_avx2(typingctx, hq, q, g, out):
 def _sums_loop(nibbles: bool):
     @njit(cache=True, nogil=True, inline="always")
     def sums(hq, q, g, out):
-        # the sums of _grouped_sums's kernels, for CPUs without AVX2
-        per = 1 if nibbles else 2  # groups a row of q holds, side by side in each piece
-        row, at, piece = g // per, 4 * GROUP * (g % per), 4 * GROUP * per
-        for u in range(GROUP):
+        # the sums of _grouped_sums's kernels, for CPUs without AVX2: of group g of the 4-bit
+        # copy, of pair g of the int8 copy
+        width = GROUP if nibbles else PAIR  # labels a piece
+        for u in range(width):
             out[u] = 0
-        for i in range(q.shape[1] // piece):
-            for u in range(GROUP):
+        for i in range(q.shape[1] // (4 * width)):
+            for u in range(width):
                 s = out[u]
                 for j in range(4):
-                    v = np.int32(q[row, piece * i + at + 4 * u + j])
+                    v = np.int32(q[g, 4 * width * i + 4 * u + j])
                     if nibbles:
                         s += np.int32(hq[8 * i + j]) * (v & 15) + \
                             np.int32(hq[8 * i + 4 + j]) * (v >> 4)
@@ -177,7 +189,7 @@ def _sums_loop(nibbles: bool):
     return sums
 
 
-dot8_loop, dot4_loop = _sums_loop(nibbles=False), _sums_loop(nibbles=True)
+dot16_loop, dot4_loop = _sums_loop(nibbles=False), _sums_loop(nibbles=True)
 
 
 #: a tile of the batch scan: this many of a cluster's rows, each against this many groups,
@@ -353,7 +365,7 @@ def _tile_kernel(vnni: bool, nibbles: bool):
 
 
 #: ``out[a, o + GROUP gg:...+ GROUP]``: query row ``r = rows[j0 + a]``'s estimates of group
-#: ``g + gg`` of ``q`` (:func:`dot8_avx2`'s layout, g even, its depth a multiple of 8; its
+#: ``g + gg`` of ``q`` (:func:`dot16_avx2`'s layout, g even, its depth a multiple of 8; its
 #: places' ``scale``, ``bias``, ``sums``; the row's ``t[r]``, ``z[r]``), as
 #: :func:`estimates8` computes them, for a < ``nr`` <= TILE_ROWS and gg < ``ng`` <=
 #: TILE_GROUPS, in one pass over the groups' bytes: AVX-512 VNNI's ``vpdpbusd`` on a piece
@@ -370,17 +382,17 @@ def _tile_loops(nibbles: bool):
     @njit(cache=True, nogil=True, inline="always")
     def tile(hq, rows, j0, nr, q, g, ng, t, z, shift, scale, bias, sums, out, o):
         # the tile kernels' estimates on CPUs without AVX2
-        dots = np.empty(GROUP, np.int32)
+        dots = np.empty(PAIR, np.int32)
         est = np.empty(GROUP, np.float32)
         for a in range(nr):
             r = rows[j0 + a]
+            if not nibbles:  # the pair's sums (g even)
+                dot16_loop(hq[r], q, g // 2, dots)
             for gg in range(ng):
                 if nibbles:
                     dot4_loop(hq[r], q, g + gg, dots)
-                else:
-                    dot8_loop(hq[r], q, g + gg, dots)
-                estimates8(dots, 0, scale, bias, sums, (g + gg) * GROUP, t[r], z[r],
-                            shift[r] if nibbles else 0, est)
+                estimates8(dots, 0 if nibbles else GROUP * gg, scale, bias, sums,
+                           (g + gg) * GROUP, t[r], z[r], shift[r] if nibbles else 0, est)
                 for u in range(GROUP):
                     out[a, o + GROUP * gg + u] = est[u]
     return tile
@@ -519,24 +531,28 @@ def above8(typingctx, est, o, least):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def estimates(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2, nibbles):
-    """Row ``r``'s estimated scores of the ``GROUP`` rows of group ``g`` of ``q`` (with each
-    row's ``scale``, ``bias`` and integer ``sums``) into ``est``; ``dots`` [GROUP] their int32
-    scratch; ``avx2``: AVX2's sums, else the loop's (:func:`int8_kind`); ``nibbles``: 4-bit
-    rows stored as w + ``OFFSET`` (``shift``), else int8 rows. The kind is an argument, not a
-    kernel of its own per kind: numba's cache keys a closure by its cells, and a kernel's cell
-    is another on every start, so closures over kernels compiled again in every process."""
-    if nibbles:
-        if avx2:
-            dot4_avx2(hq[r], q, g, dots)
-        else:
-            dot4_loop(hq[r], q, g, dots)
-    elif avx2:
-        dot8_avx2(hq[r], q, g, dots)
+def estimates4(r, g, hq, t, z, shift, q, scale, bias, sums, dots, est, avx2):
+    """Row ``r``'s estimated scores of the ``GROUP`` rows of group ``g`` of the 4-bit copy
+    ``q`` (with each row's ``scale``, ``bias`` and integer ``sums``; stored as w + ``OFFSET``,
+    the row's ``shift``) into ``est``; ``dots`` [GROUP] their int32 scratch; ``avx2``: AVX2's
+    sums, else the loop's (:func:`int8_kind`). The kind is an argument, not a kernel of its
+    own per kind: numba's cache keys a closure by its cells, and a kernel's cell is another
+    on every start, so closures over kernels compiled again in every process."""
+    if avx2:
+        dot4_avx2(hq[r], q, g, dots)
     else:
-        dot8_loop(hq[r], q, g, dots)
-    estimates8(dots, 0, scale, bias, sums, g * GROUP, t[r], z[r], shift[r] if nibbles else 0,
-                est)
+        dot4_loop(hq[r], q, g, dots)
+    estimates8(dots, 0, scale, bias, sums, g * GROUP, t[r], z[r], shift[r], est)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def pair_sums(h, q, p, dots, avx2):
+    """The int32 sums of a uint8 row ``h`` with the ``PAIR`` rows of pair ``p`` of the int8
+    copy ``q`` into ``dots`` [>= PAIR]: :func:`dot16_avx2`, or its loop (``avx2`` false)."""
+    if avx2:
+        dot16_avx2(h, q, p, dots)
+    else:
+        dot16_loop(h, q, p, dots)
 
 
 def int8_groups(V, order, sizes, starts):

@@ -182,18 +182,19 @@ def test_amx_tiles_sum_a_groups_rows_as_numpy_does(d):
 
 def _group_sums(name, hq, q, groups):
     """Each query row's int32 sums with each of the ``groups`` of ``q`` by the kernel ``name``
-    (the loop, and the AVX2 one where the host has it): yields int32 [rows of hq, groups ·
-    GROUP]."""
+    (the loop, and the AVX2 one where the host has it; ``dot16`` a pair of groups a call):
+    yields int32 [rows of hq, groups · GROUP]."""
     from numba import njit
     avx2 = slide.grouped.target_has("avx2")
     kernels = [getattr(slide.grouped, name + "_loop")] + \
         ([getattr(slide.grouped, name + "_avx2")] if avx2 else [])
+    width = 16 if name == "dot16" else 8
     for kernel in kernels:
         @njit
         def sums(hq, q, out):
             for r in range(hq.shape[0]):
-                for g in range(out.shape[1] // 8):
-                    kernel(hq[r], q, g, out[r, g * 8:(g + 1) * 8])
+                for g in range(out.shape[1] // width):
+                    kernel(hq[r], q, g, out[r, g * width:(g + 1) * width])
         out = np.zeros((hq.shape[0], groups * slide.grouped.GROUP), np.int32)
         sums(hq, q, out)
         yield out
@@ -218,7 +219,7 @@ def test_a_group_of_int8_rows_sums_as_numpy_does(d):
     rows[:, :d] = quantize_labels(np.ascontiguousarray(W), np.zeros(37, np.float32)).q
     hq = rng.integers(0, slide.grouped.LEVELS + 1, (4, depth)).astype(np.uint8)
     hq[0] = slide.grouped.LEVELS
-    for out in _group_sums("dot8", hq, index.q, 2 * index.q.shape[0]):
+    for out in _group_sums("dot16", hq, index.q, 2 * index.q.shape[0]):
         real = index.members >= 0
         want = hq.astype(np.int64) @ rows[index.members[real]].T.astype(np.int64)
         np.testing.assert_array_equal(out[:, real], want)
