@@ -274,8 +274,7 @@ def main(argv=None):
             predict = _faiss_ivf_predict(model, built, candidates, k)
         elif mode == "ann":
             if built.get("backend") != tables:
-                model.set_ann(backend=tables, **({"clusters": args.ann_clusters}
-                                                 if tables == "clusters" else {}))
+                model.set_ann(backend=tables, clusters=args.ann_clusters)
                 t0 = time.perf_counter()
                 model.predict_topk(Xte[:1], k, mode="ann")
                 built = {"backend": tables, "seconds": time.perf_counter() - t0,

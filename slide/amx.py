@@ -7,8 +7,8 @@ so that the tiles are mostly full and a cluster's sums come about as fast as its
 (docs/serving.md).
 
 The layout is the one the other kernels read: a pair's 4-byte pieces of depth, sixteen labels'
-each in 64 bytes, are the rows of ``tdpbusd``'s second operand as they lie, a full tile. Linux lends a process the tile
-registers only when asked (:func:`amx_ready`); where it does not, or the CPU has no AMX, the
+each in 64 bytes, are the rows of ``tdpbusd``'s second operand as they lie, a full tile. Linux
+lends a process the tile registers only when asked (:func:`amx_ready`); where it does not, or the CPU has no AMX, the
 scan runs as before. On a target without AMX the kernels compile the same sums as loops, so
 that their results can be tested on any machine.
 """
@@ -143,7 +143,8 @@ def amx_sums(typingctx, A, q, p, n_pairs, C):
         p8 = ir.PointerType(ir.IntType(8))
         Aa, Q, Cc = (context.make_array(signature.args[i])(context, builder, args[i])
                      for i in (0, 1, 4))
-        g_, ng_ = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3))
+        p_, n_pairs_ = (context.cast(builder, args[i], signature.args[i], types.int64)
+                        for i in (2, 3))
         a_stride = cgutils.unpack_tuple(builder, Aa.strides, 2)[0]
         q_stride = cgutils.unpack_tuple(builder, Q.strides, 2)[0]
         c_stride = cgutils.unpack_tuple(builder, Cc.strides, 2)[0]
@@ -153,22 +154,22 @@ def amx_sums(typingctx, A, q, p, n_pairs, C):
         last = builder.srem(depth, ir.Constant(i64, _STEP))
         a_base = builder.ptrtoint(Aa.data, i64)
         b_base = [builder.add(builder.ptrtoint(Q.data, i64),
-                              builder.mul(builder.add(g_, ir.Constant(i64, gg)), q_stride))
-                  for gg in range(2)]
+                              builder.mul(builder.add(p_, ir.Constant(i64, pp)), q_stride))
+                  for pp in range(2)]
         piece = ir.Constant(i64, 4 * PAIR)  # a pair's bytes a 4-byte piece of depth
-        two = builder.icmp_signed("==", ng_, ir.Constant(i64, 2))
+        two = builder.icmp_signed("==", n_pairs_, ir.Constant(i64, 2))
 
         def ptr(address):
             return builder.inttoptr(address, p8)
 
         def step(a_tile, b_tiles, a_at, b_at):
             _call(builder, "tileloadd64", _tmm(a_tile), ptr(builder.add(a_base, a_at)), a_stride)
-            for gg, (c_tile, b_tile) in enumerate(zip((_C0, _C1), b_tiles)):
+            for pp, (c_tile, b_tile) in enumerate(zip((_C0, _C1), b_tiles)):
                 def product():
                     _call(builder, "tileloadd64", _tmm(b_tile),
-                          ptr(builder.add(b_base[gg], b_at)), piece)
+                          ptr(builder.add(b_base[pp], b_at)), piece)
                     _call(builder, "tdpbusd", _tmm(c_tile), _tmm(a_tile), _tmm(b_tile))
-                if gg:
+                if pp:
                     with builder.if_then(two):
                         product()
                 else:

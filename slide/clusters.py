@@ -310,7 +310,7 @@ def _by_cluster(chosen, n_chosen, starts, tasks):
             bits[chosen[r, j], w] |= bit
     ptr = np.zeros(n_clusters + 1, np.int64)
     work = np.zeros(n_clusters + 1, np.int64)
-    rows = np.empty(n_chosen[:n].sum(), np.int32)
+    rows = np.empty(n_chosen.sum(), np.int32)
     at = 0
     for c in range(n_clusters):
         for w in range(words):

@@ -2,8 +2,8 @@
 copies, and the kernels that estimate a query's scores from them: a group's eight int32 sums in
 one register's lanes (AVX2's ``vpmaddubsw`` and ``vpmaddwd``; a loop with the same sums
 elsewhere), and a batch's tiles, several rows against a group's bytes in one pass (AVX-512
-VNNI's ``vpdpbusd`` where the CPU has it). Every kernel computes the same integers and then the same float32 estimates, so an answer
-does not depend on which ran. The engine's index (:mod:`slide.clusters`) is built on them.
+VNNI's ``vpdpbusd`` where the CPU has it). Every kernel computes the same integers and then the
+same float32 estimates, so an answer does not depend on which ran. The engine's index (:mod:`slide.clusters`) is built on them.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from numba.extending import intrinsic
 from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
 from slide.runtime import aligned_empty
 
-__all__ = ["GROUP", "PAIR", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP", "AVX2",
-           "VNNI", "AMX", "int8_kind", "dot16_avx2", "dot4_avx2", "dot16_loop", "dot4_loop",
+__all__ = ["GROUP", "PAIR", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP",
+           "AVX2", "VNNI", "AMX", "int8_kind", "dot16_avx2", "dot4_avx2", "dot16_loop", "dot4_loop",
            "tile_vnni", "tile_avx2", "tile4_vnni", "tile4_avx2", "tile_loop", "tile4_loop",
            "tile_estimates", "tile4_estimates", "splat",
            "spread_words", "quantize_queries", "quantize_query_row", "estimates8", "pair_above",
@@ -365,7 +365,7 @@ def _tile_kernel(vnni: bool, nibbles: bool):
 
 
 #: ``out[a, o + GROUP gg:...+ GROUP]``: query row ``r = rows[j0 + a]``'s estimates of group
-#: ``g + gg`` of ``q`` (:func:`dot16_avx2`'s layout, g even, its depth a multiple of 8; its
+#: ``g + gg`` of ``q`` (:func:`dot16_avx2`'s layout, g even; its
 #: places' ``scale``, ``bias``, ``sums``; the row's ``t[r]``, ``z[r]``), as
 #: :func:`estimates8` computes them, for a < ``nr`` <= TILE_ROWS and gg < ``ng`` <=
 #: TILE_GROUPS, in one pass over the groups' bytes: AVX-512 VNNI's ``vpdpbusd`` on a piece
