@@ -4,7 +4,7 @@ against a pair of groups, sixteen labels, of the grouped int8 copy
 takes 256 ``vpdpbusd``. A batch's
 rows share clusters (24 rows a cluster on average at a batch of 128 of the Amazon-670K preset),
 so that the tiles are mostly full and a cluster's sums come about as fast as its bytes
-(docs/serving.md).
+(docs/ann-kernels.md).
 
 The layout is the one the other kernels read: a pair's 4-byte pieces of depth, sixteen labels'
 each in 64 bytes, are the rows of ``tdpbusd``'s second operand as they lie, a full tile. Linux

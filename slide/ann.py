@@ -4,7 +4,7 @@ with ``[h, 1]``, whose inner product is the model's score (:mod:`slide.export`).
 The engine's own index is the default: k-means clusters of the label vectors scored through
 an int8 copy (:class:`slide.clusters.LabelClusters`). An inner-product graph (HNSW) from hnswlib
 or FAISS's ``IndexHNSWFlat`` is the other choice where the ``ann`` extra is installed (``pip
-install -e ".[ann]"``); docs/serving.md has the measurements of each beside the engine's LSH
+install -e ".[ann]"``); docs/ann.md has the measurements of each beside the engine's LSH
 serving and the exact mode.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ BACKENDS = ("clusters", "hnswlib", "faiss")
 LIBRARIES = BACKENDS[1:]
 #: graph degree and build-time beam width: hnswlib's recommended starting point for high recall
 DEFAULT_M, EF_CONSTRUCTION = 16, 200
-#: the query beam width, at least the k asked for (docs/serving.md: recall@10 against ef)
+#: the query beam width, at least the k asked for (docs/ann.md: recall@10 against ef)
 DEFAULT_EF = 64
 
 

@@ -9,7 +9,7 @@ in float32.
 Where LSH's tables find a label only when a random projection agrees, the centroids are the
 layer's own summary: on git_openstack, a fiftieth of the entries taken this way holds 0.95 of
 the exact top-10, a twentieth 0.99. A batch's candidates are scored cluster by cluster, the
-rows that chose a cluster in tiles that share each load of its bytes (docs/serving.md).
+rows that chose a cluster in tiles that share each load of its bytes (docs/ann-kernels.md).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ DEFAULT_PROBE = 0.05
 KEEP_PER_K = 1.2
 #: SOAR's λ for a label's second cluster (:func:`_nearest`): 0.5 found more of the top-10 than
 #: the second-nearest (0) and than λ = 1 at git_openstack and the Amazon preset alike
-#: (docs/serving.md)
+#: (docs/ann.md)
 ORTHOGONAL = 0.5
 #: Lloyd's iterations, over a sample of this many label vectors per cluster; from the last
 #: index's centroids, fewer
@@ -152,7 +152,7 @@ def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, near
     per cluster from ``n_clusters`` distinct rows of it, or ``WARM_ITERATIONS`` from the
     centroids ``start`` (the last index's, the weights having moved since). With two clusters
     a row, one more step over every row: each centroid the mean of the entries its cluster
-    holds, which it stands for when a query chooses clusters (docs/serving.md)."""
+    holds, which it stands for when a query chooses clusters (docs/ann.md)."""
     rng = np.random.default_rng(seed)
     n = V.shape[0]
     sample = V if n <= SAMPLE_PER_CLUSTER * n_clusters else \
@@ -300,7 +300,7 @@ def _by_cluster(chosen, n_chosen, starts, tasks):
     order), and ``tasks`` + 1 bounds that split the clusters into runs of about equal work
     (labels times rows). The rows are first set as bits of their clusters, then read out
     cluster by cluster: placed one by one, each went to another cluster's run, and the stores
-    missed the caches (docs/serving.md)."""
+    missed the caches (docs/ann-kernels.md)."""
     n, n_clusters = chosen.shape[0], starts.size - 1
     words = -(-n // 64)
     bits = np.zeros((n_clusters, words), np.int64)
@@ -590,7 +590,7 @@ class LabelClusters:
     share of the entries a query scores (default ``DEFAULT_PROBE``; more finds more of the exact
     top-k, slower); ``spill``: each label in a second cluster too (:func:`_nearest`), not one
     (twice the int8 copy, and as much of it scored, for recall that one cluster a label needs
-    more to reach, docs/serving.md). Ids are the layer's rows.
+    more to reach, docs/ann.md). Ids are the layer's rows.
     """
 
     backend = "clusters"
@@ -710,7 +710,7 @@ class LabelClusters:
         avx2 = int8_kind() is not None
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
-        if n == 1:  # one kernel: a batch's five cost more to start (docs/serving.md)
+        if n == 1:  # one kernel: a batch's five cost more to start (docs/ann-kernels.md)
             _query_row(H, *self._row_head, self.budget, *self._row_tail, keep, threads, ids,
                        scores, avx2)
             return ids, scores

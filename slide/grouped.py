@@ -36,7 +36,7 @@ PAIR = 2 * GROUP
 #: so the query takes 7 bits
 LEVELS = 127
 #: a centroid's 4-bit levels, -NIBBLE..NIBBLE, stored as w + OFFSET (0..15): they choose the
-#: clusters that int8 ones choose, in half the bytes a row reads (docs/serving.md)
+#: clusters that int8 ones choose, in half the bytes a row reads (docs/ann-kernels.md)
 NIBBLE, OFFSET = 7, 8
 
 

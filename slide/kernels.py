@@ -65,7 +65,7 @@ _CONTRACT = {"contract"}
 AHEAD = 4
 #: float32 values in a 64-byte cache line
 _LINE_FLOATS = 16
-#: tasks a single row's first layer is split into (docs/serving.md)
+#: tasks a single row's first layer is split into (docs/ann-kernels.md)
 _ROW_SHARES = 2
 
 #: rows asked of L2 ahead of use by the kernels that update scattered rows, beside AHEAD's ask

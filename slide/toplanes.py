@@ -3,7 +3,7 @@
 An offer compares the score with every lane at once, counts the lanes ahead of it and moves
 those behind it one lane on: a few vector instructions and no branch on the data, where a
 binary heap's sift branches on every level it passes. The clusters' scan offers its estimates
-this way (docs/serving.md). Entries are ordered by score, best first, then by id, the lower
+this way (docs/ann-kernels.md). Entries are ordered by score, best first, then by id, the lower
 first; a held id is not taken again (a label in two clusters is offered twice, with the same
 score). Empty lanes hold -inf and id -1, so the k-th lane's score is the least a new entry
 must beat once k are held, and -inf before.
