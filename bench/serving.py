@@ -158,7 +158,8 @@ def _faiss_ivf_predict(model, built, probe, k):
 def _print(row, k):
     mode, probed = row["mode"], row["probe"] is not None
     setting = (f"{row['backend']} {'probe' if probed else 'ef'}="
-               f"{row['probe'] if probed else row['ef']:g}" if mode == "ann" else
+               f"{row['probe'] if probed else row['ef']:g}"
+               + (" (chosen)" if row.get("chosen") else "") if mode == "ann" else
                f"tables={str(row['tables']):>4s} candidates={str(row['candidates']):>6s}")
     print(f"{mode:5s} {setting}  recall@{k} {row[f'recall@{k}']:.3f}  P@1 {row['P@1']:.3f}  "
           f"single p50 {row['single_p50_ms']:.2f} ms p99 {row['single_p99_ms']:.2f} ms  "
@@ -187,11 +188,13 @@ def main(argv=None):
                    help="mode='ann' backends to try: clusters,hnswlib,faiss; and faiss-ivf, "
                         "faiss-ivfpq: FAISS's IndexIVFFlat, IndexIVFPQFastScan (4-bit codes, "
                         "float32 refine) with as many lists as the engine's clusters (bench only)")
-    p.add_argument("--ann-ef", default="32,64,128,256", help="HNSW query beams to try")
+    p.add_argument("--ann-ef", default="32,64,128,256",
+                   help="HNSW query beams to try; auto: the one set_ann chooses")
     p.add_argument("--ann-clusters", type=int, default=None,
                    help="the clusters backend's clusters (default: its rule over the labels)")
     p.add_argument("--ann-probe", default="0.05,0.1,0.2",
-                   help="shares of the labels the clusters (and faiss-ivf, faiss-ivfpq) score, to try")
+                   help="shares of the labels the clusters (and faiss-ivf, faiss-ivfpq) score, "
+                        "to try; auto: the one set_ann chooses")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the model's rule)")
     p.add_argument("--tables", default="0,24,48,96", help="serving tables to try (0: the default)")
     p.add_argument("--candidates", default="0",
@@ -206,6 +209,7 @@ def main(argv=None):
                    help="numbers of Python threads sending single rows at once (e.g. 1,2,4)")
     p.add_argument("--out", default="bench/results/serving")
     args = p.parse_args(argv)
+    from slide.ann import DEFAULT_EF, DEFAULT_PROBE
     from slide.metrics import evaluate
     from slide.estimator import SlideClassifier
     if args.data:
@@ -233,7 +237,9 @@ def main(argv=None):
     # (mode, backend or tables, its knob: ef, probe or candidates)
     for b in args.ann_backends.split(","):
         knobs = args.ann_probe if b in PROBED else args.ann_ef
-        settings += [("ann", b, float(v)) for v in knobs.split(",") if b]
+        # "auto": the probe or beam the index chose on the model's held-out rows
+        settings += [("ann", b, None if v == "auto" else float(v)) for v in knobs.split(",")
+                     if b and not (v == "auto" and b in FAISS_IVF)]
     built = {}
     exact_entry = None
     group, group_key = [], None  # the settings that share one built index, timed side by side
@@ -283,7 +289,12 @@ def main(argv=None):
             index = model.server_.label_index()  # the same index, another beam or share
 
             def prepare(index=index, knob=candidates, probed=tables in PROBED):
-                setattr(index, "probe" if probed else "ef", knob if probed else int(knob))
+                name = "probe" if probed else "ef"
+                if knob is None:  # the index's own choice (its default without held-out rows)
+                    chosen = index.calibration or {name: DEFAULT_PROBE if probed else DEFAULT_EF}
+                    setattr(index, name, chosen[name])
+                else:
+                    setattr(index, name, knob if probed else int(knob))
         else:
             def prepare():
                 pass
@@ -302,8 +313,11 @@ def main(argv=None):
                "candidates": model.serving_candidates_ if lsh else None,
                "serving_mib": extra / 2**20 if lsh else built["mib"] if ann else None,
                "backend": tables if ann else None,
-               "ef": candidates if ann and not probed else None,
-               "probe": candidates if probed else None,
+               "ef": (index.ef if candidates is None else candidates) if ann and not probed
+               and tables not in FAISS_IVF else None,
+               "probe": (index.probe if candidates is None else candidates) if probed else None,
+               "chosen": ann and candidates is None,
+               "calibration": index.calibration if ann and candidates is None else None,
                "build_seconds": built["seconds"] if ann else None,
                f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"]}
         row["clients"] = [_clients(lambda X, f=predict, p=prepare: (p(), f(X))[1], Xte, c,

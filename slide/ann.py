@@ -10,22 +10,37 @@ serving and the exact mode.
 from __future__ import annotations
 
 import importlib.util
+import numbers
 
 import numpy as np
 
 from slide.clusters import DEFAULT_PROBE, LabelClusters
+from slide.metrics import topk_product
 
 __all__ = ["LabelIndex", "BACKENDS", "LIBRARIES", "available_backend", "make_index",
-           "label_vectors", "query_vectors", "DEFAULT_EF", "DEFAULT_M", "EF_CONSTRUCTION",
-           "DEFAULT_PROBE"]
+           "label_vectors", "query_vectors", "calibrate", "checked_recall", "DEFAULT_EF",
+           "DEFAULT_M", "EF_CONSTRUCTION", "DEFAULT_PROBE", "DEFAULT_RECALL", "CALIBRATION_ROWS",
+           "CALIBRATION_K", "PROBES", "EFS"]
 
 #: the engine's own index first, then the libraries'
 BACKENDS = ("clusters", "hnswlib", "faiss")
 LIBRARIES = BACKENDS[1:]
 #: graph degree and build-time beam width: hnswlib's recommended starting point for high recall
 DEFAULT_M, EF_CONSTRUCTION = 16, 200
-#: the query beam width, at least the k asked for (docs/ann.md: recall@10 against ef)
+#: the query beam width, at least the k asked for (docs/ann.md: recall@10 against ef), where
+#: no held-out rows choose it
 DEFAULT_EF = 64
+#: the share of the exact top-k an index's probe or beam is chosen to find, on rows held out of
+#: training: how much to probe depends on how clustered the layer is (docs/ann.md)
+DEFAULT_RECALL = 0.95
+#: held-out rows kept for that (their mean recall within about 0.005 of the test rows')
+CALIBRATION_ROWS = 512
+#: the k whose recall is measured
+CALIBRATION_K = 10
+#: the probes and beams tried, each about 1.2 times the last
+PROBES = tuple(round(0.005 * 1.2 ** j, 5) for j in range(30) if 0.005 * 1.2 ** j < 1) + (1.0,)
+EFS = (10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640,
+       768, 1024)
 
 
 def available_backend(backend: str | None = None, libraries=BACKENDS) -> str:
@@ -42,15 +57,60 @@ def available_backend(backend: str | None = None, libraries=BACKENDS) -> str:
                       f"(the ann extra); backend='clusters' is the engine's own")
 
 
-def make_index(backend: str | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
-               ef_construction: int = EF_CONSTRUCTION, probe: float = DEFAULT_PROBE,
+def make_index(backend: str | None = None, ef: int | None = None, M: int = DEFAULT_M,
+               ef_construction: int = EF_CONSTRUCTION, probe: float | None = None,
                clusters: int | None = None, seed: int = 0):
     """``mode="ann"``'s index, unbuilt: :class:`slide.clusters.LabelClusters` (``probe``,
     ``clusters``) for ``"clusters"`` (the default), else a :class:`LabelIndex` graph (``ef``,
-    ``M``, ``ef_construction``). Both ``build(W, b, threads)`` and ``query(H, k, threads)``."""
+    ``M``, ``ef_construction``); a probe or beam of None starts at its default
+    (:func:`calibrate` may choose it). Both ``build(W, b, threads)`` and ``query(H, k,
+    threads)``."""
     if available_backend(backend) == "clusters":
-        return LabelClusters(clusters=clusters, probe=probe, seed=seed)
-    return LabelIndex(backend=backend, M=M, ef_construction=ef_construction, ef=ef, seed=seed)
+        return LabelClusters(clusters=clusters, probe=DEFAULT_PROBE if probe is None else probe,
+                             seed=seed)
+    return LabelIndex(backend=backend, M=M, ef_construction=ef_construction,
+                      ef=DEFAULT_EF if ef is None else ef, seed=seed)
+
+
+def checked_recall(recall) -> float:
+    """``recall`` as a float, or an error that says what it must be."""
+    if isinstance(recall, bool) or not isinstance(recall, numbers.Real) or not 0 < recall <= 1:
+        raise ValueError(f"recall must be a share of the exact top-k in (0, 1], got {recall!r}")
+    return float(recall)
+
+
+def calibrate(index, W, b, H, recall: float, threads: int = 1) -> dict:
+    """Set an index built over ``W`` [n, hidden], ``b`` [n]'s probe (clusters) or query beam
+    (graphs) to the least of :data:`PROBES` or :data:`EFS` whose top-``CALIBRATION_K`` of
+    hidden vectors ``H`` [m, hidden] holds ``recall`` of their exact top-k on average, or the
+    largest where none does; returns ``{"probe" or "ef": value, "recall": found, "target":
+    recall, "rows": m}``.
+
+    Recall rises with either knob (more clusters or a wider beam; a rare near-tie can cost a
+    label), so a binary search over the grid asks about five queries of ``H``."""
+    recall = checked_recall(recall)
+    H = np.ascontiguousarray(H, np.float32)
+    k = min(CALIBRATION_K, W.shape[0])
+    exact = topk_product(H, W, b, k)[0]
+    knob, grid = ("probe", PROBES) if isinstance(index, LabelClusters) else ("ef", EFS)
+    found = {}
+
+    def share(j):  # the mean share of each row's exact top-k the index finds at grid[j]
+        if j not in found:
+            setattr(index, knob, grid[j])
+            ids = index.query(H, k, threads)[0]
+            found[j] = float(np.mean([np.intersect1d(a, e).size for a, e in zip(ids, exact)]) / k)
+        return found[j]
+
+    lo, hi = 0, len(grid) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if share(mid) >= recall:
+            hi = mid
+        else:
+            lo = mid + 1
+    setattr(index, knob, grid[lo])
+    return {knob: grid[lo], "recall": share(lo), "target": float(recall), "rows": H.shape[0]}
 
 
 def label_vectors(W, b) -> np.ndarray:

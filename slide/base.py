@@ -54,6 +54,10 @@ class TrainableMixin:
         tags.classifier_tags = ClassifierTags(multi_class=True, multi_label=True)
         return tags
 
+    #: up to ``slide.ann.CALIBRATION_ROWS`` rows (CSR, as given) that ``fit`` held out and
+    #: did not train on: ``mode="ann"`` chooses its probe by them; None without such rows
+    held_out_ = None
+
     #: the attribute that fitting sets first: the model is fitted when it has it
     _fitted_attribute = "params_"
 

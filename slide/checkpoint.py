@@ -25,6 +25,7 @@ import os
 import zipfile
 
 import numpy as np
+import scipy.sparse as sp
 
 from slide.runtime import aligned_empty, aligned_zeros
 from slide.config import checked_choice
@@ -211,6 +212,26 @@ class Checkpoint:
             raise CheckpointError(f"{self.npz_path}: array 'log_prior' must hold finite log "
                                   "probabilities (at most 0)")
         return a
+
+    def held_out(self, n_features: int):
+        """The rows fit held out of training (arrays ``held_out.data``, ``.indices`` and
+        ``.indptr``: a CSR matrix over ``n_features``), or None where the checkpoint has none
+        (written before they were kept, or fitted without a held-out slice)."""
+        names = ("held_out.data", "held_out.indices", "held_out.indptr")
+        if not any(name in self for name in names):
+            return None
+        if not all(name in self for name in names):
+            raise CheckpointError(f"{self.npz_path}: the held-out rows need all of "
+                                  f"{', '.join(names)}")
+        data, indices, indptr = (self.array(name) for name in names)
+        if (data.ndim != 1 or indices.shape != data.shape or indptr.ndim != 1 or indptr.size < 1
+                or indptr[0] != 0 or indptr[-1] != data.size or np.any(np.diff(indptr) < 0)
+                or (indices.size and (indices.min() < 0 or indices.max() >= n_features))
+                or not np.all(np.isfinite(data))):
+            raise CheckpointError(f"{self.npz_path}: arrays 'held_out.*' are not CSR rows over "
+                                  f"{n_features} features with finite values")
+        return sp.csr_matrix((data.astype(np.float32), indices.astype(np.int32),
+                              indptr.astype(np.int64)), shape=(indptr.size - 1, n_features))
 
     @property
     def features_per_row(self) -> float | None:

@@ -39,8 +39,9 @@ __all__ = ["LabelClusters", "cluster_count", "DEFAULT_PROBE", "CLUSTERS_PER_ROOT
 #: clusters per square root of the labels (a power of two near it): small clusters rank
 #: candidates finely, and their centroids still cost a few percent of the labels
 CLUSTERS_PER_ROOT = 8
-#: the share of the entries (two a label) scored a query by default: 0.98 of the exact top-10
-#: on git_openstack
+#: the share of the entries (two a label) scored a query where no held-out rows choose it
+#: (:func:`slide.ann.calibrate`): 0.97 of the exact top-10 on git_openstack, 0.87 at the
+#: Amazon preset
 DEFAULT_PROBE = 0.05
 #: candidates rescored in float32 a row, per label asked for: the int8 estimates rank them
 #: (at k = 10, 12 found what 15 and 1,000 did on git_openstack and the Amazon preset)

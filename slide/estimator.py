@@ -47,7 +47,8 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
     ``timings_`` read from it), ``server_`` (top-k queries), ``record_`` (the run's record:
     ``epoch_``, ``history_``, ``stopping_`` read from it; ``stopping_["choice"]`` where
     settings were chosen on the validation set), ``choice_`` (the settings chosen, ``{}`` for
-    the rule's own; None where there was no choice).
+    the rule's own; None where there was no choice), ``held_out_`` (up to 512 rows held out of
+    training, by which ``mode="ann"`` chooses its probe; None without such rows).
     """
 
     _fitted_attribute = "state_"
@@ -384,8 +385,10 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         k = check_k(k)
         if mode not in ("exact", "lsh", "ann"):
             raise ValueError(f"mode must be 'exact', 'lsh' or 'ann', got {mode!r}")
+        held_out = None if self.held_out_ is None else \
+            (lambda: self._last_hidden(self.held_out_))
         rows, scores = self.server_.topk(lambda b: self._hidden_blocks(X, b), X.shape[0], k,
-                                         mode, block, threads)
+                                         mode, block, threads, held_out)
         if self.shards() is not None:  # every shard's best, the same on every rank
             return self.shards().merge_topk(self.labels_.to_labels(rows), scores, k)
         return self.labels_.to_labels(rows), scores

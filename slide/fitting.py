@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from slide.ann import CALIBRATION_ROWS
 from slide.data import shuffle_rows
 from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, FitRecord, first_cycle, refit_epochs,
                         run_epochs, validation_split)
@@ -79,6 +80,12 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
         if Xv.shape[0] > MAX_VALIDATION_ROWS:
             Xv, Yv = shuffle_rows(Xv, Yv, seed=s["seed"], n=MAX_VALIDATION_ROWS)
         validation = (Xv, Yv)
+    # rows no step trains on, for mode="ann" to choose its probe by (a refit trains on them)
+    if validation is not None and not refit:
+        model.held_out_ = shuffle_rows(validation[0], validation[1], seed=s["seed"],
+                                       n=min(CALIBRATION_ROWS, validation[0].shape[0]))[0]
+    elif not continue_training:
+        model.held_out_ = None
     run = dict(seed=s["seed"], validation=validation, until_epoch=until_epoch, runner=runner,
                progress=progress, eval_k=eval_k, save_every=save_every, on_save=on_save,
                distributed=distributed, held_out=held_out, patience=s["n_iter_no_change"],

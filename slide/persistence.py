@@ -41,6 +41,9 @@ class Persistence:
                   "labels": self.labels_.ids}
         if self.log_prior_ is not None:
             arrays["log_prior"] = self.log_prior_
+        if self.held_out_ is not None:
+            arrays.update({f"held_out.{k}": getattr(self.held_out_, k)
+                           for k in ("data", "indices", "indptr")})
         if not inference_only:
             arrays.update({f"adam.{k}": v for k, v in self.moments_.items()}, **best)
         meta = {
@@ -81,6 +84,9 @@ class Persistence:
         model.state_ = TrainingState.from_checkpoint(ck, model.config_, model.resolved_)
         model.state_.bias_shift = model.prior_shift()
         model.server_ = Server(model.state_)
+        held_out = ck.held_out(model.n_features_in_)
+        if held_out is not None:  # checked as any input is
+            model.held_out_ = model.check_data(held_out, where=f"{ck.npz_path}: held-out rows")
         model.record_ = FitRecord.from_checkpoint(
             ck, parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size))
         return model

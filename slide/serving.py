@@ -14,7 +14,8 @@ import threading
 import numpy as np
 
 from lsh import CompactTables
-from slide.ann import DEFAULT_EF, DEFAULT_M, DEFAULT_PROBE, EF_CONSTRUCTION, make_index
+from slide.ann import (DEFAULT_M, DEFAULT_RECALL, EF_CONSTRUCTION, calibrate, checked_recall,
+                       make_index)
 from slide.config import checked_setting
 from slide.runtime import set_num_threads, thread_count
 from slide.metrics import topk_product
@@ -144,32 +145,46 @@ class Server:
         self._tables_version = version
         self.tables = serving
 
-    def configure_ann(self, **settings) -> None:
-        """Settings of mode="ann"'s index (:func:`slide.ann.make_index`), checked now; the
+    def configure_ann(self, recall: float = DEFAULT_RECALL, **settings) -> None:
+        """Settings of mode="ann"'s index (:func:`slide.ann.make_index`; ``recall``: what
+        :func:`slide.ann.calibrate` aims at where the probe or beam is None), checked now; the
         index is built at the next such query."""
         make_index(**settings)  # checks them, and that the backend is installed
-        self.ann = dict(settings)
+        self.ann = dict(settings, recall=checked_recall(recall))
         self._built.pop("ann", None)
 
-    def label_index(self):
+    def label_index(self, held_out=None):
         """mode="ann"'s index of the output layer: built at the first such query, and again at
         the first after the weights move (clusters from the last ones' centroids, or a new
-        graph: hnswlib's updates of moved points cost about as much as inserting them)."""
+        graph: hnswlib's updates of moved points cost about as much as inserting them). Where
+        its probe or beam was left to choose and ``held_out()`` gives hidden vectors of rows
+        held out of training, each build chooses it for them (:func:`slide.ann.calibrate`;
+        the index's ``calibration`` says what it found, else None)."""
         s = self.state
         held = self._built.get("ann")  # the index of an earlier state: clusters start from it
+        settings = dict(self.ann)
+        recall = settings.pop("recall", DEFAULT_RECALL)
 
         def build():
-            return make_index(**self.ann).build(s.params["W"], self.bias(), thread_count(),
-                                                start=None if held is None else held[1])
+            W, b = s.params["W"], self.bias()
+            index = make_index(**settings).build(W, b, thread_count(),
+                                                 start=None if held is None else held[1])
+            index.calibration = None
+            knob = "probe" if index.backend == "clusters" else "ef"
+            H = held_out() if held_out is not None and settings.get(knob) is None else None
+            if H is not None and H.shape[0]:
+                index.calibration = calibrate(index, W, b, H, recall, thread_count())
+            return index
         return self._once("ann", build)
 
-    def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None, threads: int):
+    def topk(self, hidden_blocks, n: int, k: int, mode: str, block: int | None, threads: int,
+             held_out=None):
         """Top-k ``(ids int64 [n, k], scores float32 [n, k])`` of the rows whose last hidden
         layer ``hidden_blocks(block)`` yields as ``(lo, hi, h)``, on numba's ``threads`` (the
-        count in force)."""
+        count in force); ``held_out``: see :meth:`label_index`."""
         s = self.state
         if mode == "ann":
-            index = self.label_index()
+            index = self.label_index(held_out)
             parts = [index.query(h, k, threads)
                      for _, _, h in hidden_blocks(block or EXACT_BLOCK_ROWS)]
             if len(parts) == 1:  # a single row's query: no copy
@@ -228,9 +243,9 @@ class ServingSettings:
         self.server_.configure(tables, candidates, center)
         return self
 
-    def set_ann(self, backend: str | None = None, probe: float = DEFAULT_PROBE,
-                clusters: int | None = None, ef: int = DEFAULT_EF, M: int = DEFAULT_M,
-                ef_construction: int = EF_CONSTRUCTION):
+    def set_ann(self, backend: str | None = None, probe: float | None = None,
+                clusters: int | None = None, ef: int | None = None, M: int = DEFAULT_M,
+                ef_construction: int = EF_CONSTRUCTION, recall: float = DEFAULT_RECALL):
         """The index of ``predict_topk(mode="ann")`` (:mod:`slide.ann`).
 
         ``backend="clusters"`` (the default) is the engine's own: k-means clusters of the label
@@ -240,11 +255,15 @@ class ServingSettings:
         many (default 8 √labels, a power of two).
         ``"hnswlib"`` or ``"faiss"``: an HNSW graph from that library (the ``ann`` extra), with
         ``ef`` the query beam and ``M``, ``ef_construction`` the graph's degree and build beam.
-        More ``probe`` or ``ef`` finds more of the exact top-k, slower. Built at the first such
-        query, and again at the first after the weights change; not saved with the model."""
+        More ``probe`` or ``ef`` finds more of the exact top-k, slower. Left None, it is chosen
+        at each build as the least that finds ``recall`` of the exact top-10 of the rows held
+        out of training (``held_out_``: up to 512 of the validation rows, kept where ``fit``
+        had them and did not train on them; ``index.calibration`` says what it chose and
+        found); without such rows, probe 0.05 or ef 64. Built at the first such query, and
+        again at the first after the weights change; not saved with the model."""
         self._require_fitted()
         self.server_.configure_ann(backend=backend, ef=ef, M=M, ef_construction=ef_construction,
-                                   probe=probe, clusters=clusters)
+                                   probe=probe, clusters=clusters, recall=recall)
         return self
 
     def _query_threads(self) -> int:

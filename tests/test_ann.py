@@ -561,3 +561,94 @@ def test_rows_grouped_by_cluster_in_order_with_work_split(n):
     assert np.all(np.diff(bounds) >= 0)
     share = [work[bounds[t]:bounds[t + 1]].sum() for t in range(3)]
     assert max(share) <= work.sum() / 3 + work.max()
+
+
+@pytest.fixture(scope="module")
+def held_out_model(tiny_data):
+    """A model that kept rows held out of its training (early stopping without the refit)."""
+    X, Y, Xte, _ = tiny_data
+    model = SlideClassifier(hidden=(16,), epochs=2, threads=1, seed=0, refit=False)
+    return model.fit(X[:2000], Y[:2000]), Xte
+
+
+def _recall(model, H, index, k=10):
+    """The mean share of each row's exact top-k (float32, every label) that ``index`` finds."""
+    from slide.metrics import topk_product
+    exact = topk_product(H, model.params_["W"], model.server_.bias(), k)[0]
+    ids = index.query(H, k, 1)[0]
+    return np.mean([np.intersect1d(a, e).size for a, e in zip(ids, exact)]) / k
+
+
+def test_the_probe_is_the_least_that_finds_the_recall_on_held_out_rows(held_out_model):
+    import copy
+    from slide.ann import CALIBRATION_ROWS, PROBES
+    model, Xte = held_out_model
+    model = copy.deepcopy(model)
+    held = model.held_out_
+    assert 0 < held.shape[0] <= CALIBRATION_ROWS and held.shape[1] == model.n_features_in_
+    H = model.embed(held)
+    chosen = []
+    for target in (0.8, 0.95):
+        model.set_ann(recall=target)
+        model.predict_topk(Xte[:3], 10, mode="ann")
+        index = model.server_.label_index()
+        c = index.calibration
+        assert c["target"] == target and c["rows"] == held.shape[0] and c["probe"] == index.probe
+        j = PROBES.index(index.probe)
+        assert _recall(model, H, index) == pytest.approx(c["recall"]) and c["recall"] >= target
+        if j:  # the probe before it finds less
+            index.probe = PROBES[j - 1]
+            assert _recall(model, H, index) < target
+        chosen.append(j)
+    assert 0 < chosen[0] < chosen[1]  # more recall, more probed
+
+
+def test_a_probe_given_or_no_held_out_rows_is_not_calibrated(held_out_model, fitted):
+    import copy
+    model, Xte = held_out_model
+    model = copy.deepcopy(model)
+    model.set_ann(probe=0.3).predict_topk(Xte[:3], 5, mode="ann")
+    index = model.server_.label_index()
+    assert index.probe == 0.3 and index.calibration is None
+    plain, _ = fitted  # refitted on every row: nothing held out
+    assert plain.held_out_ is None
+    plain = copy.deepcopy(plain).set_ann()
+    plain.predict_topk(Xte[:3], 5, mode="ann")
+    index = plain.server_.label_index()
+    assert index.probe == slide.clusters.DEFAULT_PROBE and index.calibration is None
+    with pytest.raises(ValueError, match="recall must be a share"):
+        plain.set_ann(recall=1.5)
+
+
+def test_the_held_out_rows_are_saved_with_the_model(held_out_model, tmp_path):
+    import scipy.sparse as sp
+    from slide.checkpoint import CheckpointError
+    model, Xte = held_out_model
+    model.save(tmp_path / "m")
+    back = SlideClassifier.load(tmp_path / "m")
+    assert back.held_out_.shape == model.held_out_.shape
+    assert (back.held_out_ != model.held_out_).nnz == 0
+    back.predict_topk(Xte[:3], 10, mode="ann")
+    assert back.server_.label_index().calibration is not None
+    # a checkpoint whose held-out rows name a feature beyond the model's: named, not a crash
+    bad = model.held_out_.copy()
+    bad.indices[0] = model.n_features_in_ + 5
+    keep = model.held_out_
+    try:
+        model.held_out_ = sp.csr_matrix((bad.data, bad.indices, bad.indptr))
+        model.save(tmp_path / "bad")
+    finally:
+        model.held_out_ = keep
+    with pytest.raises(CheckpointError, match="held_out"):
+        SlideClassifier.load(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_a_graphs_beam_is_chosen_as_the_probe_is(held_out_model, backend):
+    import copy
+    from slide.ann import EFS
+    model, Xte = held_out_model
+    model = copy.deepcopy(model).set_ann(backend=backend, recall=0.99)
+    model.predict_topk(Xte[:3], 10, mode="ann")
+    index = model.server_.label_index()
+    assert index.calibration["ef"] == index.ef in EFS and index.calibration["recall"] >= 0.99

@@ -12,7 +12,7 @@ def test_serving_bench_reports_each_setting(tmp_path):
     main(["--preset", "demo", "--n-train", "600", "--n-test", "200", "--epochs", "1",
           "--tables", "0,6", "--candidates", "0,16", "--single-reps", "3", "--batch-reps", "2",
           "--threads", "1", "--clients", "1,3", "--ann-backends", "clusters", "--ann-probe",
-          "0.2,0.5", "--out", str(tmp_path / "serving")])
+          "0.2,0.5,auto", "--out", str(tmp_path / "serving")])
     report = json.loads((tmp_path / "serving.json").read_text())
     rows = report["rows"]
     # exact, then the default tables (as many as training's) and 6, at each number of candidates
@@ -21,8 +21,11 @@ def test_serving_bench_reports_each_setting(tmp_path):
     assert [(r["mode"], r["tables"], r["candidates"]) for r in rows] == [
         ("exact", None, None), ("lsh", L, min(4 * L * bucket, n_labels)), ("lsh", L, 16),
         ("lsh", 6, min(4 * L * bucket, n_labels)), ("lsh", 6, 16), ("ann", None, None),
-        ("ann", None, None)]
-    assert [(r["backend"], r["probe"]) for r in rows[5:]] == [("clusters", 0.2), ("clusters", 0.5)]
+        ("ann", None, None), ("ann", None, None)]
+    # "auto": the index's own probe; the refit trained on every row, so none held out: the default
+    assert [(r["backend"], r["probe"], r["chosen"]) for r in rows[5:]] == [
+        ("clusters", 0.2, False), ("clusters", 0.5, False), ("clusters", 0.05, True)]
+    assert rows[7]["calibration"] is None
     assert rows[0]["recall@5"] == 1.0
     assert all(0 <= r["recall@5"] <= 1 and r["single_p50_ms"] > 0 for r in rows)
     # the tables' ids (4 bytes a label a table) and the int8 copy: more with more tables

@@ -98,6 +98,7 @@ def test_checkpoints_from_before_label_rows_load_with_a_row_for_every_label():
         expected = json.load(fh)
     m = SlideClassifier.load(path)
     assert m.n_labels_ == 400 and m.n_outputs_ == 400 and m.labels_.is_identity
+    assert m.held_out_ is None  # written before held-out rows were kept: ann's default probe
     _, _, Xte, Yte = make_dataset(TINY, seed=7)
     ids, scores = m.predict_topk(Xte[:20], 5)
     assert ids.tolist() == expected["ids"]
