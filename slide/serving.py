@@ -258,9 +258,10 @@ class ServingSettings:
         More ``probe`` or ``ef`` finds more of the exact top-k, slower. Left None, it is chosen
         at each build as the least that finds ``recall`` of the exact top-10 of the rows held
         out of training (``held_out_``: up to 512 of the validation rows, kept where ``fit``
-        had them and did not train on them; ``index.calibration`` says what it chose and
-        found); without such rows, probe 0.05 or ef 64. Built at the first such query, and
-        again at the first after the weights change; not saved with the model."""
+        had them and did not train on them, and saved with the model unless set to None
+        first; the index's ``calibration`` says what it chose and found); without such rows,
+        probe 0.05 or ef 64. Built at the first such query, and again at the first after the
+        weights change; not saved with the model."""
         self._require_fitted()
         self.server_.configure_ann(backend=backend, ef=ef, M=M, ef_construction=ef_construction,
                                    probe=probe, clusters=clusters, recall=recall)
