@@ -641,6 +641,13 @@ def test_the_held_out_rows_are_saved_with_the_model(held_out_model, tmp_path):
         model.held_out_ = keep
     with pytest.raises(CheckpointError, match="held_out"):
         SlideClassifier.load(tmp_path / "bad")
+    # left out on request: the saved model then has none
+    try:
+        model.held_out_ = None
+        model.save(tmp_path / "without")
+    finally:
+        model.held_out_ = keep
+    assert SlideClassifier.load(tmp_path / "without").held_out_ is None
 
 
 @pytest.mark.parametrize("backend", INSTALLED)
