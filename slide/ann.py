@@ -141,6 +141,7 @@ class LabelIndex:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.backend = available_backend(backend, LIBRARIES)
         self.M, self.ef_construction, self.ef, self.seed = int(M), int(ef_construction), int(ef), seed
+        self.calibration = None  # what calibrate chose and found, where it ran
         self.index, self.n, self.dim = None, 0, 0
 
     def build(self, W, b, threads: int = -1, start=None) -> "LabelIndex":

@@ -604,6 +604,7 @@ class LabelClusters:
         if isinstance(probe, bool) or not isinstance(probe, numbers.Real) or not 0 < probe <= 1:
             raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
         self.clusters, self.probe, self.seed, self.spill = clusters, float(probe), seed, spill
+        self.calibration = None  # what slide.ann.calibrate chose and found, where it ran
         self.centroids = self.starts = self.sizes = self.members = None
         self.n = self.entries = 0
 

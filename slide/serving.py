@@ -169,7 +169,6 @@ class Server:
             W, b = s.params["W"], self.bias()
             index = make_index(**settings).build(W, b, thread_count(),
                                                  start=None if held is None else held[1])
-            index.calibration = None
             knob = "probe" if index.backend == "clusters" else "ef"
             H = held_out() if held_out is not None and settings.get(knob) is None else None
             if H is not None and H.shape[0]:
