@@ -210,7 +210,7 @@ def main(argv=None):
     p.add_argument("--out", default="bench/results/serving")
     args = p.parse_args(argv)
     from slide.ann import DEFAULT_EF, DEFAULT_PROBE
-    from slide.metrics import evaluate
+    from slide.metrics import evaluate, recall_against
     from slide.estimator import SlideClassifier
     if args.data:
         from slide.data import read_dataset, shuffle_rows
@@ -300,7 +300,6 @@ def main(argv=None):
                 pass
         prepare()
         ids = predict(Xte)[0]  # also the warm-up
-        hits = [np.intersect1d(a[a >= 0], b).size for a, b in zip(ids, exact_ids)]
         res = evaluate(Yte, ids, k)
         lsh = mode == "lsh"
         # what LSH serving holds beside the model: its tables and the int8 copy by label
@@ -314,12 +313,13 @@ def main(argv=None):
                "serving_mib": extra / 2**20 if lsh else built["mib"] if ann else None,
                "backend": tables if ann else None,
                "ef": (index.ef if candidates is None else candidates) if ann and not probed
-               and tables not in FAISS_IVF else None,
+               else None,
                "probe": (index.probe if candidates is None else candidates) if probed else None,
                "chosen": ann and candidates is None,
                "calibration": index.calibration if ann and candidates is None else None,
                "build_seconds": built["seconds"] if ann else None,
-               f"recall@{k}": float(np.mean(hits) / k), "P@1": res["P@1"], f"P@{k}": res[f"P@{k}"]}
+               f"recall@{k}": recall_against(ids, exact_ids), "P@1": res["P@1"],
+               f"P@{k}": res[f"P@{k}"]}
         row["clients"] = [_clients(lambda X, f=predict, p=prepare: (p(), f(X))[1], Xte, c,
                                    args.single_reps, rng, ids) for c in clients_tried]
         rows.append(row)

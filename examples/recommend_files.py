@@ -25,6 +25,7 @@ import numpy as np
 from slide import SlideClassifier
 from slide.data import read_dataset, shuffle_rows
 from slide.export import export_embeddings
+from slide.metrics import recall_against
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "..", "shared", "data", "git_openstack")
@@ -79,7 +80,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     found = model.predict_topk(Xte, 10, mode=mode)[0]  # builds the index
     built = time.perf_counter() - t0
-    recall = np.mean([np.intersect1d(a[a >= 0], b).size / 10 for a, b in zip(found, exact)])
+    recall = recall_against(found, exact)
     fast = _latency_ms(lambda x: model.predict_topk(x, 10, mode=mode), Xte)
     slow = _latency_ms(lambda x: model.predict_topk(x, 10), Xte)
     print(f"3. top-10 through mode={mode!r} (index built in {built:.1f} s): recall@10 against "

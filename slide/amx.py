@@ -8,9 +8,9 @@ so that the tiles are mostly full and a cluster's sums come about as fast as its
 
 The layout is the one the other kernels read: a pair's 4-byte pieces of depth, sixteen labels'
 each in 64 bytes, are the rows of ``tdpbusd``'s second operand as they lie, a full tile. Linux
-lends a process the tile registers only when asked (:func:`amx_ready`); where it does not, or the CPU has no AMX, the
-scan runs as before. On a target without AMX the kernels compile the same sums as loops, so
-that their results can be tested on any machine.
+lends a process the tile registers only when asked (:func:`amx_ready`); where it does not, or
+the CPU has no AMX, the scan runs as before. On a target without AMX the kernels compile the
+same sums as loops, so that their results can be tested on any machine.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import numbers
 import numpy as np
 
 from slide.clusters import DEFAULT_PROBE, LabelClusters
-from slide.metrics import topk_product
+from slide.metrics import recall_against, topk_product
 
 __all__ = ["LabelIndex", "BACKENDS", "LIBRARIES", "available_backend", "make_index",
            "label_vectors", "query_vectors", "calibrate", "checked_recall", "DEFAULT_EF",
@@ -93,14 +93,14 @@ def calibrate(index, W, b, H, recall: float, threads: int = 1) -> dict:
     H = np.ascontiguousarray(H, np.float32)
     k = min(CALIBRATION_K, W.shape[0])
     exact = topk_product(H, W, b, k)[0]
-    knob, grid = ("probe", PROBES) if isinstance(index, LabelClusters) else ("ef", EFS)
+    knob = index.knob
+    grid = PROBES if knob == "probe" else EFS
     found = {}
 
     def share(j):  # the mean share of each row's exact top-k the index finds at grid[j]
         if j not in found:
             setattr(index, knob, grid[j])
-            ids = index.query(H, k, threads)[0]
-            found[j] = float(np.mean([np.intersect1d(a, e).size for a, e in zip(ids, exact)]) / k)
+            found[j] = recall_against(index.query(H, k, threads)[0], exact)
         return found[j]
 
     lo, hi = 0, len(grid) - 1
@@ -133,6 +133,9 @@ class LabelIndex:
     ``backend``: ``"hnswlib"`` or ``"faiss"`` (default: the first installed); ``M`` and
     ``ef_construction``: the graph's degree and build beam; ``ef``: the query beam (raised to
     k where k is larger). Ids are the layer's rows."""
+
+    #: what trades recall for time (:func:`calibrate` chooses it)
+    knob = "ef"
 
     def __init__(self, backend: str | None = None, M: int = DEFAULT_M,
                  ef_construction: int = EF_CONSTRUCTION, ef: int = DEFAULT_EF, seed: int = 0):

@@ -595,6 +595,8 @@ class LabelClusters:
     """
 
     backend = "clusters"
+    #: what trades recall for time (:func:`slide.ann.calibrate` chooses it)
+    knob = "probe"
 
     def __init__(self, clusters: int | None = None, probe: float = DEFAULT_PROBE, seed: int = 0,
                  spill: bool = True):

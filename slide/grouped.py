@@ -3,7 +3,8 @@ copies, and the kernels that estimate a query's scores from them: a group's eigh
 one register's lanes (AVX2's ``vpmaddubsw`` and ``vpmaddwd``; a loop with the same sums
 elsewhere), and a batch's tiles, several rows against a group's bytes in one pass (AVX-512
 VNNI's ``vpdpbusd`` where the CPU has it). Every kernel computes the same integers and then the
-same float32 estimates, so an answer does not depend on which ran. The engine's index (:mod:`slide.clusters`) is built on them.
+same float32 estimates, so an answer does not depend on which ran. The engine's index
+(:mod:`slide.clusters`) is built on them.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from numba import njit, prange
 from slide.runtime import as_rows, blas_threads, configure_threading, thread_count
 
 __all__ = ["topk", "topk_product", "precision_at_k", "ndcg_at_k", "psp_at_k", "propensities", "evaluate",
-           "PROPENSITY_AB"]
+           "recall_against", "PROPENSITY_AB"]
 
 # Jain et al. (2016) propensity parameters per dataset family.
 PROPENSITY_AB = {"default": (0.55, 1.5), "amazon": (0.6, 2.6), "wikipedia": (0.5, 0.4)}
@@ -315,6 +315,14 @@ def _best_gains(indptr, data, out):
         row = np.sort(data[indptr[r]:indptr[r + 1]])[::-1]
         for j in range(min(k, row.size)):
             out[r, j] = row[j]
+
+
+def recall_against(found, exact) -> float:
+    """The mean share of each row's ``exact`` top-k ids [n, k] that ``found`` [n, k'] holds
+    (an approximate top-k against the exact one; ``found``'s padding, -1, is left out)."""
+    found, exact = np.asarray(found), np.asarray(exact)
+    return float(np.mean([np.intersect1d(a[a >= 0], e).size for a, e in zip(found, exact)])
+                 / exact.shape[1])
 
 
 def evaluate(y_true, y_pred, k: int = 5, propensities=None) -> dict:

@@ -162,15 +162,14 @@ class Server:
         the index's ``calibration`` says what it found, else None)."""
         s = self.state
         held = self._built.get("ann")  # the index of an earlier state: clusters start from it
-        settings = dict(self.ann)
-        recall = settings.pop("recall", DEFAULT_RECALL)
 
         def build():
+            settings = dict(self.ann)
+            recall = settings.pop("recall", DEFAULT_RECALL)
             W, b = s.params["W"], self.bias()
             index = make_index(**settings).build(W, b, thread_count(),
                                                  start=None if held is None else held[1])
-            knob = "probe" if index.backend == "clusters" else "ef"
-            H = held_out() if held_out is not None and settings.get(knob) is None else None
+            H = held_out() if held_out is not None and settings.get(index.knob) is None else None
             if H is not None and H.shape[0]:
                 index.calibration = calibrate(index, W, b, H, recall, thread_count())
             return index

@@ -121,3 +121,13 @@ def test_topk_product_equals_topk_of_the_score_matrix(rng, threads, tile):
         numba.set_num_threads(previous)
     ids, vals = topk_product(H[:2], W[:3], b[:3], 5)  # fewer labels than k: padded
     assert (ids[:, 3:] == -1).all() and np.isneginf(vals[:, 3:]).all()
+
+
+def test_recall_against_the_exact_top_k_by_hand():
+    from slide.metrics import recall_against
+    exact = np.array([[3, 1, 2], [5, 6, 7]])
+    found = np.array([[1, 9, 3], [-1, 7, -1]])  # row 0: 2 of 3; row 1: 1 of 3, padding left out
+    assert recall_against(found, exact) == pytest.approx((2 / 3 + 1 / 3) / 2)
+    assert recall_against(exact, exact) == 1.0
+    # a padded exact top-k (fewer labels than k) does not count the padding found as a hit
+    assert recall_against(np.array([[0, -1]]), np.array([[0, -1]])) == 0.5
