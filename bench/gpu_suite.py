@@ -9,7 +9,8 @@
    the engine on 1, 2 and every core, dense numpy, dense cupy with full and sampled softmax),
    as pytest-benchmark JSON; the dense GPU step against the floor its FLOPs and bytes set;
 4. time to accuracy on the Amazon-670K preset: the engine on every core, dense-gpu (full and
-   sampled softmax), hetero (Hogbatch and Adaptive Hogbatch), P@1 against seconds, JSON + PNG;
+   sampled softmax, the latter also with mined hard negatives), hetero (Hogbatch, also with
+   mined hard negatives, and Adaptive Hogbatch), P@1 against seconds, JSON + PNG;
 5. ``cores``, the engine on the machine's CPU cores alone (no GPU needed): training and exact
    top-5 throughput at 1, 2, 4, ... threads up to every core (``bench.thread_scaling``), the
    roofline on every core in rounds after the warm-up (``bench.roofline``), the step's calls
@@ -42,7 +43,8 @@ from bench.common import machine, write_json
 PARTS = ("limits", "tests", "batches", "tta", "cores")
 #: the parts that need cupy and a CUDA device
 GPU_PARTS = ("limits", "tests", "batches", "tta")
-TTA_ENGINES = "slide,dense-gpu,dense-gpu-sampled,hetero-hogbatch,hetero-adaptive"
+TTA_ENGINES = ("slide,dense-gpu,dense-gpu-sampled,dense-gpu-sampled+mined,hetero-hogbatch,"
+               "hetero-hogbatch+mined,hetero-adaptive")
 
 
 def _median_ms(fn, reps=10):

@@ -52,7 +52,7 @@ def first_labels(X, Y):
     return sp.csr_matrix(X)[rows], first
 
 
-def _load(spec, data_dir, seed):
+def load_set(spec, data_dir, seed):
     """(name, X_train, Y_train, X_test, Y_test) of a real folder or a preset spec."""
     from slide.data import read_dataset
     from slide.synthetic import PRESETS, DatasetShape, make_dataset
@@ -66,7 +66,7 @@ def _load(spec, data_dir, seed):
         shape = DatasetShape(spec, int(f), int(lab), int(n_train), int(n_test), fpr, lpr)
         return (spec, *make_dataset(shape, seed=seed))
     if name == "single":
-        name, Xtr, Ytr, Xte, Yte = _load(n, data_dir, seed)
+        name, Xtr, Ytr, Xte, Yte = load_set(n, data_dir, seed)
         return (spec, *first_labels(Xtr, Ytr), *first_labels(Xte, Yte))
     if name in PRESETS and not os.path.isdir(os.path.join(data_dir, name)):
         shape = PRESETS[name]
@@ -90,7 +90,7 @@ def _scores(top, Ytr, Yte, name) -> dict:
 def _run_network(engine, spec, args, queue):
     """Train one of our engines with defaults in this (fresh) process and score it."""
     from slide.resources import peak_rss_mb
-    name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
+    name, Xtr, Ytr, Xte, Yte = load_set(spec, args.data_dir, args.seed)
     if engine == "slide":
         from slide import SlideClassifier
         model = SlideClassifier(threads=args.threads, seed=args.seed)
@@ -124,7 +124,7 @@ def _run_network(engine, spec, args, queue):
 
 def _run_peer(engine, spec, args):
     """A linear peer (:data:`bench.peers.WORKERS`) in the peers environment."""
-    name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
+    name, Xtr, Ytr, Xte, Yte = load_set(spec, args.data_dir, args.seed)
     try:
         res = peers.run(engine, Xtr, Ytr, Xte, args.peers_python, args.threads)
     except RuntimeError as e:
@@ -154,7 +154,7 @@ def knn_topk(Xtr, Ytr, Xte, k=5, neighbours=10, block=512):
 
 def _run_knn(spec, args, queue):
     from slide.resources import peak_rss_mb
-    name, Xtr, Ytr, Xte, Yte = _load(spec, args.data_dir, args.seed)
+    name, Xtr, Ytr, Xte, Yte = load_set(spec, args.data_dir, args.seed)
     t0 = time.perf_counter()
     top = knn_topk(Xtr, Ytr, Xte)
     queue.put({"dataset": name, "engine": "knn", **_scores(top, Ytr, Yte, name),

@@ -7,13 +7,17 @@ Every engine trains for the same wall-clock budget on the same data (batches of 
 shuffled order, epoch after epoch). Every ``--eval-every`` seconds of training it is evaluated
 on the same fixed shuffled test sample; evaluation time is not counted in the budget, nor is
 compiling: before its clock starts, each engine's process trains a throwaway model of the same
-engine on ``--warmup-rows`` rows. Writes
-``OUT.json`` (points, config, machine) and ``OUT.png`` (the plot). Engines: ``slide``, ``dense-cpu``,
-``dense-gpu`` (cupy, full softmax), ``dense-gpu-sampled`` (cupy, the batch's labels plus
-``--negatives`` shared random rows), ``hetero-hogbatch`` and ``hetero-adaptive`` (``hetero`` is the
-latter): the engine's CPU threads with a GPU worker (on numpy without a GPU), whose per-worker
-samples, busy seconds and utilisation are recorded. Each engine runs in its own process. The
-linear peers, ``xr-linear`` and ``parabel`` (:mod:`bench.peers`, in the peers environment of
+engine on ``--warmup-rows`` rows. ``--preset`` may also name a real set's folder in
+``--data-dir`` (``train.txt``, ``test.txt``), whose every training row is used. Writes
+``OUT.json`` (points, config, machine) and ``OUT.png`` (the plot). Engines: ``slide``,
+``dense-cpu``, ``dense-gpu`` (cupy, full softmax), ``dense-gpu-sampled`` and
+``dense-cpu-sampled`` (the batch's labels plus ``--negatives`` shared random rows),
+``hetero-hogbatch`` and ``hetero-adaptive`` (``hetero`` is the latter): the engine's CPU
+threads with a GPU worker (on numpy without a GPU), whose per-worker samples, busy seconds and
+utilisation are recorded. ``+mined`` after a sampled or a hetero engine adds ``--mined`` hard
+negatives a row, its best-scoring output rows by the exact product (``mined_negatives``,
+``HeteroConfig.gpu_mined``). Each engine runs in its own process. The linear peers,
+``xr-linear`` and ``parabel`` (:mod:`bench.peers`, in the peers environment of
 ``--peers-python``), train once with their defaults on the same rows: each is one point, its
 training seconds and its P@1 on the same test sample (skipped, with a note, without that
 environment).
@@ -27,26 +31,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
 
 from bench import peers
 from bench.common import dataset, machine, run_isolated, write_json
+from bench.quality import load_set
 from slide.config import SlideConfig, resolve
 from slide.loop import epoch_learning_rate
 
 
 def _make(engine, args):
+    engine, plus = engine.split("+", 1) if "+" in engine else (engine, "")
+    if plus not in ("", "mined") or (plus and not engine.endswith("sampled")
+                                     and not engine.startswith("hetero")):
+        raise ValueError(f"unknown engine {engine}+{plus}")
+    mined = args.mined if plus else 0
     if engine == "slide":
         from slide.estimator import SlideClassifier
         return SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
                                batch_size=args.batch_size, seed=args.seed)
-    if engine in ("dense-cpu", "dense-gpu", "dense-gpu-sampled"):
+    if engine in ("dense-cpu", "dense-gpu", "dense-gpu-sampled", "dense-cpu-sampled"):
         from gpu_ref import DenseClassifier
         return DenseClassifier(hidden=(args.hidden,), batch_size=args.batch_size, seed=args.seed,
-                               device="cpu" if engine == "dense-cpu" else "gpu",
-                               negatives=args.negatives if engine.endswith("sampled") else None)
+                               device="cpu" if engine.startswith("dense-cpu") else "gpu",
+                               negatives=args.negatives if engine.endswith("sampled") else None,
+                               mined_negatives=mined)
     if engine.startswith("hetero"):
         from gpu_ref.hetero import HeteroConfig, HeteroTrainer
         from slide.estimator import SlideClassifier
@@ -54,7 +66,7 @@ def _make(engine, args):
                                 batch_size=args.batch_size, seed=args.seed)
         policy = "hogbatch" if engine == "hetero-hogbatch" else "adaptive"
         return HeteroTrainer(model, HeteroConfig(policy=policy, cpu_batch=args.batch_size,
-                                                 gpu_pool=args.negatives))
+                                                 gpu_pool=args.negatives, gpu_mined=mined))
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -85,8 +97,20 @@ def _warm_up(engine, args, Xtr, Ytr, Xte, Yte):
     print(f"[{engine}] warm-up (not timed): {time.perf_counter() - t0:.1f}s", flush=True)
 
 
+def _data(args):
+    """The harness's rows: ``--n-train`` rows of the preset, or where ``--preset`` names a
+    folder of ``--data-dir`` that real set's rows, with a fixed shuffled ``--n-eval`` of its
+    test rows."""
+    if os.path.isdir(os.path.join(args.data_dir, args.preset)):
+        from slide.data import shuffle_rows
+        _, Xtr, Ytr, Xte, Yte = load_set(args.preset, args.data_dir, args.seed)
+        return (Xtr, Ytr, *shuffle_rows(Xte, Yte, seed=args.seed,
+                                        n=min(args.n_eval, Xte.shape[0])))
+    return dataset(args.preset, args.n_train, args.n_eval, args.seed)
+
+
 def _run(engine, args, queue):
-    Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_eval, args.seed)
+    Xtr, Ytr, Xte, Yte = _data(args)
     hetero = engine.startswith("hetero")
     _warm_up(engine, args, Xtr, Ytr, Xte, Yte)
     model = _make(engine, args)
@@ -146,7 +170,7 @@ def _run(engine, args, queue):
 def _run_peer(engine, args):
     """A linear peer trained once with its defaults on the harness's rows: one point."""
     from slide.metrics import evaluate
-    Xtr, Ytr, Xte, Yte = dataset(args.preset, args.n_train, args.n_eval, args.seed)
+    Xtr, Ytr, Xte, Yte = _data(args)
     res = peers.run(engine, Xtr, Ytr, Xte, args.peers_python, args.threads)
     point = {"seconds": res["train_seconds"], "samples": Xtr.shape[0], **evaluate(Yte, res["top"], 5)}
     print(f"[{engine}] {point['seconds']:7.1f}s  trained once  P@1={point['P@1']:.4f}", flush=True)
@@ -184,7 +208,9 @@ def plot(doc, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="amazon-670k")
+    p.add_argument("--preset", default="amazon-670k",
+                   help="a synthetic preset, or a real set's folder in --data-dir")
+    p.add_argument("--data-dir", default="../shared/data")
     p.add_argument("--engines", default="slide,dense-cpu")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--n-train", type=int, default=100_000)
@@ -195,6 +221,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--negatives", type=int, default=4096,
                    help="random output rows per batch of dense-gpu-sampled and of hetero's GPU worker")
+    p.add_argument("--mined", type=int, default=16,
+                   help="hard negatives a row of the engines named with +mined")
     p.add_argument("--chunk-batches", type=int, default=10, help="batches between clock checks")
     p.add_argument("--warmup-rows", type=int, default=16_384,
                    help="rows a throwaway model of each engine trains before the clock starts "

@@ -32,11 +32,13 @@ from slide.step import copy_params
 from gpu_ref import ops
 
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
-           "uniform_targets", "local_columns", "batch_rows"]
+           "uniform_targets", "local_columns", "batch_rows", "hard_rows", "join_rows"]
 
 
 #: a GPU step's batch is densified over its input rows when it has at most this many entries
 DENSE_BATCH_ELEMENTS = 1 << 24
+#: scores (rows x labels) of one block of the exact product that chooses hard negatives
+HARD_BLOCK_ELEMENTS = 1 << 26
 
 
 def gpu_available() -> bool:
@@ -136,6 +138,37 @@ def batch_rows(Xb, Yb, n_labels: int, negatives: int | None, key: int | None) ->
     return in_rows, local_columns(Xb, in_rows), out_rows, local_columns(Yb, out_rows)
 
 
+def hard_rows(xp, H, W, b, k: int):
+    """Each row's ``k`` highest-scoring output rows by the exact product ``H @ W.T + b`` (``H``
+    [n, h] the rows' last hidden layer, ``W`` [m, h], ``b`` [m], all on ``xp``'s device): the
+    union over the rows, as sorted unique int32 ids. The scores are made a block of rows at a
+    time (:data:`HARD_BLOCK_ELEMENTS`), so the product never holds every label for every row.
+    """
+    n, m = H.shape[0], W.shape[0]
+    k = min(int(k), m)
+    if k <= 0 or n == 0:
+        return xp.zeros(0, xp.int32)
+    if k == m:
+        return xp.arange(m, dtype=xp.int32)
+    step = max(1, HARD_BLOCK_ELEMENTS // m)
+    picked = []
+    for lo in range(0, n, step):
+        S = H[lo:lo + step] @ W.T
+        S += b
+        picked.append(xp.argpartition(S, m - k, axis=1)[:, m - k:].ravel())
+        del S
+    return xp.unique(xp.concatenate(picked)).astype(xp.int32)
+
+
+def join_rows(xp, out_rows, targets, extra):
+    """A sampled softmax's output rows ``out_rows`` (sorted unique ids) joined with ``extra``:
+    ``(rows, targets)``, the target entries ``(rows, cols, weights)`` renumbered over the
+    joined rows."""
+    joined = xp.unique(xp.concatenate((out_rows, extra.astype(out_rows.dtype))))
+    r, cols, weights = targets
+    return joined, (r, xp.searchsorted(joined, out_rows[cols]).astype(cols.dtype), weights)
+
+
 class DenseClassifier(TrainableMixin, BaseEstimator):
     """Dense reference with the engine's settings, defaults, loop and checkpoints.
 
@@ -147,6 +180,10 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         sampled softmax over each batch's labels plus this many label rows drawn uniformly at
         random, shared by the batch (the GPU peer of the engine's LSH sampling); only those
         output rows are computed and updated.
+    mined_negatives : with ``negatives``, each row of a batch also brings this many hard
+        negatives: its highest-scoring output rows, found by the exact product of its last
+        hidden layer with every output row (the exact peer of the engine's LSH candidates;
+        docs/heterogeneous.md).
     precision : "tf32" (the tensor cores' float32 mode for the matrix products, on GPUs that have
         it; parameters, sums and Adam stay float32) or "fp32". No effect on numpy.
 
@@ -158,7 +195,8 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     def __init__(self, hidden=None, activation=None, norm="l2", tfidf=None, lr=None, beta1=0.9,
                  beta2=0.999, eps=1e-8, weight_decay=None, batch_size=None, epochs=None,
                  early_stopping=True, validation_fraction=0.1, n_iter_no_change=5, refit=None,
-                 seed=0, warm_start=False, device="auto", negatives=None, precision="tf32"):
+                 seed=0, warm_start=False, device="auto", negatives=None, mined_negatives=0,
+                 precision="tf32"):
         self.hidden = hidden
         self.activation = activation
         self.norm = norm
@@ -178,10 +216,11 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         self.warm_start = warm_start
         self.device = device
         self.negatives = negatives
+        self.mined_negatives = mined_negatives
         self.precision = precision
 
     #: settings of this class that are not the engine's (kept in the checkpoint's "dense" entry)
-    _OWN = ("device", "negatives", "precision")
+    _OWN = ("device", "negatives", "mined_negatives", "precision")
 
     # -- settings --------------------------------------------------------------------------------
     def _config(self) -> SlideConfig:
@@ -189,6 +228,12 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                                            not isinstance(self.negatives, (int, np.integer))
                                            or self.negatives < 0):
             raise ValueError(f"negatives must be None or a non-negative int, got {self.negatives!r}")
+        h = self.mined_negatives
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or h < 0:
+            raise ValueError(f"mined_negatives must be a non-negative int, got {h!r}")
+        if h and self.negatives is None:
+            raise ValueError("mined_negatives needs a sampled softmax (negatives=...): the full "
+                             "softmax already computes every label")
         if self.precision not in ops.PRECISIONS:
             raise ValueError(f"precision must be one of {ops.PRECISIONS}, got {self.precision!r}")
         return SlideConfig(**{k: v for k, v in self.get_params().items() if k not in self._OWN})
@@ -301,13 +346,17 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         """Device half of a step: forward, backward and Adam on the rows the batch touches.
         Returns the batch's mean loss as a 0-d device array (no host synchronisation)."""
         xp, p, m = self._xp, self.params_, self.moments_
-        in_rows, out_rows = batch["in_rows"], batch["out_rows"]
+        in_rows, out_rows, targets = batch["in_rows"], batch["out_rows"], batch["targets"]
+        relu = self.resolved_["activation"] == "relu"
         local = {**p, "W0": p["W0"][in_rows]}
-        if out_rows is not None:
-            local["W"], local["b"] = p["W"][out_rows], p["b"][out_rows]
         with ops.matmul_precision(xp, self.precision):
-            loss, g = softmax_grads(xp, batch["X"], batch["targets"], local, self._blocks,
-                                    self.resolved_["activation"] == "relu")
+            if out_rows is not None and self.mined_negatives:
+                h = forward(xp, batch["X"], local, self._blocks, relu)[-1]
+                mined = hard_rows(xp, h, p["W"], p["b"], self.mined_negatives)
+                out_rows, targets = join_rows(xp, out_rows, targets, mined)
+            if out_rows is not None:
+                local["W"], local["b"] = p["W"][out_rows], p["b"][out_rows]
+            loss, g = softmax_grads(xp, batch["X"], targets, local, self._blocks, relu)
         self.step_ += 1
         c, lr, wd = self.config_, self.learning_rate_, self.resolved_["weight_decay"]
         hp = (lr, c.beta1, c.beta2, c.eps, self.step_)
@@ -483,14 +532,15 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                 "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
                 "features_per_row": self.features_per_row_,
                 "step": self.step_, "learning_rate": self.learning_rate_, **record,
-                "dense": {"negatives": self.negatives, "precision": self.precision}}
+                "dense": {"negatives": self.negatives, "mined_negatives": self.mined_negatives,
+                          "precision": self.precision}}
         write_checkpoint(path, arrays, meta, self.step_)
 
     @classmethod
     def load(cls, path, device="auto"):
         ck = read_checkpoint(path)
         own = ck.object("dense") or {}
-        own = {k: own[k] for k in ("negatives", "precision") if k in own}
+        own = {k: own[k] for k in ("negatives", "mined_negatives", "precision") if k in own}
         model = cls(**ck.config_params(cls), device=device, **own)
         model.read_fitted(ck)
         shapes = parameter_shapes(model.resolved_["hidden"], ck.n_features, ck.labels.size)

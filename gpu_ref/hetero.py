@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_ref.dense import batch_rows, get_array_module, softmax_grads, uniform_targets
+from gpu_ref.dense import (batch_rows, forward, get_array_module, hard_rows, join_rows,
+                           softmax_grads, uniform_targets)
 from gpu_ref.ops import PRECISIONS, matmul_precision
 from slide.runtime import engine_threads, set_num_threads
 from slide.config import hidden_blocks
@@ -59,6 +60,12 @@ class HeteroConfig:
     policy : "hogbatch" (fixed batch sizes) or "adaptive".
     cpu_batch, gpu_batch : (initial) batch sizes of the two workers.
     gpu_pool : random negative output rows per GPU batch, besides the batch's labels.
+    gpu_mined : besides them, each row of a GPU batch brings its ``gpu_mined`` highest-scoring
+        output rows, found by the exact product of its last hidden layer with a copy of the
+        output layer on the device (the exact peer of the engine's LSH candidates).
+    gpu_refresh : GPU steps between refreshes of that copy from the host model (the engine's
+        tables are likewise rebuilt from the weights every so many samples). On numpy the
+        worker reads the host model itself.
     target_ratio : CPU updates per GPU update that ``adaptive`` aims at.
     threshold : ``adaptive`` keeps each batch size within [initial / threshold, initial · threshold].
     device : the GPU worker's device: "auto" (cupy if a GPU is present), "gpu" or "cpu".
@@ -77,6 +84,8 @@ class HeteroConfig:
     cpu_batch: int = 128
     gpu_batch: int = 1024
     gpu_pool: int = 4096
+    gpu_mined: int = 0
+    gpu_refresh: int = 16
     target_ratio: float = 1.0
     threshold: float = 8.0
     device: str = "auto"
@@ -89,8 +98,10 @@ class HeteroConfig:
     def __post_init__(self):
         if self.policy not in ("hogbatch", "adaptive"):
             raise ValueError(f"policy must be 'hogbatch' or 'adaptive', got {self.policy!r}")
-        if min(self.cpu_batch, self.gpu_batch) < 1 or self.gpu_pool < 0:
-            raise ValueError("batch sizes must be positive and gpu_pool non-negative")
+        if min(self.cpu_batch, self.gpu_batch, self.gpu_refresh) < 1:
+            raise ValueError("batch sizes and gpu_refresh must be positive")
+        if min(self.gpu_pool, self.gpu_mined) < 0:
+            raise ValueError("gpu_pool and gpu_mined must be non-negative")
         if self.target_ratio <= 0 or self.threshold < 1:
             raise ValueError("target_ratio must be positive and threshold at least 1")
         if self.min_gain < 0 or self.warmup_updates < 0 or self.window < 0:
@@ -272,6 +283,7 @@ class HeteroTrainer:
             self._engine_ready = threading.Event()
             self._gpu_active = threading.Event()  # the GPU worker is stepping this pass
             self.policy_ = BatchPolicy(self.config)
+            self._output_copy, self._copy_age = None, 0
             self._rng = np.random.default_rng([state.config.seed, 3, state.step])
         return state
 
@@ -286,18 +298,43 @@ class HeteroTrainer:
         Xb, Yb = take_rows(X, idx), take_rows(Y, idx)
         key = int(self._rng.integers(2**63))  # the worker's own stream of draws
         in_rows, Xl, out_rows, Yl = batch_rows(Xb, Yb, state.n_labels, self.config.gpu_pool, key)
-        rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"],
-                "W": p["W"][out_rows], "b": p["b"][out_rows]}
+        rows = {"W0": p["W0"][in_rows], "b0": p["b0"], "Wh": p["Wh"], "bh": p["bh"]}
         device_rows = {k: xp.asarray(v) for k, v in rows.items()}
         Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
         targets = tuple(xp.asarray(t) for t in uniform_targets(Yl))
+        relu = state.resolved["activation"] == "relu"
         with matmul_precision(xp, self.config.precision):
-            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks,
-                                        state.resolved["activation"] == "relu")
+            if self.config.gpu_mined:
+                h = forward(xp, Xd, device_rows, self._blocks, relu)[-1]
+                W, b = self._output_rows_copy()
+                joined, targets = join_rows(xp, xp.asarray(out_rows), targets,
+                                            hard_rows(xp, h, W, b, self.config.gpu_mined))
+                out_rows = joined if xp is np else xp.asnumpy(joined)
+            device_rows["W"] = xp.asarray(p["W"][out_rows])
+            device_rows["b"] = xp.asarray(p["b"][out_rows])
+            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks, relu)
         host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
                 for k, v in grads.items()}
         state.apply_gradients(out_rows, in_rows, host)
         return float(loss)
+
+    def _output_rows_copy(self):
+        """The output layer the hard negatives are chosen from: the host model's on numpy, else
+        a device copy refreshed every ``gpu_refresh`` GPU steps (into the same buffers)."""
+        p = self._state.params
+        if self.xp is np:
+            return p["W"], p["b"]
+        copy = self._output_copy
+        if copy is None or copy[0].shape != p["W"].shape:
+            copy = self._output_copy = (self.xp.asarray(p["W"]), self.xp.asarray(p["b"]))
+            self._copy_age = 0
+        elif self._copy_age >= self.config.gpu_refresh:
+            # the engine's rows lie in blocks beside their moments: not one contiguous array
+            copy[0].set(np.ascontiguousarray(p["W"]))
+            copy[1].set(np.ascontiguousarray(p["b"]))
+            self._copy_age = 0
+        self._copy_age += 1
+        return copy
 
     def _worker(self, name, step, stream, X, Y, stats, stop, errors, threads):
         """One worker's loop over ``stream``; ``threads``: its numba threads, for the CPU

@@ -84,19 +84,19 @@ def test_peer_inputs_round_trip(tmp_path):
 def test_specs_for_a_shape_and_a_folder_made_multi_class(tmp_path):
     from slide.data import write_xmc
     # a generator shape given inline: its counts and row means
-    name, Xtr, Ytr, Xte, Yte = quality._load("shape:300/40/500/100/12/1.5", str(tmp_path), 0)
+    name, Xtr, Ytr, Xte, Yte = quality.load_set("shape:300/40/500/100/12/1.5", str(tmp_path), 0)
     assert name == "shape:300/40/500/100/12/1.5"
     assert Xtr.shape == (500, 300) and Ytr.shape == (500, 40) and Xte.shape == (100, 300)
     assert 1.2 < Ytr.nnz / 500 < 1.8
     with pytest.raises(SystemExit, match="bad shape"):
-        quality._load("shape:300/40/500", str(tmp_path), 0)
+        quality.load_set("shape:300/40/500", str(tmp_path), 0)
     # a real folder made multi-class: each row's first listed label, unlabelled rows left out
     X = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0], [4, 0, 0]], np.float32))
     Y = sp.csr_matrix(np.array([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 1]], np.float32))
     (tmp_path / "s").mkdir()
     for part in ("train", "test"):
         write_xmc(str(tmp_path / "s" / f"{part}.txt"), X, Y)
-    name, Xtr, Ytr, Xte, Yte = quality._load("single:s", str(tmp_path), 0)
+    name, Xtr, Ytr, Xte, Yte = quality.load_set("single:s", str(tmp_path), 0)
     assert name == "single:s"
     assert Xtr.toarray().tolist() == [[1, 0, 2], [4, 0, 0]]
     assert Ytr.toarray().tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]

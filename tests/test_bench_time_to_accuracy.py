@@ -40,3 +40,34 @@ def test_plot_draws_a_peer_as_one_point_beside_the_engines(tmp_path, monkeypatch
     assert ("Parabel (its defaults, trained once)", [1.5], [0.2]) in drawn
     # the peer's P@1 carried across as a line of its own (not in the legend)
     assert any(y == [0.2, 0.2] for _, _, y in drawn) and len(labels) == 3
+
+
+def test_mined_engines_carry_their_hard_negatives():
+    import argparse
+    import pytest
+    args = argparse.Namespace(hidden=16, batch_size=32, seed=0, negatives=64, mined=5,
+                              sparsity=0.1, threads=1)
+    dense = time_to_accuracy._make("dense-cpu-sampled+mined", args)
+    assert (dense.negatives, dense.mined_negatives, dense.device) == (64, 5, "cpu")
+    assert time_to_accuracy._make("dense-cpu-sampled", args).mined_negatives == 0
+    hetero = time_to_accuracy._make("hetero-hogbatch+mined", args)
+    assert (hetero.config.policy, hetero.config.gpu_mined) == ("hogbatch", 5)
+    for bad in ("slide+mined", "dense-cpu+mined", "dense-cpu-sampled+other"):
+        with pytest.raises(ValueError, match="unknown engine"):
+            time_to_accuracy._make(bad, args)
+
+
+def test_a_real_sets_folder_gives_its_rows_and_a_fixed_test_sample(tmp_path, tiny_data):
+    import argparse
+    import numpy as np
+    from slide.data import write_xmc
+    Xtr, Ytr, Xte, Yte = tiny_data
+    (tmp_path / "set").mkdir()
+    write_xmc(tmp_path / "set" / "train.txt", Xtr, Ytr)
+    write_xmc(tmp_path / "set" / "test.txt", Xte, Yte)
+    args = argparse.Namespace(preset="set", data_dir=str(tmp_path), n_train=10, n_eval=50, seed=0)
+    X, Y, Xe, Ye = time_to_accuracy._data(args)
+    assert X.shape[0] == Xtr.shape[0] and Xe.shape[0] == 50  # every training row, 50 to score
+    again = time_to_accuracy._data(args)
+    np.testing.assert_array_equal(again[3].indices, Ye.indices)
+    assert Y.shape[1] >= Ytr.shape[1]

@@ -100,3 +100,70 @@ def test_dense_settings_are_checked_and_saved(tmp_path, tiny_data):
     # the data statistics the settings follow travel with it
     assert back.labels_per_row_ == pytest.approx(Y.nnz / Y.shape[0]) == m.labels_per_row_
     assert back.resolved_ == m.resolved_
+
+
+def test_hard_rows_are_each_rows_best_by_the_exact_product(rng, monkeypatch):
+    from gpu_ref import dense
+    H = rng.standard_normal((37, 6)).astype(np.float32)
+    W = rng.standard_normal((53, 6)).astype(np.float32)
+    b = rng.standard_normal(53).astype(np.float32)
+    S = H @ W.T + b
+    want = np.unique(np.argsort(-S, axis=1)[:, :5])
+    monkeypatch.setattr(dense, "HARD_BLOCK_ELEMENTS", 4 * 53)  # blocks of 4 rows, the last short
+    got = dense.hard_rows(np, H, W, b, 5)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    # a row's own best is in, a label no row ranks in its top five is not
+    assert set(np.argmax(S, axis=1)) <= set(got) and got.size < 53
+    np.testing.assert_array_equal(dense.hard_rows(np, H, W, b, 99), np.arange(53))
+    assert dense.hard_rows(np, H, W, b, 0).size == 0
+
+
+def test_join_rows_renumbers_the_targets_over_the_joined_rows():
+    from gpu_ref.dense import join_rows
+    out_rows = np.array([2, 5, 9], np.int32)
+    targets = (np.array([0, 0, 1], np.int32), np.array([0, 2, 1], np.int32),
+               np.array([0.5, 0.5, 1.0], np.float32))
+    joined, (r, cols, w) = join_rows(np, out_rows, targets, np.array([1, 5, 7], np.int32))
+    np.testing.assert_array_equal(joined, [1, 2, 5, 7, 9])
+    np.testing.assert_array_equal(joined[cols], [2, 9, 5])  # the same labels as before
+    np.testing.assert_array_equal(r, targets[0])
+    np.testing.assert_array_equal(w, targets[2])
+
+
+def test_mined_negatives_over_every_label_are_the_full_softmax(tiny_data):
+    X, Y = tiny_data[0][:512], tiny_data[1][:512]
+    full = DenseClassifier(hidden=(16,), batch_size=64, seed=1, device="cpu", epochs=1,
+                           early_stopping=False).fit(X, Y)
+    hard = DenseClassifier(hidden=(16,), batch_size=64, seed=1, device="cpu", epochs=1,
+                           early_stopping=False, negatives=0, mined_negatives=Y.shape[1]).fit(X, Y)
+    for k in full.params_:
+        np.testing.assert_allclose(hard.params_[k], full.params_[k], rtol=1e-4, atol=1e-6)
+
+
+def test_a_step_with_mined_negatives_updates_the_labels_and_each_rows_best(tiny_data):
+    from gpu_ref.dense import forward
+    X, Y = tiny_data[0], tiny_data[1]
+    model = DenseClassifier(hidden=(16,), seed=0, device="cpu", epochs=1, early_stopping=False,
+                            negatives=0, mined_negatives=3).fit(X, Y)
+    Xb, Yb = model.preprocess(X[:8]), model.targets(X[:8], Y[:8])
+    h = forward(np, Xb, model.params_, model._blocks,
+                model.resolved_["activation"] == "relu")[-1]
+    S = h @ model.params_["W"].T + model.params_["b"]
+    want = set(np.argsort(-S, axis=1)[:, :3].ravel()) | set(Yb.indices)
+    before = model.params_["W"].copy()
+    model.step_batch(model.prepare_batch(Xb, Yb))
+    changed = set(np.flatnonzero((model.params_["W"] != before).any(axis=1)))
+    assert changed == want, (sorted(changed ^ want))
+
+
+def test_mined_negatives_are_checked_and_saved(tmp_path, tiny_data):
+    X, Y = tiny_data[0][:200], tiny_data[1][:200]
+    with pytest.raises(ValueError, match="mined_negatives must be"):
+        DenseClassifier(negatives=8, mined_negatives=-1, device="cpu").fit(X, Y)
+    with pytest.raises(ValueError, match="needs a sampled softmax"):
+        DenseClassifier(mined_negatives=4, device="cpu").fit(X, Y)
+    m = DenseClassifier(hidden=(8,), epochs=1, negatives=8, mined_negatives=4,
+                        device="cpu").fit(X, Y)
+    m.save(tmp_path / "d")
+    assert DenseClassifier.load(tmp_path / "d", device="cpu").mined_negatives == 4

@@ -43,11 +43,11 @@ def test_fused_ops_equal_numpy(cp, rng):
             np.testing.assert_allclose(d.get(), h, rtol=2e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("negatives", [None, 64])
-def test_cupy_and_numpy_training_agree(tiny_data, negatives):
+@pytest.mark.parametrize("negatives, mined", [(None, 0), (64, 0), (64, 4)])
+def test_cupy_and_numpy_training_agree(tiny_data, negatives, mined):
     X, Y = tiny_data[0][:1024], tiny_data[1][:1024]
     kw = dict(hidden=(32,), batch_size=128, seed=4, epochs=2, early_stopping=False,
-              negatives=negatives, precision="fp32")
+              negatives=negatives, mined_negatives=mined, precision="fp32")
     gpu = DenseClassifier(device="gpu", **kw).fit(X, Y)
     cpu = DenseClassifier(device="cpu", **kw).fit(X, Y)
     for k in cpu.params_:
@@ -81,12 +81,16 @@ def test_checkpoints_move_between_devices(tmp_path, tiny_data):
     assert not isinstance(cpu.params_["W"], np.ndarray)
 
 
-def test_hetero_with_cupy_worker_learns_and_reports_shares(tiny_data):
+@pytest.mark.parametrize("mined", [0, 8])
+def test_hetero_with_cupy_worker_learns_and_reports_shares(tiny_data, mined):
     Xtr, Ytr, Xte, Yte = tiny_data
     model = SlideClassifier(hidden=(32,), sparsity=0.25, seed=0, early_stopping=False, lr=3e-3, epochs=4)
     h = HeteroTrainer(model, HeteroConfig(policy="hogbatch", cpu_batch=32, gpu_batch=256, gpu_pool=64,
-                                          device="gpu", min_gain=0.0))
+                                          gpu_mined=mined, gpu_refresh=2, device="gpu",
+                                          min_gain=0.0))
     h.fit(Xtr, Ytr, validation=(Xte, Yte))
+    if mined:  # the device copy of the output layer, refreshed every other step
+        assert h._output_copy[0].shape == h._state.params["W"].shape and h._copy_age <= 2
     rec = h.model.history_[-1]
     assert rec["device"] == "gpu" and rec["gpu_updates"] > 0 and rec["cpu_updates"] > 0
     assert rec["cpu_samples"] + rec["gpu_samples"] == Xtr.shape[0]

@@ -298,3 +298,29 @@ def test_config_validation():
         HeteroConfig(policy="greedy")
     with pytest.raises(ValueError):
         HeteroConfig(threshold=0.5)
+
+
+def test_gpu_worker_with_mined_negatives_updates_the_labels_and_each_rows_best(tiny_data):
+    Xtr, Ytr = tiny_data[0], tiny_data[1]
+    h = _trainer(epochs=1, gpu_pool=0, gpu_mined=3, min_gain=0.0)
+    h.fit(Xtr, Ytr)
+    state = h._begin()
+    assert state.params["W"].shape[0] == state.n_labels
+    idx = np.arange(10, 30)
+    Xp, Yr = h.model.preprocess(Xtr), h.model.targets(Xtr, Ytr)
+    H = h.model.embed(Xtr[idx])
+    S = H @ state.params["W"].T + state.params["b"]
+    want = set(np.argsort(-S, axis=1)[:, :3].ravel()) | set(Yr[idx].indices)
+    seen = []
+    apply = state.apply_gradients
+    state.apply_gradients = lambda out_rows, *a: (seen.append(np.asarray(out_rows)),
+                                                 apply(out_rows, *a))
+    h._gpu_step(Xp, Yr, idx)
+    assert set(seen[0]) == want, sorted(set(seen[0]) ^ want)
+
+
+def test_hetero_settings_are_checked():
+    with pytest.raises(ValueError, match="gpu_pool and gpu_mined"):
+        HeteroConfig(gpu_mined=-1)
+    with pytest.raises(ValueError, match="gpu_refresh"):
+        HeteroConfig(gpu_refresh=0)
