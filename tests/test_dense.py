@@ -167,3 +167,15 @@ def test_mined_negatives_are_checked_and_saved(tmp_path, tiny_data):
                         device="cpu").fit(X, Y)
     m.save(tmp_path / "d")
     assert DenseClassifier.load(tmp_path / "d", device="cpu").mined_negatives == 4
+
+
+@pytest.mark.parametrize("m, k", [(1000, 1), (1000, 7), (997, 16), (40, 16), (20, 20)])
+def test_top_columns_are_each_rows_k_largest(rng, m, k):
+    from gpu_ref.dense import top_columns
+    S = rng.standard_normal((9, m)).astype(np.float32)
+    S[3] = np.round(S[3])  # ties: any k columns whose values are the k largest will do
+    got = top_columns(np, S, k)
+    assert got.shape == (9, k)
+    for row, cols in zip(S, got):
+        assert np.unique(cols).size == k
+        np.testing.assert_array_equal(np.sort(row[cols]), np.sort(row)[m - k:])
