@@ -17,11 +17,11 @@ def _trainer(policy="hogbatch", cls=HeteroTrainer, **kw):
     return cls(model, HeteroConfig(**cfg))
 
 
-@pytest.mark.parametrize("policy", ["hogbatch", "adaptive"])
-def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy):
+@pytest.mark.parametrize("policy, mined", [("hogbatch", 0), ("adaptive", 0), ("hogbatch", 4)])
+def test_every_sample_once_per_epoch_and_model_learns(tiny_data, policy, mined):
     Xtr, Ytr, Xte, Yte = tiny_data
-    h = _trainer(policy, cls=_PacedWorkers, epochs=6, min_gain=0.0).fit(Xtr, Ytr,
-                                                                        validation=(Xte, Yte))
+    h = _trainer(policy, cls=_PacedWorkers, epochs=6, min_gain=0.0,
+                 gpu_mined=mined).fit(Xtr, Ytr, validation=(Xte, Yte))
     seen = np.concatenate(h.epoch_indices_["cpu"] + h.epoch_indices_["gpu"])
     np.testing.assert_array_equal(np.sort(seen), np.arange(Xtr.shape[0]))
     rec = h.model.history_[-1]
