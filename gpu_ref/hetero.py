@@ -6,10 +6,11 @@ Two workers share one epoch stream and whichever is free takes the next chunk of
   batches, updating the host model in place;
 * the **GPU worker** takes large batches. For each one it pulls from the host model only the rows
   the batch needs (the input rows of its features, and as output rows its labels plus a random
-  pool of negatives), computes a dense softmax over those rows on the device (cupy, or numpy in
-  a thread when there is no GPU), and pushes back the gradient rows, which the host applies with
-  the same row-wise Adam as the CPU's. The output layer never crosses whole, and every GPU batch
-  starts from the CPU's latest rows.
+  pool of negatives and, with ``gpu_mined``, each row's best-scoring rows, chosen against a
+  copy of the output layer that crosses to the device every ``gpu_refresh`` steps), computes a
+  dense softmax over those rows on the device (cupy, or numpy in a thread when there is no
+  GPU), and pushes back the gradient rows, which the host applies with the same row-wise Adam
+  as the CPU's. Every GPU batch starts from the CPU's latest rows.
 
 Policies: ``hogbatch`` keeps both batch sizes fixed. ``adaptive`` moves them so that the ratio of
 CPU to GPU updates approaches ``target_ratio``: with measured speeds s (samples per busy second),
