@@ -28,6 +28,16 @@ def _fractions(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
 
 
+def _count(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return v
+
+
 def _positive(text):
     try:
         v = int(text)
@@ -59,6 +69,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="hetero: CPU threads and a GPU worker train the model together")
     t.add_argument("--policy", choices=["hogbatch", "adaptive"], default="adaptive",
                    help="hetero batch-size policy")
+    t.add_argument("--negatives", type=_count, default=None,
+                   help="random output rows a batch: the dense engine's sampled softmax "
+                        "(default: the full softmax), or the GPU worker's with --mode hetero "
+                        "(default 4096)")
+    t.add_argument("--mined-negatives", type=_count, default=0,
+                   help="each row's best-scoring output rows by the exact product, beside the "
+                        "random ones, for the dense engine or the GPU worker (default 0)")
     t.add_argument("--epochs", type=_positive, default=None,
                    help="total epochs (the most, with early stopping; with --resume counting the "
                         "checkpoint's); default: from the data's size")
@@ -315,6 +332,11 @@ def _cmd_train(a):
     from slide.train import load_train_test, run_training
     if a.mode == "hetero" and a.engine != "slide":
         raise ValueError("--mode hetero trains the slide engine together with a GPU worker")
+    if a.engine == "slide" and a.mode != "hetero" and (a.negatives is not None
+                                                       or a.mined_negatives):
+        raise ValueError("--negatives and --mined-negatives are the dense engine's and the GPU "
+                         "worker's (--engine dense or --mode hetero); the slide engine's active "
+                         "set is --sparsity and --hard-negatives")
     if a.memory_limit is not None:
         from slide.resources import MEMORY_LIMIT_ENV, parse_bytes
         os.environ[MEMORY_LIMIT_ENV] = str(parse_bytes(a.memory_limit))
@@ -340,6 +362,11 @@ def _cmd_train(a):
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier.load(a.save, a.device)
+            for flag in ("negatives", "mined_negatives"):
+                given = getattr(a, flag)
+                if given not in (None, 0) and given != getattr(model, flag):
+                    raise ValueError(f"--resume: --{flag.replace('_', '-')} {given} differs "
+                                     f"from the checkpoint's {getattr(model, flag)}")
         if getattr(model, "inference_only_", False):
             raise ValueError(f"--resume: {a.save} was exported for inference only (no optimizer state)")
         _check_resume_flags(a, model)
@@ -357,11 +384,14 @@ def _cmd_train(a):
                                     threads=a.threads, **common)
         else:
             from gpu_ref import DenseClassifier
-            model = DenseClassifier(device=a.device, **common)
+            model = DenseClassifier(device=a.device, negatives=a.negatives,
+                                    mined_negatives=a.mined_negatives, **common)
     runner = None
     if a.mode == "hetero":
         from gpu_ref.hetero import HeteroConfig, HeteroTrainer
-        runner = HeteroTrainer(model, HeteroConfig(policy=a.policy, device=a.device))
+        pool = {} if a.negatives is None else {"gpu_pool": a.negatives}
+        runner = HeteroTrainer(model, HeteroConfig(policy=a.policy, device=a.device,
+                                                   gpu_mined=a.mined_negatives, **pool))
     used = "" if dp is not None else f" ({int(labels_present(Ytr).sum())} with a training positive)"
     log(f"train: {n_rows} samples, {Xtr.shape[1]} features, {Ytr.shape[1]} labels{used}; "
         f"engine={a.engine}, mode={a.mode}"

@@ -151,6 +151,30 @@ def test_hetero_mode_from_cli(synth, capsys):
     assert main(["train", str(d / "eur_train.txt"), "--mode", "hetero", "--engine", "dense"]) == 2
 
 
+def test_sampled_and_mined_negatives_from_cli(synth, capsys, tmp_path):
+    d = synth
+    base = ["train", str(d / "eur_train.txt"), "--device", "cpu", "--epochs", "1", "--hidden", "16",
+            "--no-progress", "--no-refit", "--metrics-json", str(tmp_path / "m.json")]
+    assert main([*base, "--engine", "dense", "--negatives", "64", "--mined-negatives", "4",
+                 "--save", str(tmp_path / "dense")]) == 0
+    from gpu_ref import DenseClassifier
+    m = DenseClassifier.load(tmp_path / "dense", device="cpu")
+    assert (m.negatives, m.mined_negatives) == (64, 4)
+    # a resumed dense model keeps its sampling
+    assert main([*base, "--engine", "dense", "--negatives", "32", "--resume",
+                 "--save", str(tmp_path / "dense")]) == 2
+    assert "differs from the checkpoint's 64" in capsys.readouterr().err
+    assert main([*base, "--mode", "hetero", "--policy", "hogbatch", "--negatives", "32",
+                 "--mined-negatives", "3"]) == 0
+    config = json.loads((tmp_path / "m.json").read_text())["config"]
+    assert (config["hetero_gpu_mined"], config["hetero_gpu_pool"]) == (3, 32)
+    # the engine's own active set has flags of its own
+    assert main([*base, "--mined-negatives", "3"]) == 2
+    assert "--sparsity and --hard-negatives" in capsys.readouterr().err
+    assert main([*base, "--engine", "dense", "--mined-negatives", "3"]) == 2
+    assert "needs a sampled softmax" in capsys.readouterr().err
+
+
 def test_stats(synth, capsys):
     assert main(["data", "stats", str(synth / "eur_test.txt")]) == 0
     assert "300 samples, 5000 features, 3993 labels" in capsys.readouterr().out
