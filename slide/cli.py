@@ -28,24 +28,21 @@ def _fractions(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
 
 
-def _count(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return v
+def _integer(least: int, what: str):
+    """An argparse type: an integer of at least ``least`` (``what`` names it in the error)."""
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
 
 
-def _positive(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+_positive = _integer(1, "a positive integer")
+_count = _integer(0, "a non-negative integer")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -259,10 +256,14 @@ def _check_outputs(a):
 
 
 def _check_resume_flags(a, model):
-    """Architecture flags given with --resume must agree with the checkpoint's settings."""
+    """Architecture flags given with --resume must agree with the checkpoint's settings (the
+    dense engine's sampled softmax too: its random and mined rows)."""
     defaults = vars(_build_parser().parse_args(["train"]))
     saved = model.get_params()
-    for flag, param in _fixed_on_resume().items():
+    fixed = _fixed_on_resume()
+    if a.engine == "dense":
+        fixed.update(negatives="negatives", mined_negatives="mined_negatives")
+    for flag, param in fixed.items():
         given = getattr(a, flag)
         if given == defaults.get(flag):
             continue
@@ -362,11 +363,6 @@ def _cmd_train(a):
         else:
             from gpu_ref import DenseClassifier
             model = DenseClassifier.load(a.save, a.device)
-            for flag in ("negatives", "mined_negatives"):
-                given = getattr(a, flag)
-                if given not in (None, 0) and given != getattr(model, flag):
-                    raise ValueError(f"--resume: --{flag.replace('_', '-')} {given} differs "
-                                     f"from the checkpoint's {getattr(model, flag)}")
         if getattr(model, "inference_only_", False):
             raise ValueError(f"--resume: {a.save} was exported for inference only (no optimizer state)")
         _check_resume_flags(a, model)

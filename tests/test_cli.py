@@ -163,7 +163,7 @@ def test_sampled_and_mined_negatives_from_cli(synth, capsys, tmp_path):
     # a resumed dense model keeps its sampling
     assert main([*base, "--engine", "dense", "--negatives", "32", "--resume",
                  "--save", str(tmp_path / "dense")]) == 2
-    assert "differs from the checkpoint's 64" in capsys.readouterr().err
+    assert "differs from the checkpoint's negatives=64" in capsys.readouterr().err
     assert main([*base, "--mode", "hetero", "--policy", "hogbatch", "--negatives", "32",
                  "--mined-negatives", "3"]) == 0
     config = json.loads((tmp_path / "m.json").read_text())["config"]
