@@ -90,17 +90,20 @@ def local_columns(M: sp.csr_matrix, columns: np.ndarray) -> sp.csr_matrix:
                          shape=(M.shape[0], columns.size))
 
 
-def softmax_grads(xp, Xd, targets, p, blocks, relu: bool = True):
+def softmax_grads(xp, Xd, targets, p, blocks, relu: bool = True, acts=None):
     """Mean softmax cross-entropy of the network ``p`` and its gradients (hidden layers ReLU,
     or the identity with ``relu=False``).
 
     ``p`` holds ``W0`` [d, H0] (the rows of the features in ``Xd`` [n, d]), ``b0``, the flat hidden
     stack ``Wh``/``bh`` and an output block ``W`` [m, H], ``b`` [m]: every label, or any subset
     of rows (a sampled softmax) whose target entries ``targets`` = ``(rows, cols, weights)``
-    (device arrays, see :func:`uniform_targets`) index. Returns ``(loss, grads)``: the loss as a
-    0-d device array (reading it waits for the device), grads shaped like ``p``.
+    (device arrays, see :func:`uniform_targets`) index. ``acts``: the hidden layers'
+    activations where :func:`forward` has made them already (choosing the rows, say). Returns
+    ``(loss, grads)``: the loss as a 0-d device array (reading it waits for the device), grads
+    shaped like ``p``.
     """
-    acts = forward(xp, Xd, p, blocks, relu)
+    if acts is None:
+        acts = forward(xp, Xd, p, blocks, relu)
     n = Xd.shape[0]
     h = acts[-1]
     dz = h @ p["W"].T
@@ -374,14 +377,15 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         in_rows, out_rows, targets = batch["in_rows"], batch["out_rows"], batch["targets"]
         relu = self.resolved_["activation"] == "relu"
         local = {**p, "W0": p["W0"][in_rows]}
+        acts = None
         with ops.matmul_precision(xp, self.precision):
             if out_rows is not None and self.mined_negatives:
-                h = forward(xp, batch["X"], local, self._blocks, relu)[-1]
-                mined = hard_rows(xp, h, p["W"], p["b"], self.mined_negatives)
+                acts = forward(xp, batch["X"], local, self._blocks, relu)
+                mined = hard_rows(xp, acts[-1], p["W"], p["b"], self.mined_negatives)
                 out_rows, targets = join_rows(xp, out_rows, targets, mined)
             if out_rows is not None:
                 local["W"], local["b"] = p["W"][out_rows], p["b"][out_rows]
-            loss, g = softmax_grads(xp, batch["X"], targets, local, self._blocks, relu)
+            loss, g = softmax_grads(xp, batch["X"], targets, local, self._blocks, relu, acts)
         self.step_ += 1
         c, lr, wd = self.config_, self.learning_rate_, self.resolved_["weight_decay"]
         hp = (lr, c.beta1, c.beta2, c.eps, self.step_)

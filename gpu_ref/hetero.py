@@ -304,16 +304,17 @@ class HeteroTrainer:
         Xd = Xl if xp is np else self._sparse.csr_matrix(Xl)
         targets = tuple(xp.asarray(t) for t in uniform_targets(Yl))
         relu = state.resolved["activation"] == "relu"
+        acts = None
         with matmul_precision(xp, self.config.precision):
             if self.config.gpu_mined:
-                h = forward(xp, Xd, device_rows, self._blocks, relu)[-1]
+                acts = forward(xp, Xd, device_rows, self._blocks, relu)
                 W, b = self._output_rows_copy()
                 joined, targets = join_rows(xp, xp.asarray(out_rows), targets,
-                                            hard_rows(xp, h, W, b, self.config.gpu_mined))
+                                            hard_rows(xp, acts[-1], W, b, self.config.gpu_mined))
                 out_rows = joined if xp is np else xp.asnumpy(joined)
             device_rows["W"] = xp.asarray(p["W"][out_rows])
             device_rows["b"] = xp.asarray(p["b"][out_rows])
-            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks, relu)
+            loss, grads = softmax_grads(xp, Xd, targets, device_rows, self._blocks, relu, acts)
         host = {k: np.ascontiguousarray(v if xp is np else xp.asnumpy(v), dtype=np.float32)
                 for k, v in grads.items()}
         state.apply_gradients(out_rows, in_rows, host)
