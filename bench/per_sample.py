@@ -9,7 +9,8 @@ after every epoch its top-5 on a fixed shuffled sample of ``--n-test`` test rows
 training seconds are recorded, but the point is the samples: the half of a plan's time to
 accuracy that does not depend on the machine (docs/planner.md), so engines that a CPU runs
 slowly (the dense reference on numpy) can be compared with the engine where a GPU is not at
-hand. Engines: ``slide`` (on ``--threads``), ``dense`` (full softmax), ``dense-sampled``
+hand. Engines: ``slide`` (on ``--threads``; ``slide+clusters``: its hard negatives from the label
+clusters, ``negatives_from="clusters"``), ``dense`` (full softmax), ``dense-sampled``
 (the batch's labels and ``--negatives`` random rows), with ``+mined`` also ``--mined`` hard
 negatives a row (``DenseClassifier(mined_negatives=...)``); the dense ones on ``--device``.
 Sets: as :mod:`bench.quality`'s (folders of ``--data-dir``, or presets such as
@@ -24,15 +25,16 @@ import time
 from bench.common import machine, run_isolated, write_json
 from bench.quality import load_set
 
-ENGINES = ("slide", "dense", "dense-sampled", "dense-sampled+mined")
+ENGINES = ("slide", "slide+clusters", "dense", "dense-sampled", "dense-sampled+mined")
 
 
 def make(engine: str, args):
     """The model of ``engine`` for ``args`` (fixed epochs, no early stopping)."""
     common = dict(epochs=args.epochs, early_stopping=False, seed=args.seed)
-    if engine == "slide":
+    if engine.startswith("slide"):
         from slide import SlideClassifier
-        return SlideClassifier(threads=args.threads, **common)
+        return SlideClassifier(threads=args.threads, negatives_from="clusters"
+                               if engine.endswith("+clusters") else "lsh", **common)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
     from gpu_ref import DenseClassifier

@@ -93,7 +93,8 @@ def _run_network(engine, spec, args, queue):
     name, Xtr, Ytr, Xte, Yte = load_set(spec, args.data_dir, args.seed)
     if engine == "slide":
         from slide import SlideClassifier
-        model = SlideClassifier(threads=args.threads, seed=args.seed)
+        model = SlideClassifier(threads=args.threads, seed=args.seed,
+                                negatives_from=args.negatives_from)
     else:
         from gpu_ref import DenseClassifier
         model = DenseClassifier(seed=args.seed, device="cpu")
@@ -278,6 +279,8 @@ def main(argv=None):
     p.add_argument("--peers-python", default=peers.default_python())
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--negatives-from", choices=("lsh", "clusters"), default="lsh",
+                   help="the slide engine's source of hard negatives (negatives_from)")
     p.add_argument("--in-process", action="store_true", help="no child process per run (tests)")
     p.add_argument("--out", default="bench/results/quality")
     args = p.parse_args(argv)

@@ -355,6 +355,16 @@ class HashTables:
         self.build(W)
 
     # -- querying ---------------------------------------------------------------------------
+    def lookup(self, V):
+        """``(codes, buckets, seen)``: dense rows ``V``'s bucket ids [n, L] and the arrays a
+        query of them reads, for a caller that runs its own query kernel."""
+        return self.family.hash_dense(V), self.buckets, self.seen
+
+    @property
+    def query_shape(self) -> tuple:
+        """(tables, bucket size) of what :meth:`lookup` returns: a query's scratch sizes."""
+        return self.config.L, self.config.bucket_size
+
     def query_codes(self, codes, max_out: int | None = None, rank: bool = False):
         """Candidates for rows of bucket ids ``codes`` int32 [n, L].
 

@@ -248,6 +248,26 @@ class Checkpoint:
         """The output rows the model was initialised with (what the defaults rule read)."""
         return self.int("n_outputs_fitted", self.labels.size, minimum=1, maximum=self.n_labels)
 
+    def label_clusters(self, n_labels: int, width: int):
+        """``(centroids float32 [C, width + 1], assign int32 [n_labels, m])`` of the output
+        layer's label clusters where hard negatives come from them (arrays
+        ``clusters.centroids``, ``clusters.assign``), or None where the checkpoint has none."""
+        names = ("clusters.centroids", "clusters.assign")
+        if not any(name in self for name in names):
+            return None
+        if not all(name in self for name in names):
+            raise CheckpointError(f"{self.npz_path}: the label clusters need both of "
+                                  f"{', '.join(names)}")
+        C, assign = (self.array(name) for name in names)
+        if (C.dtype != np.float32 or C.ndim != 2 or C.shape[1] != width + 1 or not C.shape[0]
+                or not np.all(np.isfinite(C)) or assign.dtype != np.int32 or assign.ndim != 2
+                or assign.shape[0] != n_labels or assign.shape[1] not in (1, 2)
+                or (assign.size and (assign.min() < 0 or assign.max() >= C.shape[0]))):
+            raise CheckpointError(
+                f"{self.npz_path}: arrays 'clusters.*' must be finite float32 centroids "
+                f"[C, {width + 1}] and int32 clusters in [0, C) of the {n_labels} labels [n, 1 or 2]")
+        return C, assign
+
     def __contains__(self, key: str) -> bool:
         return key in self._members
 

@@ -47,6 +47,7 @@ _count = _integer(0, "a non-negative integer")
 
 def _build_parser() -> argparse.ArgumentParser:
     from slide import __version__
+    from slide.candidates import SOURCES
     from slide.config import ACTIVATIONS, HASH_FAMILIES
     from slide.selection import IDF_CHOICE_ROWS
     from slide.synthetic import PRESETS
@@ -81,6 +82,9 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
     t.add_argument("--hard-negatives", type=int, default=None,
                    help="most LSH candidates per sample in the output's active set (default: auto)")
+    t.add_argument("--negatives-from", choices=SOURCES, default="lsh",
+                   help="where a sample's hard negatives come from: the output layer's LSH "
+                        "tables, or its label clusters' best-scoring labels (default: lsh)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
     t.add_argument("--activation", choices=ACTIVATIONS, default=None,
@@ -376,7 +380,8 @@ def _cmd_train(a):
         if a.engine == "slide":
             from slide.estimator import SlideClassifier
             model = SlideClassifier(sparsity=a.sparsity, hidden_sparsity=a.hidden_sparsity,
-                                    hard_negatives=a.hard_negatives, hash_family=a.hash_family,
+                                    hard_negatives=a.hard_negatives,
+                                    negatives_from=a.negatives_from, hash_family=a.hash_family,
                                     threads=a.threads, **common)
         else:
             from gpu_ref import DenseClassifier

@@ -172,6 +172,13 @@ def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, near
     return C, assign
 
 
+def _label_vectors(W, b):
+    """``(W float32, V)``: the layer's rows as given (a view where they are float32 already)
+    and their vectors ``[w, b]``, whose product with ``[h, 1]`` is the score, C-contiguous."""
+    W = np.asarray(W, np.float32)
+    return W, np.ascontiguousarray(np.hstack((W, np.asarray(b, np.float32)[:, None])))
+
+
 #: bins of a row's centroid scores for choosing its clusters
 _BINS = 256
 #: lanes of the choice's vector passes (one AVX-512 register of float32 or int32)
@@ -607,20 +614,40 @@ class LabelClusters:
             raise ValueError(f"probe must be a share of the labels in (0, 1], got {probe!r}")
         self.clusters, self.probe, self.seed, self.spill = clusters, float(probe), seed, spill
         self.calibration = None  # what slide.ann.calibrate chose and found, where it ran
-        self.centroids = self.starts = self.sizes = self.members = None
+        self.centroids = self.starts = self.sizes = self.members = self.assign = None
         self.n = self.entries = 0
 
     def build(self, W, b, threads: int = 1, start: "LabelClusters | None" = None) -> "LabelClusters":
         """Cluster the rows of ``W`` [n, H] with biases ``b`` [n]; from the centroids of
         ``start`` (an index of an earlier state of the same layer) where it has as many."""
         configure_threading()
-        W = np.asarray(W, np.float32)
-        V = np.ascontiguousarray(np.hstack((W, np.asarray(b, np.float32)[:, None])))
-        self.n = V.shape[0]
-        n_clusters = min(self.n, self.clusters or cluster_count(self.n))
+        W, V = _label_vectors(W, b)
+        n_clusters = min(V.shape[0], self.clusters or cluster_count(V.shape[0]))
         C, assign = kmeans(V, n_clusters, self.seed, threads, getattr(start, "centroids", None),
                            nearest=2 if self.spill else 1)
-        self.centroids = C
+        self._lay_out(W, b, V, C, assign)
+        return self
+
+    def refresh(self, W, b) -> "LabelClusters":
+        """The same clusters over the layer's current rows ``W`` / ``b`` (each label where it
+        was, each centroid the mean of its members): no k-means step, so a layer that training
+        moves a little between two calls is re-indexed for the cost of copying it once."""
+        if self.assign is None:
+            raise ValueError("refresh re-indexes a built index: build it first")
+        configure_threading()
+        W, V = _label_vectors(W, b)
+        if V.shape[0] != self.n:
+            raise ValueError(f"the index holds {self.n} labels; refresh got {V.shape[0]}")
+        C = self.centroids.copy()
+        _means(V, self.assign, C)
+        self._lay_out(W, b, V, C, self.assign)
+        return self
+
+    def _lay_out(self, W, b, V, C, assign):
+        """The index of label vectors ``V`` in clusters ``C`` by ``assign`` [n, 1 or 2]."""
+        self.n, n_clusters = V.shape[0], C.shape[0]
+        # each label's clusters, which a refresh keeps
+        self.centroids, self.assign = C, assign.astype(np.int32, copy=False)
         # entry e: label e // copies in cluster assign.flat[e]; the entries by cluster
         cluster = assign.ravel()
         order = np.argsort(cluster, kind="stable") // assign.shape[1]
@@ -646,7 +673,6 @@ class LabelClusters:
         self._row_head = (self.depth, *self.coarse, self.starts, self.sizes)
         self._row_tail = (self.q, self.scale, self.label_bias, self.sums, self.members, self.W,
                           self.b)
-        return self
 
     @property
     def weights(self) -> np.ndarray:
@@ -671,11 +697,11 @@ class LabelClusters:
 
     @property
     def nbytes(self) -> int:
-        """What the index holds beside the layer: centroids and their 4-bit copy, members,
-        cluster bounds and the int8 copy of the layer in cluster order with each row's scale,
+        """What the index holds beside the layer: centroids and their 4-bit copy, each label's
+        clusters, members, cluster bounds and the int8 copy of the layer in cluster order with each row's scale,
         bias and sum."""
-        return sum(a.nbytes for a in (self.centroids, self.members, self.starts, self.sizes,
-                                      self.q, self.scale, self.label_bias, self.sums,
+        return sum(a.nbytes for a in (self.centroids, self.assign, self.members, self.starts,
+                                      self.sizes, self.q, self.scale, self.label_bias, self.sums,
                                       *self.coarse))
 
     def chosen(self, H) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from lsh import autotune
 from lsh.tables import bucket_size_for
+from slide.candidates import CLUSTER_NEGATIVES, SOURCES
 from slide.loop import FIRST_CYCLE, first_cycle
 
 __all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
@@ -31,7 +32,7 @@ ACTIVATIONS = ("relu", "identity")
 #: a fitted model cannot change them and continue training (the estimator refuses, and so does
 #: ``slide train --resume`` for the flags that set them)
 FIXED_AFTER_FIT = ("hidden", "hidden_sparsity", "activation", "sparsity", "hard_negatives",
-                   "hash_family", "K", "L", "range_pow", "bucket_size", "bucket_policy", "norm",
+                   "negatives_from", "hash_family", "K", "L", "range_pow", "bucket_size", "bucket_policy", "norm",
                    "tfidf")
 
 
@@ -106,6 +107,9 @@ class SlideConfig:
             hard negatives and random negatives shared by the batch); 1.0 is the exact softmax.
         hard_negatives : the most LSH candidates (hard negatives) in a sample's active set; the
             rest of the active set is the batch's shared random negatives. 0: none.
+        negatives_from : where a sample's hard negatives come from: "lsh", the layer's hash
+            tables, or "clusters", the best-scoring labels of its k-means label clusters
+            (:mod:`slide.candidates`; ``hard_negatives`` of them, default 16).
     LSH tables of the sampled layers
         hash_family, K, L, range_pow, bucket_size, bucket_policy; rehash_every (samples
         between rehashes, growing by ``rehash_growth`` after each), rebuild_every (samples
@@ -137,6 +141,7 @@ class SlideConfig:
     activation: str | None = None
     sparsity: float | None = None
     hard_negatives: int | None = None
+    negatives_from: str = "lsh"
     hash_family: str = "dwta"
     K: int | None = None
     L: int | None = None
@@ -189,6 +194,9 @@ class SlideConfig:
             # tells them apart from computed ones by their activation, which only ReLU allows
             raise ValueError("activation='identity' needs every hidden layer dense "
                              f"(hidden_sparsity all 1.0), got {self.hidden_sparsity}")
+        if self.negatives_from not in SOURCES:
+            raise ValueError(f"negatives_from must be one of {', '.join(SOURCES)}, "
+                             f"got {self.negatives_from!r}")
         if self.hash_family not in HASH_FAMILIES:
             raise ValueError(f"hash_family must be one of {', '.join(HASH_FAMILIES)}, got {self.hash_family!r}")
         if self.bucket_policy not in BUCKET_POLICIES:
@@ -407,7 +415,13 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
         lsh_cap = min(c.hard_negatives, target)
     else:
         lsh_cap = min(target // 4, HARD_NEGATIVES)
-    out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap)
+    out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap,
+               negatives_from=c.negatives_from)
+    if c.negatives_from == "clusters":
+        # the clusters' best few are as much per sample as the tables' quarter; the pool is
+        # kept as it is, so a step is as wide as the tables' or narrower
+        out["cluster_negatives"] = lsh_cap if c.hard_negatives is not None else \
+            min(lsh_cap, CLUSTER_NEGATIVES)
     if sampled and c.early_stopping and not c.epochs:
         # the rule's epochs are the plan's second cycle: the first comes on top
         out["epochs"] = epochs + first_cycle("nDCG@5", epochs + FIRST_CYCLE)

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from slide.candidates import ClusterCandidates
 from slide.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from slide.config import parameter_shapes
 from slide.labels import LabelMap
@@ -46,6 +47,8 @@ class Persistence:
                            for k in ("data", "indices", "indptr")})
         if not inference_only:
             arrays.update({f"adam.{k}": v for k, v in self.moments_.items()}, **best)
+            if isinstance(self.state_.tables, ClusterCandidates):  # resumed in its clusters
+                arrays.update(self.state_.tables.arrays())
         meta = {
             "engine": "slide", "config": self.config_.to_json(), "preprocessing": pre_meta,
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from lsh import CompactTables
+from lsh import CompactTables, TableConfig
 from slide.ann import (DEFAULT_M, DEFAULT_RECALL, EF_CONSTRUCTION, calibrate, checked_recall,
                        make_index)
 from slide.config import checked_setting
@@ -130,16 +130,18 @@ class Server:
         if s.tables is None:
             raise ValueError("every output is computed for this model: there are no tables to "
                              "serve from")
+        # the training tables' shape, whichever source found the training's hard negatives
+        config = TableConfig(**s.resolved["tables"])
         for name, value in (("tables", tables), ("candidates", candidates)):
             if value is not None and (isinstance(value, bool) or
                                       not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        cfg = dataclasses.replace(s.tables.config, L=int(tables or s.tables.config.L))
-        serving = CompactTables(s.tables.dim, s.n_labels, cfg, seed=s.hash_seed + 0x5EED,
+        cfg = dataclasses.replace(config, L=int(tables or config.L))
+        serving = CompactTables(int(s.sizes[-1]), s.n_labels, cfg, seed=s.hash_seed + 0x5EED,
                                 center=center)
         version = s.version
         serving.build(s.params["W"])
-        slots = s.tables.config.L * s.tables.config.bucket_size
+        slots = config.L * config.bucket_size
         self.candidates = int(candidates or min(s.n_labels, CANDIDATES_PER_SLOT * slots))
         # the tables last, once built: a query on another thread takes them as they are set
         self._tables_version = version

@@ -67,7 +67,7 @@ def shard_bounds(n_rows: int, n_shards: int, index: int) -> tuple[int, int]:
 
 def shard_settings(config, resolved: dict, n_shards: int, n_rows: int) -> dict:
     """The resolved settings of one of ``n_shards`` label shards, which holds ``n_rows`` rows:
-    each takes its share of the LSH candidates and of the shared pool, so that the shards
+    each takes its share of the hard negatives and of the shared pool, so that the shards
     together sample as one layer, and its tables' buckets are sized for its rows (a query then
     costs a shard its share of one process's)."""
     if n_shards <= 1:
@@ -75,6 +75,8 @@ def shard_settings(config, resolved: dict, n_shards: int, n_rows: int) -> dict:
     out = dict(resolved)
     out["lsh_cap"] = -(-int(resolved["lsh_cap"]) // n_shards)
     out["pool"] = -(-int(resolved["pool"]) // n_shards)
+    if "cluster_negatives" in resolved:
+        out["cluster_negatives"] = -(-int(resolved["cluster_negatives"]) // n_shards)
     if resolved.get("tables"):
         out["tables"] = tables_for_rows(config, resolved["tables"], n_rows)
     return out

@@ -24,6 +24,7 @@ import scipy.sparse as sp
 
 from lsh import HashTables, TableConfig
 from slide import kernels
+from slide.candidates import ClusterCandidates, output_source
 from slide.config import hidden_block, hidden_blocks, init_parameters, parameter_shapes
 from slide.data import take_rows
 from slide.preprocess import UNWEIGHED
@@ -73,10 +74,8 @@ class TrainingState:
         # the kernels take the offsets as arrays (at least one entry, even with no stack)
         self.h_off = np.array([b[0] for b in self.layers] or [0], np.int64)
         self.b_off = np.array([b[1] for b in self.layers] or [0], np.int64)
-        self.tables = None
-        if r["sampled"]:
-            self.tables = HashTables(int(sizes[-1]), self.n_labels, TableConfig(**r["tables"]),
-                                     seed=self.hash_seed)
+        self.tables = output_source(r, self.n_labels, params, int(sizes[-1]), config.seed,
+                                    self.hash_seed) if r["sampled"] else None
         self.hidden_tables = [None] * sizes.size
         for l, layer in enumerate(r["hidden_layers"]):
             if layer is not None:
@@ -84,7 +83,7 @@ class TrainingState:
                                                    TableConfig(**layer["tables"]),
                                                    seed=self.layer_seed(l))
         self.work = StepWorkspace(params, self.n_labels, r["lsh_cap"], r["pool"],
-                                  self.tables.config if self.tables is not None else None,
+                                  self.tables.query_shape if self.tables is not None else None,
                                   int(sizes.max()))
 
     # -- making one ----------------------------------------------------------------------------
@@ -135,6 +134,9 @@ class TrainingState:
                     "next_rebuild": ck.int("next_rebuild", r["rebuild_every"], minimum=0)}
         state = cls(config, resolved, ck.n_features, ck.labels.size, params, moments, counters)
         state.blocks = blocks
+        kept = ck.label_clusters(state.n_labels, int(state.sizes[-1]))
+        if kept is not None and isinstance(state.tables, ClusterCandidates):
+            state.tables.restore(*kept)
         state.refresh_tables()
         return state
 
@@ -152,10 +154,10 @@ class TrainingState:
         self.n_labels += int(b_new.size)
         self.row_blocks()
         if self.tables is not None:
-            self.tables = HashTables(self.tables.dim, self.n_labels, self.tables.config,
-                                     seed=self.hash_seed)
+            self.tables = output_source(self.resolved, self.n_labels, p, int(self.sizes[-1]),
+                                        self.config.seed, self.hash_seed)
         w = self.work
-        self.work = StepWorkspace(p, self.n_labels, w.lsh_cap, w.pool, w.tables_config, w.widest)
+        self.work = StepWorkspace(p, self.n_labels, w.lsh_cap, w.pool, w.query_shape, w.widest)
         self.params_changed()
         self.refresh_tables()
 
@@ -291,8 +293,7 @@ class TrainingState:
         h = self.last(acts)
         t0 = self._tick("forward_hidden", t0)
         if self.tables is not None:
-            codes = self.tables.family.hash_dense(h)
-            buckets, seen = self.tables.buckets, self.tables.seen
+            codes, buckets, seen = self.tables.lookup(h)
             pool = shared_negatives(draw_key(self.config.seed, 1, self.step), self.n_labels,
                                     self.resolved["pool"], Yb.indices)
         else:  # every neuron active: the pool is all of them

@@ -29,11 +29,11 @@ class StepWorkspace:
     rows, would all come back within an epoch.
     """
 
-    def __init__(self, params: dict, n_labels: int, lsh_cap: int, pool: int, tables_config,
+    def __init__(self, params: dict, n_labels: int, lsh_cap: int, pool: int, query_shape,
                  widest: int):
         n_features = params["W0"].shape[0]
         self.n_labels, self.lsh_cap, self.pool = n_labels, lsh_cap, pool
-        self.tables_config, self.widest = tables_config, widest
+        self.query_shape, self.widest = query_shape or (1, 1), widest
         self.H, self.H0 = params["W"].shape[1], params["W0"].shape[1]
         self.grads = {k: np.zeros(params[k].shape, np.float32) for k in ("b0", "Wh", "bh")}
         # kernels.mark_rows' marks of the output rows and mark_ids' of the input rows, and the
@@ -74,9 +74,7 @@ class StepWorkspace:
         if old is None or old[0] != t or old[1] < width or old[2] < n_rows:
             width = max(width, old[1] if old else 0)
             n_rows = max(n_rows, old[2] if old else 0)
-            tc = self.tables_config
-            self.query = QueryScratch(t, tc.L if tc else 1, tc.bucket_size if tc else 1, width,
-                                      self.n_labels)
+            self.query = QueryScratch(t, *self.query_shape, width, self.n_labels)
             self.active = np.zeros((n_rows, width), np.int32)
             self.n_active = np.zeros(n_rows, np.int64)
             self.logits = np.zeros((t, width), np.float32)

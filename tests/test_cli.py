@@ -122,6 +122,9 @@ def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_pat
     assert "differs from the checkpoint" in capsys.readouterr().err
     assert main(resume + ["--hard-negatives", "8"]) == 2  # a sampling setting is kept too
     assert "--hard-negatives 8 differs" in capsys.readouterr().err
+    assert main(resume + ["--negatives-from", "clusters"]) == 2  # and where they come from
+    assert "--negatives-from clusters differs from the checkpoint's negatives_from=lsh" in \
+        capsys.readouterr().err
     assert main(resume + ["--hidden", "16"]) == 0  # the same value is fine
     # idf weighting chosen on the slice: the weighting it trained with is the same value
     weighted = SlideClassifier.load(tmp_path / "m").preprocessor_.tfidf
@@ -149,6 +152,17 @@ def test_hetero_mode_from_cli(synth, capsys):
     rec = json.loads((d / "h.json").read_text())["epochs"][-1]
     assert rec["cpu_updates"] > 0 and rec["gpu_updates"] > 0 and "test_P@1" in rec
     assert main(["train", str(d / "eur_train.txt"), "--mode", "hetero", "--engine", "dense"]) == 2
+
+
+def test_hard_negatives_from_the_label_clusters_from_cli(synth, capsys, tmp_path):
+    d = synth
+    assert main(["train", str(d / "eur_train.txt"), "--epochs", "1", "--hidden", "16",
+                 "--sparsity", "0.1", "--no-progress", "--no-refit", "--negatives-from",
+                 "clusters", "--save", str(tmp_path / "m")]) == 0
+    from slide.candidates import ClusterCandidates
+    from slide.estimator import SlideClassifier
+    model = SlideClassifier.load(tmp_path / "m")
+    assert model.negatives_from == "clusters" and isinstance(model.tables_, ClusterCandidates)
 
 
 def test_sampled_and_mined_negatives_from_cli(synth, capsys, tmp_path):
