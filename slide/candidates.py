@@ -17,13 +17,8 @@ from numba import get_num_threads
 from lsh import HashTables, TableConfig
 from slide.clusters import LabelClusters, cluster_count
 
-__all__ = ["ClusterCandidates", "output_source", "CLUSTER_NEGATIVES", "SOURCES"]
+__all__ = ["ClusterCandidates", "output_source", "CLUSTERS_DIVISOR"]
 
-#: where a sample's hard negatives come from
-SOURCES = ("lsh", "clusters")
-#: hard negatives a sample asks of the clusters: its top 16 found as much per sample as its
-#: top 128 on git_openstack (docs/active-set.md)
-CLUSTER_NEGATIVES = 16
 #: a quarter of serving's clusters, each label in one: training re-indexes the layer often, and
 #: this index is built in a fifth of the time for the same P@1 per sample (docs/active-set.md)
 CLUSTERS_DIVISOR = 4

@@ -47,8 +47,7 @@ _count = _integer(0, "a non-negative integer")
 
 def _build_parser() -> argparse.ArgumentParser:
     from slide import __version__
-    from slide.candidates import SOURCES
-    from slide.config import ACTIVATIONS, HASH_FAMILIES
+    from slide.config import ACTIVATIONS, HASH_FAMILIES, NEGATIVE_SOURCES
     from slide.selection import IDF_CHOICE_ROWS
     from slide.synthetic import PRESETS
     p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
@@ -82,7 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
     t.add_argument("--hard-negatives", type=int, default=None,
                    help="most LSH candidates per sample in the output's active set (default: auto)")
-    t.add_argument("--negatives-from", choices=SOURCES, default="lsh",
+    t.add_argument("--negatives-from", choices=NEGATIVE_SOURCES, default="lsh",
                    help="where a sample's hard negatives come from: the output layer's LSH "
                         "tables, or its label clusters' best-scoring labels (default: lsh)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,

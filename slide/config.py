@@ -17,14 +17,16 @@ import numpy as np
 
 from lsh import autotune
 from lsh.tables import bucket_size_for
-from slide.candidates import CLUSTER_NEGATIVES, SOURCES
 from slide.loop import FIRST_CYCLE, first_cycle
 
-__all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
+__all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "NEGATIVE_SOURCES", "CLUSTER_NEGATIVES", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
            "rare_share", "planned_epochs", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
 
 HASH_FAMILIES = ("dwta", "wta", "simhash")
+#: where a sample's hard negatives come from: the LSH tables, or the label clusters
+#: (:mod:`slide.candidates`)
+NEGATIVE_SOURCES = ("lsh", "clusters")
 BUCKET_POLICIES = ("reservoir", "fifo")
 #: the hidden layers' activation: max(0, a) or a itself (scikit-learn's names)
 ACTIVATIONS = ("relu", "identity")
@@ -194,8 +196,8 @@ class SlideConfig:
             # tells them apart from computed ones by their activation, which only ReLU allows
             raise ValueError("activation='identity' needs every hidden layer dense "
                              f"(hidden_sparsity all 1.0), got {self.hidden_sparsity}")
-        if self.negatives_from not in SOURCES:
-            raise ValueError(f"negatives_from must be one of {', '.join(SOURCES)}, "
+        if self.negatives_from not in NEGATIVE_SOURCES:
+            raise ValueError(f"negatives_from must be one of {', '.join(NEGATIVE_SOURCES)}, "
                              f"got {self.negatives_from!r}")
         if self.hash_family not in HASH_FAMILIES:
             raise ValueError(f"hash_family must be one of {', '.join(HASH_FAMILIES)}, got {self.hash_family!r}")
@@ -228,6 +230,9 @@ FIELDS = [f.name for f in dataclasses.fields(SlideConfig)]
 #: to read, update and pass through Adam, so more cost step time faster than they add accuracy
 #: (docs/active-set.md)
 HARD_NEGATIVES = 256
+#: hard negatives a sample asks of the label clusters: its best 16 were worth as much per
+#: sample as its best 128 on git_openstack (docs/active-set.md)
+CLUSTER_NEGATIVES = 16
 
 #: every output neuron is computed up to this many labels; above it the output is sampled
 FULL_OUTPUT_LABELS = 1024

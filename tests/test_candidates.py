@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from slide.candidates import CLUSTER_NEGATIVES, ClusterCandidates
+from slide.candidates import ClusterCandidates
+from slide.config import CLUSTER_NEGATIVES
 from slide.checkpoint import CheckpointError, read_checkpoint
 from slide.clusters import LabelClusters, _means
 from slide.estimator import SlideClassifier
