@@ -20,7 +20,7 @@ from slide.clusters import LabelClusters, cluster_count
 __all__ = ["ClusterCandidates", "output_source", "CLUSTERS_DIVISOR"]
 
 #: a quarter of serving's clusters, each label in one: training re-indexes the layer often, and
-#: this index is built in a fifth of the time for the same P@1 per sample (docs/active-set.md)
+#: this index is built in a sixth of the time for the same P@1 per sample (docs/active-set.md)
 CLUSTERS_DIVISOR = 4
 
 
@@ -79,12 +79,10 @@ class ClusterCandidates:
             return {}
         return {"clusters.centroids": self.index.centroids, "clusters.assign": self.index.assign}
 
-    def restore(self, centroids: np.ndarray, assign: np.ndarray) -> None:
-        """The clusters a checkpoint kept (:meth:`arrays`); the next :meth:`rehash` indexes
-        the layer in them."""
-        index = LabelClusters(clusters=centroids.shape[0], seed=self.seed, spill=False)
-        index.centroids, index.assign, index.n = centroids, assign, assign.shape[0]
-        self.index = index
+    def restore(self, centroids: np.ndarray, assign: np.ndarray, W) -> None:
+        """The layer ``W`` indexed in the clusters a checkpoint kept (:meth:`arrays`)."""
+        self.index = LabelClusters(clusters=centroids.shape[0], seed=self.seed,
+                                   spill=False).assigned(W, self.params["b"], centroids, assign)
 
     def lookup(self, h: np.ndarray):
         """``(codes, buckets, seen)`` for hidden rows ``h`` [n, hidden]: row r's code is r,
@@ -94,7 +92,8 @@ class ClusterCandidates:
             return np.zeros((n, 1), np.int32), np.zeros((0, 1, 1), np.int32), \
                 np.zeros((0, 1), np.int32)
         ids, _ = self.index.query(h, self.ask, threads=get_num_threads())
-        buckets = ids.astype(np.int32)[None]
-        return (np.arange(n, dtype=np.int32)[:, None], buckets,
-                np.full((1, n), self.ask, np.int32))
+        # a row whose clusters hold fewer labels than it asks gets its answer padded with -1
+        # at the end: its bucket's fill stops before them
+        seen = (ids >= 0).sum(axis=1).astype(np.int32)[None]
+        return np.arange(n, dtype=np.int32)[:, None], ids.astype(np.int32)[None], seen
 

@@ -643,6 +643,14 @@ class LabelClusters:
         self._lay_out(W, b, V, C, self.assign)
         return self
 
+    def assigned(self, W, b, centroids, assign) -> "LabelClusters":
+        """The rows of ``W`` / ``b`` indexed in given clusters: ``centroids`` [C, H + 1] and
+        each label's ``assign`` [n, 1 or 2] (an index's own, as a checkpoint kept them), each
+        centroid then the mean of its members as :meth:`refresh` makes it."""
+        self.centroids = np.asarray(centroids, np.float32)
+        self.assign, self.n = np.asarray(assign, np.int32), len(assign)
+        return self.refresh(W, b)
+
     def _lay_out(self, W, b, V, C, assign):
         """The index of label vectors ``V`` in clusters ``C`` by ``assign`` [n, 1 or 2]."""
         self.n, n_clusters = V.shape[0], C.shape[0]

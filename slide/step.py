@@ -136,7 +136,7 @@ class TrainingState:
         state.blocks = blocks
         kept = ck.label_clusters(state.n_labels, int(state.sizes[-1]))
         if kept is not None and isinstance(state.tables, ClusterCandidates):
-            state.tables.restore(*kept)
+            state.tables.restore(*kept, state.params["W"])
         state.refresh_tables()
         return state
 

@@ -174,3 +174,20 @@ def test_added_labels_are_clustered_with_the_rest(tiny_data):
     model.add_labels(7, X[:7], Y7)
     assert model.state_.tables.index.n == model.state_.n_labels == rows + 7
     model.partial_fit(X[:7], Y7)  # trains on the grown layer
+
+
+def test_a_row_whose_clusters_hold_fewer_labels_than_it_asks(tiny_data):
+    """200 labels probed at 5%: a row's clusters may hold fewer than its 16; its bucket stops
+    at what they hold, and a step over such rows selects only real labels."""
+    W, b, H = _layer(n=200)
+    source = ClusterCandidates(200, {"W": W, "b": b}, ask=16)
+    source.rehash(W)
+    _, buckets, seen = source.lookup(H)
+    assert seen.min() < 16 and seen.max() <= 16
+    for r in range(H.shape[0]):
+        assert np.all(buckets[0, r, :seen[0, r]] >= 0) and np.all(buckets[0, r, seen[0, r]:] == -1)
+    X, Y = tiny_data[0][:300], tiny_data[1][:300, :200]
+    model = SlideClassifier(hidden=(16,), sparsity=0.4, hard_negatives=16, threads=1,
+                            negatives_from="clusters", early_stopping=False, epochs=1).fit(X, Y)
+    w = model.state_.work
+    assert all(np.all(w.active[r, :w.n_active[r]] >= 0) for r in range(w.n_active.size))
