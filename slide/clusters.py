@@ -706,8 +706,8 @@ class LabelClusters:
     @property
     def nbytes(self) -> int:
         """What the index holds beside the layer: centroids and their 4-bit copy, each label's
-        clusters, members, cluster bounds and the int8 copy of the layer in cluster order with each row's scale,
-        bias and sum."""
+        clusters, members, cluster bounds and the int8 copy of the layer in cluster order with
+        each row's scale, bias and sum."""
         return sum(a.nbytes for a in (self.centroids, self.assign, self.members, self.starts,
                                       self.sizes, self.q, self.scale, self.label_bias, self.sums,
                                       *self.coarse))

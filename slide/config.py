@@ -34,8 +34,8 @@ ACTIVATIONS = ("relu", "identity")
 #: a fitted model cannot change them and continue training (the estimator refuses, and so does
 #: ``slide train --resume`` for the flags that set them)
 FIXED_AFTER_FIT = ("hidden", "hidden_sparsity", "activation", "sparsity", "hard_negatives",
-                   "negatives_from", "hash_family", "K", "L", "range_pow", "bucket_size", "bucket_policy", "norm",
-                   "tfidf")
+                   "negatives_from", "hash_family", "K", "L", "range_pow", "bucket_size",
+                   "bucket_policy", "norm", "tfidf")
 
 
 def _number(name, value, *, lo=None, hi=None, integer=False, none=True, lo_open=False):
