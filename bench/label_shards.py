@@ -70,7 +70,7 @@ def _output_bytes(model) -> int:
     total = s.row_blocks()["W"].nbytes + s.params["b"].nbytes + \
         s.moments["b.m"].nbytes + s.moments["b.v"].nbytes
     if s.tables is not None:
-        total += sum(a.nbytes for a in (s.tables.buckets, s.tables.seen))
+        total += s.tables.nbytes
     return int(total)
 
 

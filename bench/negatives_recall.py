@@ -4,8 +4,8 @@ label clusters.
     python -m bench.negatives_recall --sets git_openstack --epochs 6 \\
         --out bench/results/negatives_recall_git
 
-The engine trains with its defaults (LSH tables) for ``--epochs`` epochs, without early
-stopping. After each epoch, for ``--rows`` training rows, each row's exact top ``--k`` output
+The engine trains with its defaults but the LSH tables (``negatives_from="lsh"``) for
+``--epochs`` epochs, without early stopping. After each epoch, for ``--rows`` training rows, each row's exact top ``--k`` output
 rows by ``h · w + b`` (the labels aside) are compared with what each source offers it:
 ``lsh union``, every id of the row's buckets in the training tables (as last rehashed);
 ``lsh``, the ``lsh_cap`` of them the step keeps (ranked by the tables that found them); and
@@ -68,7 +68,7 @@ def _run(spec, args, queue):
             f"{key} {point[key]:.3f}" for key in ("lsh union", "lsh", "clusters")), flush=True)
 
     model = SlideClassifier(threads=args.threads, seed=args.seed, epochs=args.epochs,
-                            early_stopping=False)
+                            early_stopping=False, negatives_from="lsh")
     model.fit(Xtr, Ytr, on_epoch=on_epoch)
     queue.put({"dataset": name, "points": points})
 

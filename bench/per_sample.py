@@ -9,8 +9,8 @@ after every epoch its top-5 on a fixed shuffled sample of ``--n-test`` test rows
 training seconds are recorded, but the point is the samples: the half of a plan's time to
 accuracy that does not depend on the machine (docs/planner.md), so engines that a CPU runs
 slowly (the dense reference on numpy) can be compared with the engine where a GPU is not at
-hand. Engines: ``slide`` (on ``--threads``; ``slide+clusters``: its hard negatives from the label
-clusters, ``negatives_from="clusters"``), ``dense`` (full softmax), ``dense-sampled``
+hand. Engines: ``slide`` (on ``--threads``; ``slide+lsh`` / ``slide+clusters``: its hard
+negatives from the LSH tables / the label clusters whatever the rule says), ``dense`` (full softmax), ``dense-sampled``
 (the batch's labels and ``--negatives`` random rows), with ``+mined`` also ``--mined`` hard
 negatives a row (``DenseClassifier(mined_negatives=...)``); the dense ones on ``--device``.
 Sets: as :mod:`bench.quality`'s (folders of ``--data-dir``, or presets such as
@@ -25,7 +25,7 @@ import time
 from bench.common import machine, run_isolated, write_json
 from bench.quality import load_set
 
-ENGINES = ("slide", "slide+clusters", "dense", "dense-sampled", "dense-sampled+mined")
+ENGINES = ("slide", "slide+lsh", "slide+clusters", "dense", "dense-sampled", "dense-sampled+mined")
 
 
 def make(engine: str, args):
@@ -33,8 +33,8 @@ def make(engine: str, args):
     common = dict(epochs=args.epochs, early_stopping=False, seed=args.seed)
     if engine.startswith("slide"):
         from slide import SlideClassifier
-        return SlideClassifier(threads=args.threads, negatives_from="clusters"
-                               if engine.endswith("+clusters") else "lsh", **common)
+        return SlideClassifier(threads=args.threads, negatives_from=engine.partition("+")[2]
+                               or None, **common)
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
     from gpu_ref import DenseClassifier

@@ -279,8 +279,9 @@ def main(argv=None):
     p.add_argument("--peers-python", default=peers.default_python())
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--negatives-from", choices=("lsh", "clusters"), default="lsh",
-                   help="the slide engine's source of hard negatives (negatives_from)")
+    p.add_argument("--negatives-from", choices=("lsh", "clusters"), default=None,
+                   help="the slide engine's source of hard negatives (negatives_from; default: "
+                        "the rule's)")
     p.add_argument("--in-process", action="store_true", help="no child process per run (tests)")
     p.add_argument("--out", default="bench/results/quality")
     args = p.parse_args(argv)

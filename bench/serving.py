@@ -331,8 +331,8 @@ def main(argv=None):
     write_json(args.out + ".json", {"machine": machine(), "args": vars(args),
                                     "n_labels": model.n_labels_,
                                     "n_outputs": model.n_outputs_,
-                                    "training_tables": model.tables_.config.L if model.tables_ else None,
-                                    "bucket_size": model.tables_.config.bucket_size if model.tables_ else None,
+                                    "training_tables": model.resolved_["tables"]["L"] if model.tables_ else None,
+                                    "bucket_size": model.resolved_["tables"]["bucket_size"] if model.tables_ else None,
                                     "rows": rows})
 
 

@@ -78,7 +78,7 @@ class CallTimer:
 
 def step_targets(model) -> list:
     """``(owner, attribute, name)`` of every call of a training step to time: the kernels,
-    the sampling helpers and the output layer's tables (their hashing and rehashes)."""
+    the sampling helpers and the output layer's source of hard negatives (its lookups and upkeep)."""
     import slide.kernels as kernels
     import slide.step as step_module
     # the module's own public kernels that have run (numba's dispatchers with a compiled
@@ -88,9 +88,11 @@ def step_targets(model) -> list:
                if not name.startswith("_") and getattr(fn, "signatures", None)
                and fn.py_func.__module__ == kernels.__name__]
     targets += [(step_module, name, name) for name in _STEP_CALLS]
-    if model.tables_ is not None:
+    if model.tables_ is not None:  # the tables' or the label clusters' lookup and upkeep
         tables = model.tables_
-        targets += [(tables.family, "hash_dense", "hash_dense"), (tables, "rehash", "rehash"),
+        hashing = getattr(tables, "family", None)  # the clusters have no hash family
+        targets += [(hashing, "hash_dense", "hash_dense") if hashing is not None else
+                    (tables, "lookup", "lookup"), (tables, "rehash", "rehash"),
                     (tables, "rebuild", "rebuild")]
     return targets
 

@@ -16,8 +16,8 @@ engine on ``--warmup-rows`` rows. ``--preset`` may also name a real set's folder
 threads with a GPU worker (on numpy without a GPU), whose per-worker samples, busy seconds and
 utilisation are recorded. ``+mined`` after a sampled or a hetero engine adds ``--mined`` hard
 negatives a row, its best-scoring output rows by the exact product (``mined_negatives``,
-``HeteroConfig.gpu_mined``); ``slide+clusters`` is the engine with its hard negatives from its
-label clusters (``negatives_from="clusters"``). Each engine runs in its own process. The linear peers,
+``HeteroConfig.gpu_mined``); ``slide+lsh`` / ``slide+clusters`` is the engine with its hard
+negatives from its LSH tables / label clusters whatever the rule says (``negatives_from``). Each engine runs in its own process. The linear peers,
 ``xr-linear`` and ``parabel`` (:mod:`bench.peers`, in the peers environment of
 ``--peers-python``), train once with their defaults on the same rows: each is one point, its
 training seconds and its P@1 on the same test sample (skipped, with a note, without that
@@ -46,16 +46,16 @@ from slide.loop import epoch_learning_rate
 
 def _make(engine, args):
     engine, plus = engine.split("+", 1) if "+" in engine else (engine, "")
-    if plus not in ("", "mined", "clusters") or (
+    if plus not in ("", "mined", "lsh", "clusters") or (
             plus == "mined" and not engine.endswith("sampled") and not engine.startswith("hetero")
-    ) or (plus == "clusters" and engine != "slide"):
+    ) or (plus in ("lsh", "clusters") and engine != "slide"):
         raise ValueError(f"unknown engine {engine}+{plus}")
     mined = args.mined if plus == "mined" else 0
     if engine == "slide":
         from slide.estimator import SlideClassifier
         return SlideClassifier(hidden=(args.hidden,), sparsity=args.sparsity, threads=args.threads,
                                batch_size=args.batch_size, seed=args.seed,
-                               negatives_from=plus or "lsh")
+                               negatives_from=plus or None)
     if engine in ("dense-cpu", "dense-gpu", "dense-gpu-sampled", "dense-cpu-sampled"):
         from gpu_ref import DenseClassifier
         return DenseClassifier(hidden=(args.hidden,), batch_size=args.batch_size, seed=args.seed,

@@ -84,7 +84,7 @@ def _worker(args):
     ev = model.evaluate(Xte, Yte, k=5)
     s = model.state_
     out_bytes = s.row_blocks()["W"].nbytes + 3 * s.params["b"].nbytes + \
-        (s.tables.buckets.nbytes + s.tables.seen.nbytes if s.tables is not None else 0)
+        (s.tables.nbytes if s.tables is not None else 0)
     mine = {"rank": dp.rank, "rows": int(model.n_outputs_), "output_layer_bytes": int(out_bytes),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     everyone = dp.comm.gather(mine)

@@ -365,6 +365,11 @@ class HashTables:
         """(tables, bucket size) of what :meth:`lookup` returns: a query's scratch sizes."""
         return self.config.L, self.config.bucket_size
 
+    @property
+    def nbytes(self) -> int:
+        """The tables' memory: their buckets and fill counts."""
+        return self.buckets.nbytes + self.seen.nbytes
+
     def query_codes(self, codes, max_out: int | None = None, rank: bool = False):
         """Candidates for rows of bucket ids ``codes`` int32 [n, L].
 

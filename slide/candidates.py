@@ -50,6 +50,11 @@ class ClusterCandidates:
         """(tables, bucket size) of what :meth:`lookup` returns: one, of ``ask`` ids."""
         return 1, max(1, self.ask)
 
+    @property
+    def nbytes(self) -> int:
+        """The index's memory beside the layer (none before the first build)."""
+        return self.index.nbytes if self.index is not None and self.index.q is not None else 0
+
     def _build(self, W) -> None:
         index = LabelClusters(clusters=max(1, cluster_count(self.n_labels) // CLUSTERS_DIVISOR),
                               seed=self.seed, spill=False)

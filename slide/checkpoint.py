@@ -177,8 +177,9 @@ class Checkpoint:
     def config_params(self, estimator_cls) -> dict:
         """The saved settings that ``estimator_cls`` takes (engines share the format)."""
         names = estimator_cls._get_param_names()
-        # checkpoints written before the activation was a setting were trained with ReLU
-        saved = {"activation": "relu", **self.meta["config"]}
+        # checkpoints written before the activation and the hard negatives' source were
+        # settings were trained with ReLU and the LSH tables
+        saved = {"activation": "relu", "negatives_from": "lsh", **self.meta["config"]}
         return {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in names}
 
     @functools.cached_property

@@ -81,9 +81,10 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
     t.add_argument("--hard-negatives", type=int, default=None,
                    help="most LSH candidates per sample in the output's active set (default: auto)")
-    t.add_argument("--negatives-from", choices=NEGATIVE_SOURCES, default="lsh",
+    t.add_argument("--negatives-from", choices=NEGATIVE_SOURCES, default=None,
                    help="where a sample's hard negatives come from: the output layer's LSH "
-                        "tables, or its label clusters' best-scoring labels (default: lsh)")
+                        "tables, or its label clusters' best-scoring labels (default: the "
+                        "clusters up to 65,536 labels, the tables above)")
     t.add_argument("--hidden-sparsity", type=_fractions, default=None,
                    help="active fraction per hidden layer, e.g. 1,0.05 (default: all dense)")
     t.add_argument("--activation", choices=ACTIVATIONS, default=None,
@@ -276,8 +277,8 @@ def _check_resume_flags(a, model):
         have = saved.get(param)
         if flag == "tfidf" and have is None:  # chosen on the validation slice: as it trained
             have = model.preprocessor_.tfidf
-        if flag == "activation" and have is None:  # the rule's: as it trained
-            have = model.resolved_["activation"]
+        if flag in ("activation", "negatives_from") and have is None:  # the rule's: as it trained
+            have = model.resolved_.get(param)
         if isinstance(have, list):
             have = tuple(have)
         if value != have:

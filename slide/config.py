@@ -19,7 +19,7 @@ from lsh import autotune
 from lsh.tables import bucket_size_for
 from slide.loop import FIRST_CYCLE, first_cycle
 
-__all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "NEGATIVE_SOURCES", "CLUSTER_NEGATIVES", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
+__all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "NEGATIVE_SOURCES", "CLUSTER_NEGATIVES", "CLUSTER_LABELS", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
            "rare_share", "planned_epochs", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
 
@@ -111,7 +111,8 @@ class SlideConfig:
             rest of the active set is the batch's shared random negatives. 0: none.
         negatives_from : where a sample's hard negatives come from: "lsh", the layer's hash
             tables, or "clusters", the best-scoring labels of its k-means label clusters
-            (:mod:`slide.candidates`; ``hard_negatives`` of them, default 16).
+            (:mod:`slide.candidates`; ``hard_negatives`` of them, default 16). None: the
+            clusters up to ``CLUSTER_LABELS`` labels, the tables above.
     LSH tables of the sampled layers
         hash_family, K, L, range_pow, bucket_size, bucket_policy; rehash_every (samples
         between rehashes, growing by ``rehash_growth`` after each), rebuild_every (samples
@@ -143,7 +144,7 @@ class SlideConfig:
     activation: str | None = None
     sparsity: float | None = None
     hard_negatives: int | None = None
-    negatives_from: str = "lsh"
+    negatives_from: str | None = None
     hash_family: str = "dwta"
     K: int | None = None
     L: int | None = None
@@ -196,8 +197,8 @@ class SlideConfig:
             # tells them apart from computed ones by their activation, which only ReLU allows
             raise ValueError("activation='identity' needs every hidden layer dense "
                              f"(hidden_sparsity all 1.0), got {self.hidden_sparsity}")
-        if self.negatives_from not in NEGATIVE_SOURCES:
-            raise ValueError(f"negatives_from must be one of {', '.join(NEGATIVE_SOURCES)}, "
+        if self.negatives_from not in (None, *NEGATIVE_SOURCES):
+            raise ValueError(f"negatives_from must be one of {', '.join(NEGATIVE_SOURCES)} or None, "
                              f"got {self.negatives_from!r}")
         if self.hash_family not in HASH_FAMILIES:
             raise ValueError(f"hash_family must be one of {', '.join(HASH_FAMILIES)}, got {self.hash_family!r}")
@@ -233,6 +234,10 @@ HARD_NEGATIVES = 256
 #: hard negatives a sample asks of the label clusters: its best 16 were worth as much per
 #: sample as its best 128 on git_openstack (docs/active-set.md)
 CLUSTER_NEGATIVES = 16
+#: the most labels whose hard negatives come from the label clusters by default: they gained
+#: P@1 at 9K-21K labels, tied at 100K and lost at 670K, where 16 negatives a sample leave most
+#: of the layer untouched and the clusters' upkeep grows with it (docs/active-set.md)
+CLUSTER_LABELS = 1 << 16
 
 #: every output neuron is computed up to this many labels; above it the output is sampled
 FULL_OUTPUT_LABELS = 1024
@@ -420,9 +425,11 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
         lsh_cap = min(c.hard_negatives, target)
     else:
         lsh_cap = min(target // 4, HARD_NEGATIVES)
+    source = (c.negatives_from or ("clusters" if n_labels <= CLUSTER_LABELS else "lsh")
+              if sampled else None)
     out.update(active_target=target, sampled=sampled, lsh_cap=lsh_cap, pool=target - lsh_cap,
-               negatives_from=c.negatives_from)
-    if c.negatives_from == "clusters":
+               negatives_from=source)
+    if source == "clusters":
         # the clusters' best few are as much per sample as the tables' quarter; the pool is
         # kept as it is, so a step is as wide as the tables' or narrower
         out["cluster_negatives"] = lsh_cap if c.hard_negatives is not None else \

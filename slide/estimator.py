@@ -70,7 +70,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
                                    doc="LSH serving's candidates a row.")
 
     def __init__(self, hidden=None, hidden_sparsity=None, activation=None, sparsity=None,
-                 hard_negatives=None, negatives_from="lsh", hash_family="dwta", K=None, L=None,
+                 hard_negatives=None, negatives_from=None, hash_family="dwta", K=None, L=None,
                  range_pow=None, bucket_size=None, bucket_policy="reservoir", rehash_every=None,
                  rehash_growth=1.25, rebuild_every=None, norm="l2", tfidf=None, lr=None,
                  beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=None, batch_size=None,

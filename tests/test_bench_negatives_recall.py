@@ -8,7 +8,7 @@ from slide.estimator import SlideClassifier
 def test_recall_of_each_source_against_the_exact_top_k_labels_aside(tiny_data, monkeypatch):
     X, Y = tiny_data[0][:400], tiny_data[1][:400]
     model = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, epochs=1,
-                            early_stopping=False).fit(X, Y)
+                            early_stopping=False, negatives_from="lsh").fit(X, Y)
     rows = np.arange(50)
     got = negatives_recall._recalls(model, X, Y, rows, 4)
     assert 0 <= got["lsh"] <= got["lsh union"] <= 1 and 0 <= got["clusters"] <= 1

@@ -13,7 +13,7 @@ def test_quality_table_in_process(tmp_path):
     out = tmp_path / "q"
     doc = quality.run(argparse.Namespace(
         data_dir=str(tmp_path / "none"), sets="", presets="eurlex-4k:600", engines="slide,knn,xr-linear",
-        peers_python="", threads=1, seed=0, negatives_from="lsh", in_process=True,
+        peers_python="", threads=1, seed=0, negatives_from=None, in_process=True,
         out=str(out)))
     rows = {r["engine"]: r for r in doc["rows"]}
     assert set(rows) == {"slide", "knn"}

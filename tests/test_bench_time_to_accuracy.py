@@ -53,7 +53,8 @@ def test_mined_engines_carry_their_hard_negatives():
     hetero = time_to_accuracy._make("hetero-hogbatch+mined", args)
     assert (hetero.config.policy, hetero.config.gpu_mined) == ("hogbatch", 5)
     assert time_to_accuracy._make("slide+clusters", args).negatives_from == "clusters"
-    assert time_to_accuracy._make("slide", args).negatives_from == "lsh"
+    assert time_to_accuracy._make("slide+lsh", args).negatives_from == "lsh"
+    assert time_to_accuracy._make("slide", args).negatives_from is None  # the rule's
     for bad in ("slide+mined", "dense-cpu+mined", "dense-cpu-sampled+other", "dense-cpu+clusters"):
         with pytest.raises(ValueError, match="unknown engine"):
             time_to_accuracy._make(bad, args)

@@ -122,8 +122,8 @@ def test_outputs_and_resume_flags_checked_before_training(synth, capsys, tmp_pat
     assert "differs from the checkpoint" in capsys.readouterr().err
     assert main(resume + ["--hard-negatives", "8"]) == 2  # a sampling setting is kept too
     assert "--hard-negatives 8 differs" in capsys.readouterr().err
-    assert main(resume + ["--negatives-from", "clusters"]) == 2  # and where they come from
-    assert "--negatives-from clusters differs from the checkpoint's negatives_from=lsh" in \
+    assert main(resume + ["--negatives-from", "lsh"]) == 2  # and where they come from (the rule's)
+    assert "--negatives-from lsh differs from the checkpoint's negatives_from=clusters" in \
         capsys.readouterr().err
     assert main(resume + ["--hidden", "16"]) == 0  # the same value is fine
     # idf weighting chosen on the slice: the weighting it trained with is the same value

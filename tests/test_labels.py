@@ -99,6 +99,9 @@ def test_checkpoints_from_before_label_rows_load_with_a_row_for_every_label():
     m = SlideClassifier.load(path)
     assert m.n_labels_ == 400 and m.n_outputs_ == 400 and m.labels_.is_identity
     assert m.held_out_ is None  # written before held-out rows were kept: ann's default probe
+    # and before the hard negatives' source was a setting: it trained on the LSH tables, and
+    # trains on them still (the rule would take the clusters at 400 labels)
+    assert m.negatives_from == "lsh" and type(m.tables_).__name__ == "HashTables"
     _, _, Xte, Yte = make_dataset(TINY, seed=7)
     ids, scores = m.predict_topk(Xte[:20], 5)
     assert ids.tolist() == expected["ids"]

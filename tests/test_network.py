@@ -97,9 +97,11 @@ def test_engine_gradient_matches_numerical_gradient(tiny_data, activation):
         assert checked >= 1, name
 
 
-def test_learns_and_beats_most_frequent_baseline(tiny_data):
+@pytest.mark.parametrize("source", ["lsh", "clusters"])
+def test_learns_and_beats_most_frequent_baseline(tiny_data, source):
     Xtr, Ytr, Xte, Yte = tiny_data
-    model = SlideClassifier(hidden=(64,), sparsity=0.25, seed=0, epochs=6, early_stopping=False)
+    model = SlideClassifier(hidden=(64,), sparsity=0.25, seed=0, epochs=6, early_stopping=False,
+                            negatives_from=source)
     model.fit(Xtr, Ytr, validation=(Xte, Yte))
     losses = [h["loss"] for h in model.history_]
     assert losses[-1] < losses[0] * 0.8
@@ -110,11 +112,13 @@ def test_learns_and_beats_most_frequent_baseline(tiny_data):
     assert lsh_p1 > base + 0.1
 
 
-def test_one_thread_is_bit_for_bit_reproducible(tiny_data):
+@pytest.mark.parametrize("source", ["lsh", "clusters"])
+def test_one_thread_is_bit_for_bit_reproducible(tiny_data, source):
     X, Y = tiny_data[0][:600], tiny_data[1][:600]
     runs = []
     for _ in range(2):
-        m = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, seed=4, rehash_every=256, epochs=2)
+        m = SlideClassifier(hidden=(16,), sparsity=0.2, threads=1, seed=4, rehash_every=256, epochs=2,
+                            negatives_from=source)
         m.fit(X, Y)
         runs.append(m.params_)
     for k in runs[0]:
@@ -130,10 +134,12 @@ def _part_of_block(a, B, j):
             and np.shares_memory(a, B))
 
 
-def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data):
+@pytest.mark.parametrize("source", ["lsh", "clusters"])
+def test_save_load_predict_identical_and_resume_continues(tmp_path, tiny_data, source):
     X, Y, Xte, _ = tiny_data
     X, Y = X[:800], Y[:800]
-    kw = dict(hidden=(16,), sparsity=0.2, threads=1, seed=2, rehash_every=300, early_stopping=False)
+    kw = dict(hidden=(16,), sparsity=0.2, threads=1, seed=2, rehash_every=300, early_stopping=False,
+              negatives_from=source)
     straight = SlideClassifier(**kw, epochs=2).fit(X, Y)
     first = SlideClassifier(**kw, epochs=1).fit(X, Y)
     first.save(tmp_path / "ck")
@@ -296,10 +302,13 @@ def test_serving_tables_move_recall_towards_exact(tiny_data):
         return np.mean([np.intersect1d(a[a >= 0], b).size / 5 for a, b in zip(ids, exact)])
 
     base = recall()  # the first LSH query built the default serving tables
-    L = m.tables_.config.L
+    # the training tables' settings (the rule's; this model's hard negatives came from its
+    # label clusters, which serving's tables do not use)
+    L, bucket_size = m.resolved_["tables"]["L"], m.resolved_["tables"]["bucket_size"]
+    assert m.resolved_["negatives_from"] == "clusters"
     # the default candidates: four times the most that training's bounded tables could return,
     # however many serving tables there are
-    budget = min(4 * L * m.tables_.config.bucket_size, m.n_labels_)
+    budget = min(4 * L * bucket_size, m.n_labels_)
     assert m.serving_tables_.config.L == L and m.serving_candidates_ == budget
     assert m.set_serving(4 * L).serving_tables_.config.L == 4 * L
     assert m.serving_candidates_ == budget and m.serving_tables_.center
