@@ -28,7 +28,7 @@ def _recalls(model, X, Y, rows, k):
     """The three sources' recall of the exact top ``k`` (labels aside) for ``rows``."""
     from slide.candidates import ClusterCandidates
     from slide.config import CLUSTER_NEGATIVES
-    from slide.metrics import topk_product
+    from slide.metrics import recall_against, topk_product
     from slide.runtime import engine_threads
     state, r = model.state_, model.resolved_
     Xp, T = model.preprocess(X[rows]), model.targets(X[rows], Y[rows])
@@ -44,12 +44,8 @@ def _recalls(model, X, Y, rows, k):
         found = clusters.lookup(h)[1][0]
     exact = np.array([[i for i in t if i not in labels][:k] for t, labels in
                       zip(top, (set(T.indices[a:b]) for a, b in zip(T.indptr, T.indptr[1:])))])
-
-    def recall(ids):
-        return float(np.mean([np.intersect1d(a[a >= 0], e).size for a, e in zip(ids, exact)])
-                     / k)
-
-    return {"lsh union": recall(union), "lsh": recall(capped), "clusters": recall(found),
+    return {"lsh union": recall_against(union, exact), "lsh": recall_against(capped, exact),
+            "clusters": recall_against(found, exact),
             "union size": float(n_union.mean()), "lsh_cap": int(r["lsh_cap"]),
             "cluster negatives": int(found.shape[1])}
 

@@ -10,9 +10,10 @@ training seconds are recorded, but the point is the samples: the half of a plan'
 accuracy that does not depend on the machine (docs/planner.md), so engines that a CPU runs
 slowly (the dense reference on numpy) can be compared with the engine where a GPU is not at
 hand. Engines: ``slide`` (on ``--threads``; ``slide+lsh`` / ``slide+clusters``: its hard
-negatives from the LSH tables / the label clusters whatever the rule says), ``dense`` (full softmax), ``dense-sampled``
-(the batch's labels and ``--negatives`` random rows), with ``+mined`` also ``--mined`` hard
-negatives a row (``DenseClassifier(mined_negatives=...)``); the dense ones on ``--device``.
+negatives from the LSH tables / the label clusters whatever the rule says), ``dense`` (full
+softmax), ``dense-sampled`` (the batch's labels and ``--negatives`` random rows), with ``+mined``
+also ``--mined`` hard negatives a row (``DenseClassifier(mined_negatives=...)``); the dense ones
+on ``--device``.
 Sets: as :mod:`bench.quality`'s (folders of ``--data-dir``, or presets such as
 ``amazon-670k:100000``). Writes ``OUT.json`` and ``OUT.md``.
 """

@@ -37,6 +37,7 @@ import scipy.sparse as sp
 
 from bench import peers
 from bench.common import machine, run_isolated, write_json
+from slide.config import NEGATIVE_SOURCES
 
 ENGINES = ("slide", "dense", *peers.WORKERS, "knn")
 PROPENSITY_AB = {"amazon": (0.6, 2.6), "wikilshtc": (0.5, 0.4)}
@@ -279,7 +280,7 @@ def main(argv=None):
     p.add_argument("--peers-python", default=peers.default_python())
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--negatives-from", choices=("lsh", "clusters"), default=None,
+    p.add_argument("--negatives-from", choices=NEGATIVE_SOURCES, default=None,
                    help="the slide engine's source of hard negatives (negatives_from; default: "
                         "the rule's)")
     p.add_argument("--in-process", action="store_true", help="no child process per run (tests)")

@@ -80,7 +80,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="hidden sizes, e.g. 512 or 256,128 (default: from the data's shape)")
     t.add_argument("--sparsity", type=float, default=None, help="active fraction of outputs (default: auto)")
     t.add_argument("--hard-negatives", type=int, default=None,
-                   help="most LSH candidates per sample in the output's active set (default: auto)")
+                   help="most hard negatives per sample in the output's active set, from the "
+                        "LSH tables or the label clusters (default: auto)")
     t.add_argument("--negatives-from", choices=NEGATIVE_SOURCES, default=None,
                    help="where a sample's hard negatives come from: the output layer's LSH "
                         "tables, or its label clusters' best-scoring labels (default: the "

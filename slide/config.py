@@ -107,8 +107,9 @@ class SlideConfig:
             rule, see :func:`resolve`). "identity" needs every hidden layer dense.
         sparsity : fraction of output neurons active per sample while training (labels, LSH
             hard negatives and random negatives shared by the batch); 1.0 is the exact softmax.
-        hard_negatives : the most LSH candidates (hard negatives) in a sample's active set; the
-            rest of the active set is the batch's shared random negatives. 0: none.
+        hard_negatives : the most hard negatives in a sample's active set (the LSH tables'
+            candidates, or the label clusters' answer: ``negatives_from``); the rest of the
+            active set is the batch's shared random negatives. 0: none.
         negatives_from : where a sample's hard negatives come from: "lsh", the layer's hash
             tables, or "clusters", the best-scoring labels of its k-means label clusters
             (:mod:`slide.candidates`; ``hard_negatives`` of them, default 16). None: the

@@ -28,6 +28,18 @@ def tiny_data():
     return make_dataset(TINY, seed=7)
 
 
+def clustered_layer(n: int, d: int, groups: int, n_queries: int, seed: int = 0):
+    """``(W, b, H)``: ``n`` label rows of width ``d`` about ``groups`` directions of their own,
+    small biases, and ``n_queries`` hidden rows near some of those directions."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((groups, d)).astype(np.float32)
+    W = (centres[rng.integers(0, groups, n)] + 0.5 * rng.standard_normal((n, d))).astype(np.float32)
+    b = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    H = (centres[rng.integers(0, groups, n_queries)]
+         + 0.3 * rng.standard_normal((n_queries, d))).astype(np.float32)
+    return W, b, H
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -12,6 +12,7 @@ import slide.clusters
 import slide.grouped
 from slide.ann import LIBRARIES, LabelIndex, available_backend, make_index
 from slide.clusters import LabelClusters, cluster_count
+from tests.conftest import clustered_layer
 
 INSTALLED = [b for b in LIBRARIES if importlib.util.find_spec(b) is not None]
 #: every backend, each with settings that find nearly all of a small model's top-k
@@ -86,12 +87,9 @@ def test_without_a_library_the_error_names_the_extra(monkeypatch):
 
 
 def _layer(n=3000, d=40, seed=0):
-    """Label rows in 60 groups about their own directions, and queries near some of them."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((60, d)).astype(np.float32)
-    W = (centres[rng.integers(0, 60, n)] + 0.5 * rng.standard_normal((n, d))).astype(np.float32)
-    b = (0.1 * rng.standard_normal(n)).astype(np.float32)
-    H = (centres[rng.integers(0, 60, 200)] + 0.3 * rng.standard_normal((200, d))).astype(np.float32)
+    """Label rows in 60 groups about their own directions, and 200 queries near some of them,
+    the rows laid out as a model's."""
+    W, b, H = clustered_layer(n, d, 60, 200, seed)
     return _as_in_a_model(W), b, H
 
 

@@ -9,16 +9,12 @@ from slide.checkpoint import CheckpointError, read_checkpoint
 from slide.clusters import LabelClusters, _means
 from slide.estimator import SlideClassifier
 from slide.runtime import engine_threads
+from tests.conftest import clustered_layer
 
 
 def _layer(n=600, d=24, seed=0):
-    """Label rows about 30 directions, and hidden rows near some of them."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((30, d)).astype(np.float32)
-    W = (centres[rng.integers(0, 30, n)] + 0.5 * rng.standard_normal((n, d))).astype(np.float32)
-    b = (0.1 * rng.standard_normal(n)).astype(np.float32)
-    H = (centres[rng.integers(0, 30, 50)] + 0.3 * rng.standard_normal((50, d))).astype(np.float32)
-    return W, b, H
+    """Label rows about 30 directions, and 50 hidden rows near some of them."""
+    return clustered_layer(n, d, 30, 50, seed)
 
 
 def _exact(W, b, H, k):
