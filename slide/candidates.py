@@ -55,6 +55,20 @@ class ClusterCandidates:
         """The index's memory beside the layer (none before the first build)."""
         return self.index.nbytes if self.index is not None and self.index.q is not None else 0
 
+    @staticmethod
+    def expected_bytes(n_labels: int, width: int) -> tuple[int, int]:
+        """``(held, passing)``: the bytes the index of an output layer of ``n_labels`` rows of
+        ``width`` holds (its int8 copy, clusters padded to whole pairs of groups, each entry's
+        scale, bias, sum and label, each label's cluster, the centroids and their 4-bit copy),
+        and those a build or refresh adds while it runs (the new index beside the old, and the
+        layer's int8 rows before they are laid out)."""
+        from slide.grouped import PAIR
+        k = max(1, cluster_count(n_labels) // CLUSTERS_DIVISOR)
+        depth = -(-width // 4) * 4
+        entries = n_labels + (PAIR - 1) * k  # each cluster padded up to a whole pair
+        held = entries * (depth + 16) + 4 * n_labels + k * (4 * (width + 1) + depth // 2 + 12)
+        return held, held + n_labels * (width + 16)
+
     def _build(self, W) -> None:
         index = LabelClusters(clusters=max(1, cluster_count(self.n_labels) // CLUSTERS_DIVISOR),
                               seed=self.seed, spill=False)

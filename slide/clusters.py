@@ -30,7 +30,7 @@ from slide.grouped import (AMX, AVX2, GROUP, LOOP, PAIR, TILE_GROUPS, TILE_ROWS,
                            pair_above, pair_sums, quantize_queries, quantize_query_row, splat,
                            spread_words, tile4_estimates, tile_estimates)
 from slide.metrics import heap_push, heap_sorted
-from slide.runtime import blas_threads, configure_threading, prefetch, thread_count
+from slide.runtime import as_rows, blas_threads, configure_threading, prefetch, thread_count
 from slide.toplanes import new_tops, top_held, top_offer, trailing_zeros
 from slide.vecmath import REASSOC, dot
 
@@ -65,39 +65,47 @@ def cluster_count(n: int) -> int:
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=REASSOC)
-def _nearest(V, C, half_norms, orthogonal, tasks, block, out):
-    """Each row's nearest centroid of ``C`` into ``out[:, 0]`` (argmax of v·c - |c|²/2), and
-    where ``out`` has two columns, its second into ``out[:, 1]``: the nearest of the others
-    once ``orthogonal`` λ times the square of r·(v - c) / |r| is added to the distance, r = v -
-    c₁ the first one's residual (SOAR's rule: a label that its first centroid underrates along
-    r is then held where it is not). A block of rows at a time on each of ``tasks`` threads (a
-    single-threaded BLAS product a block, its scores still in cache for the argmax)."""
-    n, d = V.shape
+def _nearest(W, b, C, half_norms, orthogonal, tasks, block, out):
+    """Each label vector ``v = [w, b]``'s nearest centroid of ``C`` [k, d + 1] into ``out[:, 0]``
+    (argmax of v·c - |c|²/2), and where ``out`` has two columns, its second into ``out[:, 1]``:
+    the nearest of the others once ``orthogonal`` λ times the square of r·(v - c) / |r| is
+    added to the distance, r = v - c₁ the first one's residual (SOAR's rule: a label that its
+    first centroid underrates along r is then held where it is not). A block of rows at a time
+    on each of ``tasks`` threads (a single-threaded BLAS product a block, its scores still in
+    cache for the argmax); the bias enters as a rank-one term, so ``v`` is never copied."""
+    n, d = W.shape
+    Cw, cb = C[:, :d], C[:, d]
     n_blocks = (n + block - 1) // block
     second = out.shape[1] > 1
     for task in prange(tasks):
         P = np.empty((block, C.shape[0]), np.float32)
         R = np.empty((block if second else 0, d), np.float32)
+        rb = np.empty(block if second else 0, np.float32)
         Q = np.empty((block if second else 0, C.shape[0]), np.float32)
         for blk in range(task, n_blocks, tasks):
             lo, hi = blk * block, min(n, (blk + 1) * block)
-            gemm(V[lo:hi], False, C, True, P[:hi - lo], 0.0)
+            gemm(W[lo:hi], False, Cw, True, P[:hi - lo], 0.0)
             for i in range(hi - lo):
+                bi = b[lo + i]
+                for c in range(C.shape[0]):
+                    P[i, c] += bi * cb[c]
                 out[lo + i, 0] = _best(P[i], half_norms)
             if not second:
                 continue
             for i in range(hi - lo):
-                R[i] = V[lo + i] - C[out[lo + i, 0]]
-            gemm(R[:hi - lo], False, C, True, Q[:hi - lo], 0.0)  # r·c
+                first = out[lo + i, 0]
+                R[i] = W[lo + i] - Cw[first]
+                rb[i] = b[lo + i] - cb[first]
+            gemm(R[:hi - lo], False, Cw, True, Q[:hi - lo], 0.0)  # r·c, the bias's term below
             for i in range(hi - lo):
                 first = out[lo + i, 0]
-                rv, rr = np.float32(0.0), np.float32(0.0)
+                rv, rr = rb[i] * b[lo + i], rb[i] * rb[i]
                 for j in range(d):
-                    rv += R[i, j] * V[lo + i, j]
+                    rv += R[i, j] * W[lo + i, j]
                     rr += R[i, j] * R[i, j]
                 weight = np.float32(orthogonal / (2.0 * rr)) if rr > 0 else np.float32(0.0)
                 for c in range(C.shape[0]):  # r·(v - c)
-                    P[i, c] -= weight * (rv - Q[i, c]) ** 2
+                    P[i, c] -= weight * (rv - Q[i, c] - rb[i] * cb[c]) ** 2
                 P[i, first] = -np.inf
                 out[lo + i, 1] = _best(P[i], half_norms)
 
@@ -116,67 +124,77 @@ def _best(scores, half_norms):
 
 
 @njit(cache=True, nogil=True)
-def _means(V, assign, C):
-    """Each cluster's mean of the rows of ``V`` assigned to it (``assign`` [n, m]: a row's m
-    clusters) into ``C``; an empty cluster keeps its centroid."""
+def _means(W, b, assign, C):
+    """Each cluster's mean of the label vectors ``[w, b]`` (rows of ``W``, ``b``) assigned to
+    it (``assign`` [n, m]: a label's m clusters) into ``C``; an empty cluster keeps its
+    centroid."""
+    d = W.shape[1]
     sums = np.zeros(C.shape, np.float64)
     counts = np.zeros(C.shape[0], np.int64)
-    for i in range(V.shape[0]):
+    for i in range(W.shape[0]):
         for e in range(assign.shape[1]):
             c = assign[i, e]
             counts[c] += 1
-            for j in range(V.shape[1]):
-                sums[c, j] += V[i, j]
+            for j in range(d):
+                sums[c, j] += W[i, j]
+            sums[c, d] += b[i]
     for c in range(C.shape[0]):
         if counts[c]:
             for j in range(C.shape[1]):
                 C[c, j] = sums[c, j] / counts[c]
 
 
-def _assign(V, C, threads: int, nearest: int = 1) -> np.ndarray:
-    """The nearest centroid of each row of ``V``, and with ``nearest=2`` a second by SOAR's
-    rule (:func:`_nearest`), int64 [n, nearest]."""
-    out = np.zeros((V.shape[0], min(nearest, C.shape[0])), np.int64)
+def _assign(W, b, C, threads: int, nearest: int = 1) -> np.ndarray:
+    """The nearest centroid of each label vector ``[w, b]``, and with ``nearest=2`` a second
+    by SOAR's rule (:func:`_nearest`), int64 [n, nearest]."""
+    out = np.zeros((W.shape[0], min(nearest, C.shape[0])), np.int64)
     half = 0.5 * np.einsum("ij,ij->i", C, C)
     block = max(1, _BLOCK_BYTES // (4 * C.shape[0]))
     # BLAS's own threads would spin after each product and take the cores from numba's
     with blas_threads(1):
-        _nearest(V, C, half, ORTHOGONAL, max(1, min(threads, thread_count())), block,
-                 out)
+        _nearest(W, b, C, half, ORTHOGONAL, max(1, min(threads, thread_count())), block, out)
     return out
 
 
-def kmeans(V, n_clusters: int, seed: int = 0, threads: int = 1, start=None, nearest: int = 1):
-    """Lloyd's k-means of the rows of ``V`` float32 [n, d]: ``(centroids [n_clusters, d],
-    assignment int64 [n, nearest])``, each row's nearest centroid, and with ``nearest=2`` a
-    second (:func:`_assign`); ``ITERATIONS`` steps over a sample of ``SAMPLE_PER_CLUSTER`` rows
-    per cluster from ``n_clusters`` distinct rows of it, or ``WARM_ITERATIONS`` from the
-    centroids ``start`` (the last index's, the weights having moved since). With two clusters
-    a row, one more step over every row: each centroid the mean of the entries its cluster
-    holds, which it stands for when a query chooses clusters (docs/ann.md)."""
+def kmeans(W, b, n_clusters: int, seed: int = 0, threads: int = 1, start=None,
+           nearest: int = 1):
+    """Lloyd's k-means of the label vectors ``[w, b]`` (rows of ``W`` float32 [n, d], ``b``
+    [n]): ``(centroids [n_clusters, d + 1], assignment int64 [n, nearest])``, each label's
+    nearest centroid, and with ``nearest=2`` a second (:func:`_assign`); ``ITERATIONS`` steps
+    over a sample of ``SAMPLE_PER_CLUSTER`` labels per cluster from ``n_clusters`` distinct
+    ones of it, or ``WARM_ITERATIONS`` from the centroids ``start`` (the last index's, the
+    weights having moved since). With two clusters a label, one more step over every label:
+    each centroid the mean of the entries its cluster holds, which it stands for when a query
+    chooses clusters (docs/ann.md)."""
+    W, b = _label_rows(W, b)
     rng = np.random.default_rng(seed)
-    n = V.shape[0]
-    sample = V if n <= SAMPLE_PER_CLUSTER * n_clusters else \
-        V[np.sort(rng.choice(n, SAMPLE_PER_CLUSTER * n_clusters, replace=False))]
-    if start is not None and np.shape(start) == (n_clusters, V.shape[1]):
+    n = W.shape[0]
+    if n <= SAMPLE_PER_CLUSTER * n_clusters:
+        sW, sb = W, b
+    else:
+        rows = np.sort(rng.choice(n, SAMPLE_PER_CLUSTER * n_clusters, replace=False))
+        sW, sb = W[rows], b[rows]
+    if start is not None and np.shape(start) == (n_clusters, W.shape[1] + 1):
         C, steps = np.array(start, np.float32), WARM_ITERATIONS
     else:
-        C = np.array(sample[rng.choice(sample.shape[0], n_clusters, replace=False)], np.float32)
+        first = rng.choice(sW.shape[0], n_clusters, replace=False)
+        C = np.ascontiguousarray(np.hstack((sW[first], sb[first, None])), np.float32)
         steps = ITERATIONS
     for _ in range(steps):
-        _means(sample, _assign(sample, C, threads), C)
-    assign = _assign(V, C, threads, nearest)
+        _means(sW, sb, _assign(sW, sb, C, threads), C)
+    assign = _assign(W, b, C, threads, nearest)
     if assign.shape[1] > 1:
-        _means(V, assign, C)
-        assign = _assign(V, C, threads, nearest)
+        _means(W, b, assign, C)
+        assign = _assign(W, b, C, threads, nearest)
     return C, assign
 
 
-def _label_vectors(W, b):
-    """``(W float32, V)``: the layer's rows as given (a view where they are float32 already)
-    and their vectors ``[w, b]``, whose product with ``[h, 1]`` is the score, C-contiguous."""
-    W = np.asarray(W, np.float32)
-    return W, np.ascontiguousarray(np.hstack((W, np.asarray(b, np.float32)[:, None])))
+def _label_rows(W, b):
+    """The layer's rows ``W`` as float32 rows each contiguous (a view where they are already,
+    a training model's weights inside its row block too) and ``b`` float32 contiguous: the
+    label vectors ``[w, b]`` are read from the two, never copied into one array (a copy of the
+    layer each time the clusters follow the weights)."""
+    return as_rows(W), np.ascontiguousarray(b, np.float32)
 
 
 #: bins of a row's centroid scores for choosing its clusters
@@ -621,11 +639,11 @@ class LabelClusters:
         """Cluster the rows of ``W`` [n, H] with biases ``b`` [n]; from the centroids of
         ``start`` (an index of an earlier state of the same layer) where it has as many."""
         configure_threading()
-        W, V = _label_vectors(W, b)
-        n_clusters = min(V.shape[0], self.clusters or cluster_count(V.shape[0]))
-        C, assign = kmeans(V, n_clusters, self.seed, threads, getattr(start, "centroids", None),
-                           nearest=2 if self.spill else 1)
-        self._lay_out(W, b, V, C, assign)
+        W, b = _label_rows(W, b)
+        n_clusters = min(W.shape[0], self.clusters or cluster_count(W.shape[0]))
+        C, assign = kmeans(W, b, n_clusters, self.seed, threads,
+                           getattr(start, "centroids", None), nearest=2 if self.spill else 1)
+        self._lay_out(W, b, C, assign)
         return self
 
     def refresh(self, W, b) -> "LabelClusters":
@@ -635,12 +653,12 @@ class LabelClusters:
         if self.assign is None:
             raise ValueError("refresh re-indexes a built index: build it first")
         configure_threading()
-        W, V = _label_vectors(W, b)
-        if V.shape[0] != self.n:
-            raise ValueError(f"the index holds {self.n} labels; refresh got {V.shape[0]}")
+        W, b = _label_rows(W, b)
+        if W.shape[0] != self.n:
+            raise ValueError(f"the index holds {self.n} labels; refresh got {W.shape[0]}")
         C = self.centroids.copy()
-        _means(V, self.assign, C)
-        self._lay_out(W, b, V, C, self.assign)
+        _means(W, b, self.assign, C)
+        self._lay_out(W, b, C, self.assign)
         return self
 
     def assigned(self, W, b, centroids, assign) -> "LabelClusters":
@@ -651,9 +669,9 @@ class LabelClusters:
         self.assign, self.n = np.asarray(assign, np.int32), len(assign)
         return self.refresh(W, b)
 
-    def _lay_out(self, W, b, V, C, assign):
-        """The index of label vectors ``V`` in clusters ``C`` by ``assign`` [n, 1 or 2]."""
-        self.n, n_clusters = V.shape[0], C.shape[0]
+    def _lay_out(self, W, b, C, assign):
+        """The index of label vectors ``[w, b]`` in clusters ``C`` by ``assign`` [n, 1 or 2]."""
+        self.n, n_clusters = W.shape[0], C.shape[0]
         # each label's clusters, which a refresh keeps
         self.centroids, self.assign = C, assign.astype(np.int32, copy=False)
         # entry e: label e // copies in cluster assign.flat[e]; the entries by cluster
@@ -664,8 +682,8 @@ class LabelClusters:
         # each cluster's int8 rows in one piece, padded to whole pairs of groups (rows that are
         # never offered: scale 0, bias -inf, member -1), their depth to whole 4-byte pieces
         self.starts = np.concatenate(([0], np.cumsum(-(-self.sizes // PAIR) * PAIR)))
-        self.q, self.scale, self.label_bias, self.sums, place = int8_groups(V, order, self.sizes,
-                                                                           self.starts)
+        self.q, self.scale, self.label_bias, self.sums, place = int8_groups(W, b, order,
+                                                                           self.sizes, self.starts)
         self.members = np.full(self.starts[-1], -1, np.int32)
         self.members[place] = order
         self._widest = int(np.diff(self.starts).max()) // GROUP  # a batch tile's scratch
@@ -674,8 +692,7 @@ class LabelClusters:
         # eighth of their float32 bytes, and a row alone chooses as in a batch
         self.coarse = int4_groups(C, np.arange(n_clusters), np.array([n_clusters]),
                                  np.array([0, -(-n_clusters // GROUP) * GROUP]))[:4]
-        # the biases as given: a view of V would hold its whole copy of the layer
-        self.W, self.b = W, np.ascontiguousarray(b, np.float32)
+        self.W, self.b = W, b
         # a single row's kernel arguments, gathered once: between kernels that leave the caches
         # cold, each attribute a query reads costs it about a microsecond
         self._row_head = (self.depth, *self.coarse, self.starts, self.sizes)

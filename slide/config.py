@@ -236,8 +236,9 @@ HARD_NEGATIVES = 256
 #: sample as its best 128 on git_openstack (docs/active-set.md)
 CLUSTER_NEGATIVES = 16
 #: the most labels whose hard negatives come from the label clusters by default: they gained
-#: P@1 at 9K-21K labels, tied at 100K and lost at 670K, where 16 negatives a sample leave most
-#: of the layer untouched and the clusters' upkeep grows with it (docs/active-set.md)
+#: P@1 at 9K-21K labels, lost a little at 100K-131K and more at 670K, where 16 negatives a
+#: sample leave most of the layer untouched and the clusters' upkeep grows with it
+#: (docs/active-set.md)
 CLUSTER_LABELS = 1 << 16
 
 #: every output neuron is computed up to this many labels; above it the output is sampled

@@ -556,19 +556,19 @@ def pair_sums(h, q, p, dots, avx2):
         dot16_loop(h, q, p, dots)
 
 
-def int8_groups(V, order, sizes, starts):
-    """The int8 copy of the rows ``order`` of ``V`` [n, d + 1] (weights, bias last) laid out
-    by :func:`grouped_layout` in pairs of groups (``starts`` multiples of ``PAIR``), with each
-    place's scale, bias and int8 sum (padding: 0, -inf, 0), and where each of ``order`` went:
+def int8_groups(W, b, order, sizes, starts):
+    """The int8 copy of the rows ``order`` of the layer ``W`` [n, d] (rows each contiguous)
+    with biases ``b`` [n], laid out by :func:`grouped_layout` in pairs of groups (``starts``
+    multiples of ``PAIR``), its depth zero-padded to whole 4-byte pieces, with each place's
+    scale, bias and int8 sum (padding: 0, -inf, 0), and where each of ``order`` went:
     ``(q, scale, bias, sums, place)``."""
-    d = V.shape[1] - 1
-    depth = -(-d // 4) * 4  # whole 4-byte pieces
-    W = np.zeros((V.shape[0], depth), np.float32)
-    W[:, :d] = V[:, :d]
-    rows = quantize_labels(W, np.ascontiguousarray(V[:, d]))
-    q, place = grouped_layout(rows.q, order, sizes, starts, width=PAIR)
+    rows = quantize_labels(W, b)
+    d = rows.q.shape[1]
+    depth = -(-d // 4) * 4  # a zero weight quantizes to 0 at any scale: pad the int8 rows
+    q = rows.q if depth == d else np.pad(rows.q, ((0, 0), (0, depth - d)))
+    q, place = grouped_layout(q, order, sizes, starts, width=PAIR)
     return (q, *_placed(place, starts[-1], rows.meta[order, SCALE], rows.meta[order, BIAS],
-                        rows.q[order].sum(axis=1, dtype=np.int32)), place)
+                        rows.q.sum(axis=1, dtype=np.int32)[order]), place)
 
 
 def _placed(place, entries, scale, bias, sums):
@@ -613,9 +613,20 @@ def grouped_layout(q, order, sizes, starts, pieces: int = 4, width: int = GROUP)
     cluster_of = np.repeat(np.arange(sizes.size), sizes)
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     place = starts[cluster_of] + np.arange(order.size) - first[cluster_of]
-    flat = np.zeros((starts[-1], D), np.int8)
-    flat[place] = q[order]
     out = aligned_empty((starts[-1] // width, width * D), np.int8)
-    by_piece = flat.reshape(-1, width, D // pieces, pieces).transpose(0, 2, 1, 3)
-    out.reshape(-1, D // pieces, width, pieces)[...] = by_piece  # [run, piece, row, bytes]
+    out[...] = 0
+    # each row straight to its place, [run, piece, row, bytes]: no copy of the rows in order
+    _scatter_rows(q, order, place, out.reshape(-1, D // pieces, width, pieces))
     return out, place
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _scatter_rows(q, order, place, out):
+    """Row ``order[k]`` of ``q`` [n, D] to row ``place[k] % width`` of run ``place[k] // width``
+    of ``out`` [runs, D / pieces, width, pieces], a piece at a time."""
+    width, pieces = out.shape[2], out.shape[3]
+    for k in prange(order.size):
+        run, slot, row = place[k] // width, place[k] % width, order[k]
+        for p in range(out.shape[1]):
+            for j in range(pieces):
+                out[run, p, slot, j] = q[row, p * pieces + j]

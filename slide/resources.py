@@ -11,6 +11,8 @@ import os
 import resource
 import sys
 
+from slide.candidates import ClusterCandidates
+
 __all__ = ["peak_rss_mb", "available_memory_bytes", "memory_limit_bytes", "parse_bytes",
            "model_memory_bytes", "check_fits", "ModelTooLargeError", "MEMORY_LIMIT_ENV"]
 
@@ -63,7 +65,8 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
     over ``n_labels`` output rows.
 
     Per parameter, float32 weights and two Adam moments, and, with ``best_weights``, one more
-    for the best weights kept by early stopping; LSH tables and per-thread scratch. Gradients: with ``compact_gradients``
+    for the best weights kept by early stopping; LSH tables, or the output's label clusters
+    where they give its hard negatives, and per-thread scratch. Gradients: with ``compact_gradients``
     (the engine's), a row for each output row one step can add gradients to (the batch's LSH
     candidates and labels and the shared pool, at most every label) and for each input row (a
     batch's non-zeros at ``features_per_row``, at most every feature); otherwise (the dense
@@ -84,11 +87,18 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
     runs = max(1, int(runs))
     parts = {"parameters": 4 * n_params * runs, "adam_moments": 8 * n_params * runs,
              "gradients": 4 * gradients, "best_weights": 4 * n_params * runs * best_weights}
+    clusters = resolved.get("sampled") and resolved.get("negatives_from") == "clusters"
     tables = 0
-    for t in [resolved.get("tables")] + [l["tables"] for l in resolved.get("hidden_layers", []) if l]:
+    # the output's tables are built where they give the hard negatives; the label clusters
+    # otherwise (slide.candidates)
+    for t in [None if clusters else resolved.get("tables")] + \
+            [l["tables"] for l in resolved.get("hidden_layers", []) if l]:
         if t:
             tables += 4 * t["L"] * (1 << t["range_pow"]) * (t["bucket_size"] + 1)
     parts["hash_tables"] = tables * runs
+    if clusters:
+        held, passing = ClusterCandidates.expected_bytes(n_labels, hidden[-1])
+        parts["label_clusters"] = held * runs + passing
     # per-thread query sets (slots and positions for two to four times the largest union, and
     # its ids and hit counts: at most 40 bytes an id), the step's maps of the labels (a row's
     # owners, uint8; its place in the shared pool, int32), and where the output is whole a

@@ -396,18 +396,57 @@ def test_two_clusters_a_label_take_one_more_step_over_both_entries():
     from slide.clusters import _assign, kmeans
     W, b, _ = _layer(n=1500)
     V = np.ascontiguousarray(np.hstack((W, b[:, None])))
-    C1, one = kmeans(V, 64, seed=3, nearest=1)
-    first = _assign(V, C1, 1, nearest=2)
+    C1, one = kmeans(W, b, 64, seed=3, nearest=1)
+    first = _assign(W, b, C1, 1, nearest=2)
     want = C1.astype(np.float64)
     for c in range(64):
         held = V[(first == c).any(axis=1)]
         if held.size:
             want[c] = held.mean(axis=0)
-    C, two = kmeans(V, 64, seed=3, nearest=2)
+    C, two = kmeans(W, b, 64, seed=3, nearest=2)
     np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-5)
     assert not np.allclose(C, C1, atol=1e-3)  # the step moved them
-    np.testing.assert_array_equal(two, _assign(V, C, 1, nearest=2))
-    np.testing.assert_array_equal(one[:, 0], _assign(V, C1, 1)[:, 0])
+    np.testing.assert_array_equal(two, _assign(W, b, C, 1, nearest=2))
+    np.testing.assert_array_equal(one[:, 0], _assign(W, b, C1, 1)[:, 0])
+
+
+def test_the_int8_copy_reads_the_layer_where_it_lies():
+    """The layer's int8 copy is made from its rows as the model lays them out, with no float
+    copy of them: at a depth not a multiple of 4, the same bytes, scales, biases and sums as
+    from a contiguous copy zero-padded in float32 (a zero weight quantizes to 0 at any scale),
+    each row at its place of runs of pieces (the layout written out in numpy here)."""
+    from slide.grouped import PAIR, grouped_layout, int8_groups
+    W, b, _ = clustered_layer(300, 37, 10, 1)
+    order = np.random.default_rng(0).permutation(300)
+    sizes, starts = np.array([100, 120, 80]), np.array([0, 112, 240, 320])  # whole pairs
+    got = int8_groups(_as_in_a_model(W), b, order, sizes, starts)
+    want = int8_groups(np.pad(W, ((0, 0), (0, 3))), b, order, sizes, starts)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    q = np.random.default_rng(1).integers(-127, 128, (300, 40)).astype(np.int8)
+    for pieces, width in ((4, PAIR), (8, slide.grouped.GROUP)):
+        out, place = grouped_layout(q, order, sizes, starts, pieces=pieces, width=width)
+        flat = np.zeros((320, 40), np.int8)
+        flat[place] = q[order]
+        laid = flat.reshape(-1, width, 40 // pieces, pieces).transpose(0, 2, 1, 3)
+        np.testing.assert_array_equal(out, laid.reshape(out.shape))
+
+
+def test_a_refresh_makes_no_float_copy_of_the_layer():
+    """Following the weights costs the int8 copy and its layout (about 0.6 of the layer's
+    float32 bytes traced), not a copy of ``[w, b]`` in float32 (2.9 of them before)."""
+    import tracemalloc
+    W, b, _ = clustered_layer(20000, 128, 60, 1)
+    W = _as_in_a_model(W)
+    index = LabelClusters(clusters=64, spill=False).build(W, b)
+    index.refresh(W, b)  # compiled
+    tracemalloc.start()
+    try:
+        index.refresh(W, b)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.75 * 20000 * 128 * 4
 
 
 def test_one_cluster_a_label_when_not_spilled():
@@ -458,9 +497,9 @@ def test_clusters_rebuilt_from_the_last_centroids(fitted, tiny_data, monkeypatch
     starts = []
     kmeans = slide.clusters.kmeans
 
-    def recording(V, n_clusters, seed=0, threads=1, start=None, nearest=1):
+    def recording(W, b, n_clusters, seed=0, threads=1, start=None, nearest=1):
         starts.append(None if start is None else np.array(start))
-        return kmeans(V, n_clusters, seed, threads, start, nearest)
+        return kmeans(W, b, n_clusters, seed, threads, start, nearest)
     monkeypatch.setattr(slide.clusters, "kmeans", recording)
     model.set_ann(probe=0.5)
     model.predict_topk(Xte[:5], 5, mode="ann")

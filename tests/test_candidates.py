@@ -32,7 +32,7 @@ def test_a_refresh_keeps_the_clusters_and_indexes_the_moved_rows():
     index.refresh(W2, b2)
     np.testing.assert_array_equal(index.assign, assign)  # each label where it was
     means = C.copy()
-    _means(np.hstack((W2, b2[:, None])), assign, means)
+    _means(W2, b2, assign, means)
     np.testing.assert_allclose(index.centroids, means, rtol=1e-6)
     assert not np.allclose(index.centroids, C, atol=1e-3)
     # every cluster probed and rescored: the moved layer's exact top-10
@@ -187,3 +187,23 @@ def test_a_row_whose_clusters_hold_fewer_labels_than_it_asks(tiny_data):
                             negatives_from="clusters", early_stopping=False, epochs=1).fit(X, Y)
     w = model.state_.work
     assert all(np.all(w.active[r, :w.n_active[r]] >= 0) for r in range(w.n_active.size))
+
+
+def test_the_memory_estimate_counts_the_clusters_in_place_of_the_output_tables():
+    """Where the clusters give the hard negatives the output's tables are not built: the
+    estimate counts the index instead, at least what a built one holds and not half again."""
+    from slide.config import SlideConfig, resolve
+    from slide.resources import model_memory_bytes
+    n, width = 20000, 64
+    parts = {}
+    for source in ("clusters", "lsh"):
+        resolved = resolve(SlideConfig(hidden=(width,), negatives_from=source), 500, n, 50000)
+        parts[source] = model_memory_bytes(resolved, 500, n, threads=2)
+    assert parts["clusters"]["hash_tables"] == 0 < parts["lsh"]["hash_tables"]
+    assert "label_clusters" not in parts["lsh"]
+    held, passing = ClusterCandidates.expected_bytes(n, width)
+    assert parts["clusters"]["label_clusters"] == held + passing
+    W, b, _ = clustered_layer(n, width, 200, 1)
+    source = ClusterCandidates(n, {"b": b}, CLUSTER_NEGATIVES)
+    source.rehash(W)
+    assert source.nbytes <= held < 1.5 * source.nbytes
