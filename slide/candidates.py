@@ -110,7 +110,8 @@ class ClusterCandidates:
         if self.ask == 0:  # no hard negatives: no table to read
             return np.zeros((n, 1), np.int32), np.zeros((0, 1, 1), np.int32), \
                 np.zeros((0, 1), np.int32)
-        ids, _ = self.index.query(h, self.ask, threads=get_num_threads())
+        # the step scores its candidates itself: their int8 estimates rank them
+        ids, _ = self.index.query(h, self.ask, threads=get_num_threads(), rescore=False)
         # a row whose clusters hold fewer labels than it asks gets its answer padded with -1
         # at the end: its bucket's fill stops before them
         seen = (ids >= 0).sum(axis=1).astype(np.int32)[None]

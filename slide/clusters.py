@@ -522,6 +522,19 @@ def _rescore(H, W, b, pos, best, held, ids, scores):
         _rescore_row(H, r, W, b, top, top_held(top, keep), ids[r], scores[r])
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _estimated(pos, best, held, ids, scores):
+    """Each row's top-k (``ids`` [n, k]) by the int8 estimates its tasks' lanes hold, best
+    first, with those estimates in ``scores``; -1 and -inf past what the lanes hold."""
+    k = ids.shape[1]
+    for r in prange(ids.shape[0]):
+        est, top = _merged(pos[:, r], best[:, r], held[:, r], k)
+        m = top_held(top, k)
+        for j in range(k):
+            ids[r, j] = top[j] if j < m else -1
+            scores[r, j] = est[j] if j < m else -np.inf
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _merged(pos, best, held, keep):
     """The lanes (:mod:`slide.toplanes`) of the best ``keep`` of one row's tasks' entries
@@ -755,17 +768,22 @@ class LabelClusters:
                          counts, kind)
         return chosen, counts
 
-    def query(self, H, k: int, threads: int = 1, keep: int | None = None):
+    def query(self, H, k: int, threads: int = 1, keep: int | None = None,
+              rescore: bool = True):
         """Top-k ``(rows int64 [n, k], scores float32 [n, k])`` of hidden vectors ``H`` [n,
         hidden], best first: the labels of each row's clusters (:meth:`chosen`) scored from
-        the int8 copy, the ``keep`` best (default ``KEEP_PER_K`` k) again in float32."""
+        the int8 copy, the ``keep`` best (default ``KEEP_PER_K`` k) again in float32. With
+        ``rescore=False`` (a batch of rows), the top-k by the int8 estimates, which are the
+        scores: a training step that computes its candidates' scores itself need not fetch
+        their rows first (docs/active-set.md)."""
         H = np.ascontiguousarray(H, np.float32)
         n = H.shape[0]
-        keep = max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
+        keep = k if not rescore else max(k, min(self.n, keep or math.ceil(KEEP_PER_K * k)))
         avx2 = int8_kind() is not None
         ids = np.empty((n, k), np.int64)
         scores = np.empty((n, k), np.float32)
-        if n == 1:  # one kernel: a batch's five cost more to start (docs/ann-kernels.md)
+        # a row alone: one kernel, as a batch's five cost more to start (docs/ann-kernels.md)
+        if n == 1 and rescore:
             _query_row(H, *self._row_head, self.budget, *self._row_tail, keep, threads, ids,
                        scores, avx2)
             return ids, scores
@@ -779,5 +797,8 @@ class LabelClusters:
         _scan(hq, t, z, self.q, self.scale, self.label_bias, self.sums, self.members,
               self.starts, self._widest, ptr, rows, bounds, pos, best, held, kind, self._tiles,
               AMX_FROM)
-        _rescore(H, self.W, self.b, pos, best, held, ids, scores)
+        if rescore:
+            _rescore(H, self.W, self.b, pos, best, held, ids, scores)
+        else:
+            _estimated(pos, best, held, ids, scores)
         return ids, scores

@@ -449,6 +449,23 @@ def test_a_refresh_makes_no_float_copy_of_the_layer():
     assert peak < 0.75 * 20000 * 128 * 4
 
 
+def test_a_batch_not_rescored_is_ranked_by_the_int8_estimates():
+    """``rescore=False``: each row's top-k by the int8 copy's estimates, best first, which are
+    the scores it gives: close to the labels' float32 scores (a wrong id is far off), and at
+    probe 1 nearly the exact top-k."""
+    W, b, H = _layer()
+    index = LabelClusters(probe=1.0, spill=False).build(W, b)
+    ids, estimates = index.query(H, 10, threads=2, rescore=False)
+    exact = H @ W.T + b
+    assert np.all(np.diff(estimates, axis=1) <= 0)
+    np.testing.assert_allclose(estimates, np.take_along_axis(exact, ids, 1),
+                               atol=0.01 * np.abs(exact).max())
+    top = np.argsort(-exact, axis=1)[:, :10]
+    assert np.mean([np.intersect1d(a, e).size / 10 for a, e in zip(ids, top)]) > 0.95
+    rescored = index.query(H, 10, threads=2)[0]
+    assert not np.array_equal(ids, rescored)  # the float32 scores reorder some
+
+
 def test_one_cluster_a_label_when_not_spilled():
     W, b, H = _layer()
     index = LabelClusters(probe=1.0, spill=False).build(W, b)
