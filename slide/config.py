@@ -346,11 +346,11 @@ def sampled_width(n_labels: int) -> int:
     return 128
 
 
-def touched_share(n_labels: int, batch_size: int, lsh_cap: int, pool: int) -> float:
+def touched_share(n_labels: int, batch_size: int, own: int, pool: int) -> float:
     """Expected share of a sampled output layer's rows that one step touches: the batch's
-    ``batch_size x lsh_cap`` candidates and the ``pool`` shared negatives taken as uniform
+    ``batch_size x own`` hard negatives and the ``pool`` shared negatives taken as uniform
     draws (``1 - exp(-draws / n_labels)``)."""
-    return 1.0 - math.exp(-(batch_size * lsh_cap + pool) / max(n_labels, 1))
+    return 1.0 - math.exp(-(batch_size * own + pool) / max(n_labels, 1))
 
 
 def default_batch_size(n_train: int) -> int:
@@ -456,7 +456,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     elif "weight_decay" in chosen:
         out["weight_decay"] = chosen["weight_decay"]
     elif slow_rows:
-        share = touched_share(n_labels, batch_size, lsh_cap, out["pool"]) if sampled else 1.0
+        # a sample's own hard negatives: the clusters' few where they give them
+        own = out.get("cluster_negatives", lsh_cap)
+        share = touched_share(n_labels, batch_size, own, out["pool"]) if sampled else 1.0
         out["weight_decay"] = min(1.0, SAMPLED_DECAY / share)
     else:
         out["weight_decay"] = 1.0

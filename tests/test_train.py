@@ -444,9 +444,16 @@ def test_sampled_width_and_decay_follow_the_output_layer():
     share = touched_share(670_091, 128, HARD_NEGATIVES, 3351 - HARD_NEGATIVES)
     assert 0.04 < share < 0.06 and SAMPLED_DECAY / share > 1
     assert wide["hidden"] == [128] and wide["weight_decay"] == 1.0
-    # 4K labels: nearly every row every step, so the decay is nearly SAMPLED_DECAY
-    share = touched_share(4000, mid["batch_size"], mid["lsh_cap"], mid["pool"])
-    assert mid["weight_decay"] == pytest.approx(SAMPLED_DECAY / share) and share > 0.9
+    # 4K labels on the tables: nearly every row every step, so the decay is nearly
+    # SAMPLED_DECAY; on the clusters (the rule there) a sample's 16 hard negatives, not the
+    # tables' quarter, are what it touches: a third of the rows, three times the decay
+    tables = resolve(SlideConfig(negatives_from="lsh"), n_features=5000, n_labels=4000,
+                     n_train=14_000)
+    share = touched_share(4000, tables["batch_size"], tables["lsh_cap"], tables["pool"])
+    assert tables["weight_decay"] == pytest.approx(SAMPLED_DECAY / share) and share > 0.9
+    assert mid["negatives_from"] == "clusters" and mid["cluster_negatives"] == 16
+    share = touched_share(4000, mid["batch_size"], 16, mid["pool"])
+    assert mid["weight_decay"] == pytest.approx(SAMPLED_DECAY / share) and 0.3 < share < 0.4
     assert mid["hidden"] == [512]
     # computed whole: every row every step at the small-set rate; the rule is not applied
     assert small["weight_decay"] == 1.0 and small["hidden"] == [512]
