@@ -6,10 +6,8 @@ statistical efficiency (samples to the score). The model (docs/planner.md):
 
 * the final score is set by the learning-rate plan's optimizer steps: a plan takes the rule's
   planned epochs for its batch size (the same steps as the default) and reaches the default's
-  final score where its last halving begins (:data:`TARGET_SHARE`) of the epochs it is
-  expected to train (the loop's cut where the score flattens taken at :data:`FLAT_EPOCH`).
-  (A plan whose probe leads the default at the start does not keep the lead: measured on real
-  data, docs/planner.md.)
+  final score where its last halving begins (:data:`TARGET_SHARE`). (A plan whose probe leads the default at the start does not keep
+  the lead: measured on real data, docs/planner.md.)
 * so plans that keep the optimizer's settings differ in hardware efficiency alone, which short
   probes measure: the candidates (:func:`candidates`: thread counts) train stretches of
   the default's own first epoch in turn, on the default's own model, so no probe's samples are
@@ -37,8 +35,7 @@ from slide.plan import Plan
 from slide.selection import offered
 
 __all__ = ["Probe", "Prediction", "Planner", "candidates", "predict", "seconds_to", "choose",
-           "PROBE_SHARE", "MARGIN", "RECHECK", "TARGET_SHARE", "FLAT_EPOCH",
-           "cut_share", "expected_epochs", "PROBE_VALIDATION_ROWS"]
+           "PROBE_SHARE", "MARGIN", "RECHECK", "TARGET_SHARE", "PROBE_VALIDATION_ROWS"]
 
 #: the share of the default plan's predicted run that the probes take (every probed sample is
 #: a sample of the run: only the slower plans' extra seconds are lost)
@@ -55,11 +52,6 @@ RECHECK = 0.25
 #: learning-rate plan's last halving begins (the best epochs measured: 17-20 of 20 on
 #: git_openstack, 9-12 of 14 on the Amazon preset; docs/planner.md)
 TARGET_SHARE = 5 / 6
-#: the epoch of a cycle at its first rate where the validation score flattened in every
-#: measured run whose loop cut its plan (``EarlyStopping.cut_plan``: git_openstack, on the
-#: tables and on the clusters); a prediction takes the cut there, and re-plans at the epoch
-#: where a run goes on uncut (docs/planner.md)
-FLAT_EPOCH = 4
 #: held-out rows the probes' evaluation is timed on (scaled to the whole slice)
 PROBE_VALIDATION_ROWS = 1000
 #: batches of each plan's stretch in the first round, whose rates size the other rounds
@@ -90,19 +82,17 @@ class Probe:
 
 @dataclass
 class Prediction:
-    """A plan's predicted run: ``epochs`` planned, of which it is expected to train
-    ``expected_epochs`` (:func:`expected_epochs`), ``seconds`` from the start of planning to
+    """A plan's predicted run: ``epochs`` planned, ``seconds`` from the start of planning to
     the default's final score."""
     plan: Plan
     epochs: int
     seconds: float
     samples_per_second: float
-    expected_epochs: int
 
     def to_json(self, base: Plan | None = None) -> dict:
         return {"plan": self.plan.describe(base), "settings": self.plan.to_json(),
-                "epochs": self.epochs, "expected_epochs": self.expected_epochs,
-                "seconds": self.seconds, "samples_per_second": self.samples_per_second}
+                "epochs": self.epochs, "seconds": self.seconds,
+                "samples_per_second": self.samples_per_second}
 
 
 def seconds_to(epoch: int, rows: int, done: int, spent: float, rate: float,
@@ -113,38 +103,16 @@ def seconds_to(epoch: int, rows: int, done: int, spent: float, rate: float,
     return spent + max(0.0, epoch * rows - done) / rate + epoch * eval_seconds
 
 
-def cut_share(planned: int, metric: str = "nDCG@5") -> float:
-    """The share of a plan's (second) cycle that a run of ``planned`` epochs of the default's
-    batch is predicted to train: the loop's cut (``EarlyStopping.cut_plan``: 3x the cycle's
-    epochs at the first rate) at :data:`FLAT_EPOCH` where a ranking score is judged and the
-    cut would shorten the plan; all of it otherwise. A plan at another batch keeps the rule's
-    steps, and so the share of them."""
-    first = first_cycle(metric, planned)
-    if metric == "loss" or planned - first <= 3 * FLAT_EPOCH:
-        return 1.0
-    return 3 * FLAT_EPOCH / (planned - first)
-
-
-def expected_epochs(planned: int, metric: str = "nDCG@5", share: float | None = None) -> int:
-    """The epochs a run of ``planned`` is predicted to train: its first cycle and ``share``
-    (:func:`cut_share` of its own plan where none is given) of the rest."""
-    first = first_cycle(metric, planned)
-    share = cut_share(planned, metric) if share is None else share
-    return first + max(1, round(share * (planned - first)))
-
-
 def predict(probe: Probe, rows: int, done: int, spent: float, eval_seconds: float,
-            metric: str = "nDCG@5", share: float | None = None) -> Prediction:
-    """``probe``'s plan run on until it has its final score (:data:`TARGET_SHARE` of the
-    epochs it is expected to train, :func:`expected_epochs` with the default's ``share``, of
-    ``rows`` rows), ``done`` samples of the first epoch trained and ``spent`` seconds gone
-    (probes, evaluation); ``metric``: the run's early-stopping score."""
+            metric: str = "nDCG@5") -> Prediction:
+    """``probe``'s plan run on until it has its final score (:data:`TARGET_SHARE` of its
+    planned epochs of ``rows`` rows), ``done`` samples of the first epoch trained and ``spent``
+    seconds gone (probes, evaluation); ``metric``: the run's early-stopping score."""
     # the share is of the plan's second cycle where it has two (slide.loop.first_cycle)
     first = first_cycle(metric, probe.epochs)
-    runs = expected_epochs(probe.epochs, metric, share)
-    target = first + max(1, math.ceil(TARGET_SHARE * (runs - first) - 1e-9))
+    target = first + max(1, math.ceil(TARGET_SHARE * (probe.epochs - first) - 1e-9))
     seconds = seconds_to(target, rows, done, spent, probe.samples_per_second, eval_seconds)
-    return Prediction(probe.plan, probe.epochs, seconds, probe.samples_per_second, runs)
+    return Prediction(probe.plan, probe.epochs, seconds, probe.samples_per_second)
 
 
 def choose(predictions: list, margin: float = MARGIN) -> tuple[Prediction, str]:
@@ -246,18 +214,15 @@ class Planner:
         eval_seconds = (time.perf_counter() - t1) * min(Xv.shape[0], MAX_VALIDATION_ROWS) \
             / val[0].shape[0]
         plans = self.plans or candidates(resolved, default)
-        probes, done = self._probe(plans, default, state, Xp, Yr, order, done, eval_seconds,
-                                   expected_epochs(resolved["epochs"], metric.metric))
+        probes, done = self._probe(plans, default, state, Xp, Yr, order, done, eval_seconds)
         model.record_.epoch_position = done
         spent = time.perf_counter() - t0
-        share = cut_share(resolved["epochs"], metric.metric)
-        predictions = [predict(p, n, done, spent, eval_seconds, metric.metric, share)
-                       for p in probes]
+        predictions = [predict(p, n, done, spent, eval_seconds, metric.metric) for p in probes]
         chosen, why = choose(predictions, self.margin)
         report.update(candidates=[p.to_json(default) for p in predictions],
                       probes=[p.to_json() for p in probes], probe_seconds=spent,
                       probe_samples=done, warmup_samples=warmup, eval_seconds=eval_seconds,
-                      rows=n, flat_epoch=first_cycle(metric.metric, chosen.epochs) + FLAT_EPOCH,
+                      rows=n,
                       chosen=chosen.to_json(default), reason=why)
         self.log(_table(predictions, chosen, default))
         self.log(f"plan: {chosen.plan.describe(default)}: {why}")
@@ -266,12 +231,12 @@ class Planner:
         model.record_.plan = report
         return report
 
-    def _probe(self, plans, default, state, Xp, Y, order, done, eval_seconds, epochs):
+    def _probe(self, plans, default, state, Xp, Y, order, done, eval_seconds):
         """Time each plan's stretches of the epoch ``order`` from sample ``done`` on, round
         robin (the rate drifts along an epoch, and so every plan sees the same stretch of it):
         a first round of :data:`FIRST_PROBE_BATCHES` batches each, whose rates size the other
-        rounds to ``share`` of the default's predicted run (``epochs`` expected). Returns the
-        probes and the samples of the epoch done."""
+        rounds to ``share`` of the default's predicted run. Returns the probes and the samples
+        of the epoch done."""
         resolved, n = state.resolved, Xp.shape[0]
         batches = [plan.batch_size or resolved["batch_size"] for plan in plans]
         samples, seconds = [0] * len(plans), [0.0] * len(plans)
@@ -287,7 +252,7 @@ class Planner:
                 done = stop
             if r == 0:
                 rate = samples[0] / max(seconds[0], 1e-9)
-                total = epochs * (n / rate + eval_seconds)
+                total = resolved["epochs"] * (n / rate + eval_seconds)
                 budget = self.share * total / (PROBE_ROUNDS - 1) / len(plans)
                 size = [max(b, int(budget * samples[i] / max(seconds[i], 1e-9) / b) * b)
                         for i, b in enumerate(batches)]
@@ -323,31 +288,24 @@ class Planner:
             return on_epoch
         rate, rows = pred["samples_per_second"], report["rows"]
         outside = [0.0]  # seconds the caller's on_epoch took: not training
-        # the loop may cut the plan (slide.loop.FLAT_GAIN); the prediction expects it to
-        planned = [pred["epochs"]]
-        expected = pred.get("expected_epochs") or pred["epochs"]
+        planned = [pred["epochs"]]  # the loop may cut the plan (slide.loop.FLAT_GAIN)
 
         def check(model, entry):
             now = time.perf_counter() - self.started_ - outside[0]
-            expected_now = seconds_to(entry["epoch"], rows, report["probe_samples"],
-                                      report["probe_seconds"], rate, report["eval_seconds"])
-            check = {"epoch": entry["epoch"], "elapsed": now, "predicted": expected_now}
-            off = now / max(expected_now, 1e-9) - 1
+            expected = seconds_to(entry["epoch"], rows, report["probe_samples"],
+                                  report["probe_seconds"], rate, report["eval_seconds"])
+            check = {"epoch": entry["epoch"], "elapsed": now, "predicted": expected}
+            off = now / max(expected, 1e-9) - 1
             cut = entry.get("planned_epochs")
             if cut:
                 planned[0] = cut
-            # the score went on rising where the prediction took the cut: the plan as planned
-            uncut = not cut and entry["epoch"] == report.get("flat_epoch") and \
-                planned[0] > expected
-            if abs(off) > self.recheck or cut or uncut:
+            if abs(off) > self.recheck or cut:
                 # re-plan: the remaining epochs at the rate and evaluation cost measured so far
                 left = planned[0] - entry["epoch"]
                 per_epoch = (now - report["probe_seconds"]) / entry["epoch"]
                 check["replanned_seconds"] = now + left * per_epoch
                 why = (f"the validation score flattened: the plan is cut to {cut} epochs"
-                       if cut else f"the validation score did not flatten: the plan keeps its "
-                       f"{planned[0]} epochs" if uncut else
-                       f"predicted {expected_now:.0f} s ({off:+.0%})")
+                       if cut else f"predicted {expected:.0f} s ({off:+.0%})")
                 self.log(f"plan: epoch {entry['epoch']} ended at {now:.0f} s, {why}; the run "
                          f"now ends at about {check['replanned_seconds']:.0f} s")
             report["checks"].append(check)
@@ -360,10 +318,9 @@ class Planner:
 
 
 def _table(predictions, chosen, base) -> str:
-    rows = [f"{'plan':<36} {'samples/s':>10} {'epochs':>8} {'seconds':>8}"]
+    rows = [f"{'plan':<36} {'samples/s':>10} {'epochs':>6} {'seconds':>8}"]
     for p in predictions:
         mark = " <" if p is chosen else ""
-        epochs = f"{p.expected_epochs}/{p.epochs}" if p.expected_epochs < p.epochs else p.epochs
         rows.append(f"{p.plan.describe(base):<36} {p.samples_per_second:>10,.0f} "
-                    f"{epochs:>8} {p.seconds:>8.0f}{mark}")
+                    f"{p.epochs:>6} {p.seconds:>8.0f}{mark}")
     return "\n".join(rows)

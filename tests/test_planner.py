@@ -6,8 +6,7 @@ import pytest
 from slide.estimator import SlideClassifier
 from slide.loop import first_cycle
 from slide.plan import Plan
-from slide.planner import (FLAT_EPOCH, MARGIN, TARGET_SHARE, Planner, Probe, candidates, choose,
-                           cut_share, expected_epochs, predict)
+from slide.planner import MARGIN, TARGET_SHARE, Planner, Probe, candidates, choose, predict
 
 ROWS = 10_000
 
@@ -58,32 +57,6 @@ def test_prediction_is_the_remaining_samples_at_the_probes_rate_plus_evaluations
     assert p.seconds == pytest.approx(30.0 + (11 * ROWS - 6000) / 2000 + 11 * 2.0)
 
 
-def test_a_long_plan_is_predicted_cut_where_the_score_flattens():
-    """A ranked score's plan long enough for the loop's cut is predicted to run 3x FLAT_EPOCH
-    epochs after its first cycle, and to have its final score at the share of those; a loss's
-    plan, and one the cut would not shorten, as planned."""
-    assert FLAT_EPOCH == 4
-    assert expected_epochs(23) == 3 + 12 and expected_epochs(23, "loss") == 23
-    assert expected_epochs(14) == 14 and expected_epochs(8) == 8
-    p = predict(probe(Plan(threads=1), 2000.0, epochs=23), ROWS, done=6000, spent=30.0,
-                eval_seconds=2.0)
-    assert (p.epochs, p.expected_epochs) == (23, 15)
-    # epoch 3 + 5/6 of the 12: 13, where the plan as planned would have it at 3 + 17
-    assert p.seconds == pytest.approx(30.0 + (13 * ROWS - 6000) / 2000 + 13 * 2.0)
-    p = predict(probe(Plan(threads=1), 2000.0, epochs=23), ROWS, done=6000, spent=30.0,
-                eval_seconds=2.0, metric="loss")
-    assert p.expected_epochs == 23
-    assert p.seconds == pytest.approx(30.0 + (20 * ROWS - 6000) / 2000 + 20 * 2.0)
-    # a plan at twice the batch (46 epochs, the same steps) is cut at the same share of its
-    # steps as the default: 3 + 0.6 x 43 epochs, its score at 3 + 22
-    share = cut_share(23)
-    assert share == pytest.approx(12 / 20)
-    p = predict(probe(Plan(threads=1), 2000.0, epochs=46), ROWS, done=6000, spent=30.0,
-                eval_seconds=2.0, share=share)
-    assert p.expected_epochs == 3 + 26
-    assert p.seconds == pytest.approx(30.0 + (25 * ROWS - 6000) / 2000 + 25 * 2.0)
-
-
 def test_the_planner_chooses_the_plan_the_speed_curves_make_soonest():
     """Rates and planned epochs where the answer is known: a plan at twice the batch takes the
     same steps, so twice the epochs, and wins only where it more than doubles the rate."""
@@ -97,9 +70,7 @@ def test_the_planner_chooses_the_plan_the_speed_curves_make_soonest():
     ]
     for curves, want in cases:
         probes = [probe(d if i == 0 else Plan(threads=i), r, e) for i, (r, e) in enumerate(curves)]
-        share = cut_share(curves[0][1])
-        preds = [predict(p, ROWS, done=5000, spent=5.0, eval_seconds=0.5, share=share)
-                 for p in probes]
+        preds = [predict(p, ROWS, done=5000, spent=5.0, eval_seconds=0.5) for p in probes]
         chosen, why = choose(preds)
         assert chosen is preds[want], (curves, [p.seconds for p in preds])
         assert ("sooner than the default" in why) == (want == 0)
@@ -124,31 +95,6 @@ def test_the_run_replans_its_end_where_the_loop_cuts_the_plan():
     # the 4 epochs left of the cut plan at the 2 epochs' measured pace
     assert cut["replanned_seconds"] == pytest.approx(3 * cut["elapsed"], rel=1e-6)
     assert len(lines) == 1 and "the plan is cut to 6 epochs" in lines[0]
-
-
-def test_the_run_replans_its_end_where_the_expected_cut_does_not_come():
-    """Predicted cut at FLAT_EPOCH of the second cycle: a run still uncut at that epoch
-    re-plans to the plan as planned, once; a run cut there does not."""
-    def run(entries):
-        lines = []
-        planner = Planner(recheck=1e12, log=lines.append)
-        planner.started_ = time.perf_counter()
-        report = {"chosen": {"epochs": 23, "expected_epochs": 15, "samples_per_second": 1e6},
-                  "rows": 100, "probe_samples": 0, "probe_seconds": 0.0, "eval_seconds": 0.0,
-                  "checks": [], "flat_epoch": 3 + FLAT_EPOCH}
-        check = planner.watch(report)
-        for entry in entries:
-            check(None, entry)
-        return report["checks"], lines
-    checks, lines = run([{"epoch": e} for e in range(1, 10)])
-    replanned = [c["epoch"] for c in checks if "replanned_seconds" in c]
-    assert replanned == [7] and len(lines) == 1 and "keeps its 23 epochs" in lines[0]
-    at = checks[6]
-    assert at["replanned_seconds"] == pytest.approx(at["elapsed"] * 23 / 7, rel=1e-6)
-    checks, lines = run([{"epoch": e} for e in range(1, 7)] + [{"epoch": 7, "planned_epochs": 15},
-                                                                {"epoch": 8}])
-    assert [c["epoch"] for c in checks if "replanned_seconds" in c] == [7]
-    assert len(lines) == 1 and "cut to 15 epochs" in lines[0]
 
 
 def _model(**kw):
