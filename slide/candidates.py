@@ -16,6 +16,7 @@ from numba import get_num_threads
 
 from lsh import HashTables, TableConfig
 from slide.clusters import LabelClusters, cluster_count
+from slide.grouped import PAIR
 
 __all__ = ["ClusterCandidates", "output_source", "CLUSTERS_DIVISOR"]
 
@@ -62,7 +63,6 @@ class ClusterCandidates:
         scale, bias, sum and label, each label's cluster, the centroids and their 4-bit copy),
         and those a build or refresh adds while it runs (the new index beside the old, and the
         layer's int8 rows before they are laid out)."""
-        from slide.grouped import PAIR
         k = max(1, cluster_count(n_labels) // CLUSTERS_DIVISOR)
         depth = -(-width // 4) * 4
         entries = n_labels + (PAIR - 1) * k  # each cluster padded up to a whole pair

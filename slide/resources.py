@@ -66,11 +66,11 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
 
     Per parameter, float32 weights and two Adam moments, and, with ``best_weights``, one more
     for the best weights kept by early stopping; LSH tables, or the output's label clusters
-    where they give its hard negatives, and per-thread scratch. Gradients: with ``compact_gradients``
-    (the engine's), a row for each output row one step can add gradients to (the batch's LSH
-    candidates and labels and the shared pool, at most every label) and for each input row (a
-    batch's non-zeros at ``features_per_row``, at most every feature); otherwise (the dense
-    reference) a full array per parameter. ``runs``: models held at once (fit holds the best
+    where they give its hard negatives, and per-thread scratch. Gradients: with
+    ``compact_gradients`` (the engine's), a row for each output row one step can add gradients
+    to (the batch's hard negatives and labels and the shared pool, at most every label) and for
+    each input row (a batch's non-zeros at ``features_per_row``, at most every feature);
+    otherwise (the dense reference) a full array per parameter. ``runs``: models held at once (fit holds the best
     run of its selection while the next trains, where no refit follows: 2).
     """
     hidden = [int(h) for h in resolved["hidden"]]
@@ -78,8 +78,8 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
         + n_labels * (hidden[-1] + 1) + sum(hidden)
     gradients = n_params
     if compact_gradients:
-        out_rows = min(n_labels,
-                       resolved["batch_size"] * (resolved["lsh_cap"] + 1) + resolved["pool"])
+        own = resolved.get("cluster_negatives", resolved["lsh_cap"])  # a sample's hard negatives
+        out_rows = min(n_labels, resolved["batch_size"] * (own + 1) + resolved["pool"])
         gradients -= (n_labels - out_rows) * (hidden[-1] + 1)
         if features_per_row is not None:
             in_rows = min(n_features, math.ceil(resolved["batch_size"] * features_per_row))
