@@ -5,8 +5,9 @@ label clusters.
         --out bench/results/negatives_recall_git
 
 The engine trains with its defaults but the LSH tables (``negatives_from="lsh"``) for
-``--epochs`` epochs, without early stopping. After each epoch, for ``--rows`` training rows, each row's exact top ``--k`` output
-rows by ``h · w + b`` (the labels aside) are compared with what each source offers it:
+``--epochs`` epochs, without early stopping. After each epoch, for ``--rows`` training rows,
+each row's exact top ``--k`` output rows by ``h · w + b`` (the labels aside) are compared with
+what each source offers it:
 ``lsh union``, every id of the row's buckets in the training tables (as last rehashed);
 ``lsh``, the ``lsh_cap`` of them the step keeps (ranked by the tables that found them); and
 ``clusters``, the answer of the output layer's label clusters as ``negatives_from="clusters"``

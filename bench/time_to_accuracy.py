@@ -17,7 +17,8 @@ threads with a GPU worker (on numpy without a GPU), whose per-worker samples, bu
 utilisation are recorded. ``+mined`` after a sampled or a hetero engine adds ``--mined`` hard
 negatives a row, its best-scoring output rows by the exact product (``mined_negatives``,
 ``HeteroConfig.gpu_mined``); ``slide+lsh`` / ``slide+clusters`` is the engine with its hard
-negatives from its LSH tables / label clusters whatever the rule says (``negatives_from``). Each engine runs in its own process. The linear peers,
+negatives from its LSH tables / label clusters whatever the rule says (``negatives_from``).
+Each engine runs in its own process. The linear peers,
 ``xr-linear`` and ``parabel`` (:mod:`bench.peers`, in the peers environment of
 ``--peers-python``), train once with their defaults on the same rows: each is one point, its
 training seconds and its P@1 on the same test sample (skipped, with a note, without that

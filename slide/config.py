@@ -19,7 +19,7 @@ from lsh import autotune
 from lsh.tables import bucket_size_for
 from slide.loop import FIRST_CYCLE, first_cycle
 
-__all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "NEGATIVE_SOURCES", "CLUSTER_NEGATIVES", "CLUSTER_LABELS", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "touched_share",
+__all__ = ["SlideConfig", "resolve", "active_target", "FULL_OUTPUT_LABELS", "NEGATIVE_SOURCES", "CLUSTER_NEGATIVES", "CLUSTER_LABELS", "tables_for_rows", "MAX_BUCKET_SIZE", "checked_setting", "checked_choice", "idf_weighted", "CHOICE_CHECKS", "sampled_width", "sample_negatives", "touched_share",
            "rare_share", "planned_epochs", "init_parameters", "hidden_blocks", "hidden_block", "FIXED_AFTER_FIT",
            "HASH_FAMILIES", "BUCKET_POLICIES", "ACTIVATIONS"]
 
@@ -346,6 +346,12 @@ def sampled_width(n_labels: int) -> int:
     return 128
 
 
+def sample_negatives(resolved: dict) -> int:
+    """A sample's own hard negatives in ``resolved`` settings: the label clusters' answer where
+    they give them, else the tables' cap (:func:`resolve`)."""
+    return resolved.get("cluster_negatives", resolved["lsh_cap"])
+
+
 def touched_share(n_labels: int, batch_size: int, own: int, pool: int) -> float:
     """Expected share of a sampled output layer's rows that one step touches: the batch's
     ``batch_size x own`` hard negatives and the ``pool`` shared negatives taken as uniform
@@ -456,9 +462,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     elif "weight_decay" in chosen:
         out["weight_decay"] = chosen["weight_decay"]
     elif slow_rows:
-        # a sample's own hard negatives: the clusters' few where they give them
-        own = out.get("cluster_negatives", lsh_cap)
-        share = touched_share(n_labels, batch_size, own, out["pool"]) if sampled else 1.0
+        share = touched_share(n_labels, batch_size, sample_negatives(out), out["pool"]) \
+            if sampled else 1.0
         out["weight_decay"] = min(1.0, SAMPLED_DECAY / share)
     else:
         out["weight_decay"] = 1.0

@@ -17,7 +17,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from slide.screen import BIAS, SCALE, quantize_labels, query_range, target_has
-from slide.runtime import aligned_empty
+from slide.runtime import aligned_empty, aligned_zeros
 
 __all__ = ["GROUP", "PAIR", "LEVELS", "NIBBLE", "OFFSET", "TILE_ROWS", "TILE_GROUPS", "LOOP",
            "AVX2", "VNNI", "AMX", "int8_kind", "dot16_avx2", "dot4_avx2", "dot16_loop", "dot4_loop",
@@ -613,8 +613,7 @@ def grouped_layout(q, order, sizes, starts, pieces: int = 4, width: int = GROUP)
     cluster_of = np.repeat(np.arange(sizes.size), sizes)
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     place = starts[cluster_of] + np.arange(order.size) - first[cluster_of]
-    out = aligned_empty((starts[-1] // width, width * D), np.int8)
-    out[...] = 0
+    out = aligned_zeros((starts[-1] // width, width * D), np.int8)  # padding rows: zeros
     # each row straight to its place, [run, piece, row, bytes]: no copy of the rows in order
     _scatter_rows(q, order, place, out.reshape(-1, D // pieces, width, pieces))
     return out, place

@@ -12,6 +12,7 @@ import resource
 import sys
 
 from slide.candidates import ClusterCandidates
+from slide.config import sample_negatives
 
 __all__ = ["peak_rss_mb", "available_memory_bytes", "memory_limit_bytes", "parse_bytes",
            "model_memory_bytes", "check_fits", "ModelTooLargeError", "MEMORY_LIMIT_ENV"]
@@ -70,16 +71,16 @@ def model_memory_bytes(resolved: dict, n_features: int, n_labels: int, threads: 
     ``compact_gradients`` (the engine's), a row for each output row one step can add gradients
     to (the batch's hard negatives and labels and the shared pool, at most every label) and for
     each input row (a batch's non-zeros at ``features_per_row``, at most every feature);
-    otherwise (the dense reference) a full array per parameter. ``runs``: models held at once (fit holds the best
-    run of its selection while the next trains, where no refit follows: 2).
+    otherwise (the dense reference) a full array per parameter. ``runs``: models held at once
+    (fit holds the best run of its selection while the next trains, where no refit follows: 2).
     """
     hidden = [int(h) for h in resolved["hidden"]]
     n_params = n_features * hidden[0] + sum(a * b for a, b in zip(hidden[:-1], hidden[1:])) \
         + n_labels * (hidden[-1] + 1) + sum(hidden)
     gradients = n_params
     if compact_gradients:
-        own = resolved.get("cluster_negatives", resolved["lsh_cap"])  # a sample's hard negatives
-        out_rows = min(n_labels, resolved["batch_size"] * (own + 1) + resolved["pool"])
+        out_rows = min(n_labels, resolved["batch_size"] * (sample_negatives(resolved) + 1)
+                       + resolved["pool"])
         gradients -= (n_labels - out_rows) * (hidden[-1] + 1)
         if features_per_row is not None:
             in_rows = min(n_features, math.ceil(resolved["batch_size"] * features_per_row))
