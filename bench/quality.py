@@ -5,6 +5,7 @@ XMC methods (XR-Linear, Parabel).
     python -m bench.quality --sets Enron,Medical --engines slide,xr-linear
     python -m bench.quality --data-dir DIR --presets demo,amazon-670k:100000 --engines slide,knn
     python -m bench.quality --sets single:Corel5k --presets shape:5000/1000/15000/3000/236/1.5
+    python -m bench.quality --sets cut:git_openstack/4000,cut:git_openstack/15000 --presets ""
 
 Engines: ``slide`` (the engine), ``dense`` (the dense reference on numpy), ``xr-linear``
 (PECOS), ``parabel`` (omikuji's implementation, Parabel's settings), ``knn`` (a cosine
@@ -15,7 +16,8 @@ Every engine trains with its defaults on the training file and is scored once on
 (P@1/3/5, PSP@5 with Jain et al.'s propensities from the training labels), with its training
 seconds and peak RSS, each in its own process. Real sets are the folders of ``--data-dir``
 holding ``train.txt`` and ``test.txt`` (``single:NAME``: the folder made multi-class, each row
-keeping the first label it lists and rows without one left out); presets are synthetic (``NAME``
+keeping the first label it lists and rows without one left out; ``cut:NAME/ROWS``: a cut of
+ROWS training rows, shaped as wide tf-idf data, :func:`cut_rows`); presets are synthetic (``NAME``
 or ``NAME:N_TRAIN``, or a shape of the generator's, ``shape:FEATURES/LABELS/TRAIN/TEST/
 FEATURES_PER_ROW/LABELS_PER_ROW``, with its other knobs at the presets' values).
 
@@ -53,6 +55,30 @@ def first_labels(X, Y):
     return sp.csr_matrix(X)[rows], first
 
 
+#: a cut keeps the labels with at least this many positives among its rows
+CUT_POSITIVES = 4
+
+
+def cut_rows(Xtr, Ytr, Xte, Yte, n_rows: int, seed: int):
+    """A few-row cut of a real set, shaped as wide tf-idf data: ``n_rows`` training rows drawn
+    at random, the labels with at least :data:`CUT_POSITIVES` positives among them, the rows
+    left without a label out (training and test), the features the cut's rows hold,
+    idf-weighted from the cut and L2-normalised; every test row is scored."""
+    from sklearn.preprocessing import normalize
+    rows = np.sort(np.random.default_rng(seed).choice(Xtr.shape[0], n_rows, replace=False))
+    X, Y = sp.csr_matrix(Xtr)[rows], sp.csr_matrix(Ytr)[rows]
+    labels = np.flatnonzero(np.diff(Y.tocsc().indptr) >= CUT_POSITIVES)
+    Y, Yte = Y[:, labels], sp.csr_matrix(Yte)[:, labels]
+    kept, kept_te = np.diff(Y.indptr) > 0, np.diff(Yte.indptr) > 0
+    X, Y, Xte, Yte = X[kept], Y[kept], sp.csr_matrix(Xte)[kept_te], Yte[kept_te]
+    df = np.diff(X.tocsc().indptr)
+    features = np.flatnonzero(df)
+    idf = (np.log(X.shape[0] / df[features]) + 1).astype(np.float32)
+    weigh = sp.diags(idf)
+    X, Xte = (normalize(A[:, features] @ weigh).astype(np.float32) for A in (X, Xte))
+    return X, Y, Xte, Yte
+
+
 def load_set(spec, data_dir, seed):
     """(name, X_train, Y_train, X_test, Y_test) of a real folder or a preset spec."""
     from slide.data import read_dataset
@@ -69,6 +95,12 @@ def load_set(spec, data_dir, seed):
     if name == "single":
         name, Xtr, Ytr, Xte, Yte = load_set(n, data_dir, seed)
         return (spec, *first_labels(Xtr, Ytr), *first_labels(Xte, Yte))
+    if name == "cut":
+        folder, _, rows = n.rpartition("/")
+        if not folder or not rows.isdigit():
+            raise SystemExit(f"bad cut {spec!r}: give cut:FOLDER/ROWS, e.g. cut:git_openstack/15000")
+        name, Xtr, Ytr, Xte, Yte = load_set(folder, data_dir, seed)
+        return (spec, *cut_rows(Xtr, Ytr, Xte, Yte, int(rows), seed))
     if name in PRESETS and not os.path.isdir(os.path.join(data_dir, name)):
         shape = PRESETS[name]
         n_train = int(n) if n else shape.n_train
@@ -273,7 +305,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=os.path.join("..", "shared", "data"))
     p.add_argument("--sets", default=None, help="comma-separated folders of --data-dir (default: all; "
-                   "'' none), or single:NAME for a folder made multi-class by each row's first label")
+                   "'' none), single:NAME for a folder made multi-class by each row's first label, "
+                   "or cut:NAME/ROWS for a few-row tf-idf cut of one (bench.quality.cut_rows)")
     p.add_argument("--presets", default="demo", help="synthetic presets, NAME or NAME:N_TRAIN, or "
                    "shape:FEATURES/LABELS/TRAIN/TEST/FEATURES_PER_ROW/LABELS_PER_ROW")
     p.add_argument("--engines", default="slide,dense,xr-linear,parabel")

@@ -277,6 +277,11 @@ SAMPLED_DECAY = 0.1
 RARE_ROWS = 25
 RARE_SHARE = 0.5
 
+#: where the features are at least WIDE_FEATURES times the training rows (wide, few rows, as
+#: tf-idf text of a few thousand rows), most input rows are updated in few steps whatever the
+#: rare share says, and get the same settings (docs/slow-rows.md)
+WIDE_FEATURES = 2.5
+
 #: an output row whose label is a positive in fewer than this many samples of a step, on average
 #: (:func:`positives_per_step`), learns from few steps too, even where the output is computed
 #: whole, and gets the same settings (docs/slow-rows.md)
@@ -284,10 +289,11 @@ RARE_POSITIVES = 0.1
 
 
 #: the settings ``fit`` may choose on a held-out slice instead of the rule's (:func:`resolve`),
-#: each with the check of the setting it stands for: a hidden layer's size, ``weight_decay``
-#: and ``tfidf``
+#: each with the check of the setting it stands for: a hidden layer's size, ``lr``,
+#: ``weight_decay`` and ``tfidf``
 CHOICE_CHECKS = {
     "width": functools.partial(_number, lo=1, integer=True, none=False),
+    "lr": functools.partial(_number, **_NUMBER_CHECKS["lr"], none=False),
     "weight_decay": functools.partial(_number, **_NUMBER_CHECKS["weight_decay"], none=False),
     "tfidf": functools.partial(_flag, none=False),
 }
@@ -402,8 +408,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
       "relu" otherwise.
     * lr, weight_decay, input_init (the input layer's initial standard deviation): where rows
       are updated in few steps, i.e. the output is sampled, ``rare_fraction`` (the training
-      non-zeros' share in rare features, :func:`rare_share`) is at least :data:`RARE_SHARE`, or
-      an output row's label is a positive in fewer than :data:`RARE_POSITIVES` samples a step
+      non-zeros' share in rare features, :func:`rare_share`) is at least :data:`RARE_SHARE`, the
+      features are at least :data:`WIDE_FEATURES` times the rows, or an output row's label is
+      a positive in fewer than :data:`RARE_POSITIVES` samples a step
       (:func:`positives_per_step` of ``labels_per_row``, the training rows' mean label count;
       None, as in checkpoints written before it was recorded, leaves this test out): 4e-3,
       ``min(1, SAMPLED_DECAY / s)`` with ``s`` the share of output rows a step touches
@@ -455,8 +462,10 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     # they are touched (a decay of 1 every step shrinks a rarely positive row to nothing)
     rare_positives = (labels_per_row is not None
                       and positives_per_step(n_labels, batch_size, labels_per_row) < RARE_POSITIVES)
-    slow_rows = sampled or rare_fraction >= RARE_SHARE or rare_positives
-    out.update(hidden=list(hidden), lr=c.lr or (4e-3 if slow_rows else 1e-3))
+    wide = n_features >= WIDE_FEATURES * n_train
+    slow_rows = sampled or rare_fraction >= RARE_SHARE or rare_positives or wide
+    out.update(hidden=list(hidden),
+               lr=c.lr or chosen.get("lr") or (4e-3 if slow_rows else 1e-3))
     if c.weight_decay is not None:
         out["weight_decay"] = c.weight_decay
     elif "weight_decay" in chosen:

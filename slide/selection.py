@@ -18,7 +18,7 @@ from slide.config import OUTPUT_STATE_BYTES, checked_choice
 from slide.resources import ModelTooLargeError
 
 __all__ = ["Candidate", "CANDIDATES", "offered", "select", "choice_name", "checked_choice",
-           "WIDE_HIDDEN", "LIGHT_DECAYS", "IDF_CHOICE_ROWS"]
+           "WIDE_HIDDEN", "LIGHT_DECAYS", "IDF_CHOICE_ROWS", "LOW_RATE"]
 
 #: the wider hidden layer tried where the output is computed whole and the refit runs
 #: (docs/hidden-width.md)
@@ -28,6 +28,8 @@ WIDE_HIDDEN = 2048
 LIGHT_DECAYS = (0.3, 0.1, 0.03)
 #: below this many training rows idf weighting is tried on the best run (docs/tfidf.md)
 IDF_CHOICE_ROWS = 50_000
+#: the lower rate tried where the output is sampled and rows are few (docs/slow-rows.md)
+LOW_RATE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,13 @@ def _wide_hidden(s: Shape) -> bool:
 def _light_decay(s: Shape) -> bool:
     return (s.config.weight_decay is None and not s.resolved["sampled"]
             and s.resolved["weight_decay"] == 1.0)
+
+
+def _low_rate(s: Shape) -> bool:
+    # the sampled output's 4e-3 suits some data of few rows and overshoots on other (real
+    # text of a few thousand labels), and there a second run costs seconds
+    return (s.config.lr is None and s.resolved["sampled"] and s.resolved["lr"] > LOW_RATE
+            and s.n_train < IDF_CHOICE_ROWS)
 
 
 def _idf(s: Shape) -> bool:
@@ -77,14 +86,15 @@ CANDIDATES = (
     Candidate({"weight_decay": LIGHT_DECAYS[0]}, _light_decay),
     Candidate({"weight_decay": LIGHT_DECAYS[1]}, _light_decay, on=f"decay {LIGHT_DECAYS[0]:g}"),
     Candidate({"weight_decay": LIGHT_DECAYS[2]}, _light_decay, on=f"decay {LIGHT_DECAYS[1]:g}"),
+    Candidate({"lr": LOW_RATE}, _low_rate),
     Candidate({"tfidf": True}, _idf, on="best"),
 )
 
 
 def choice_name(choice: dict) -> str:
     """How records and logs name a choice: "rule" for the rule's own settings, else e.g.
-    "hidden 2048", "decay 0.3" or "decay 0.3, tf-idf"."""
-    names = {"width": "hidden", "weight_decay": "decay"}
+    "hidden 2048", "lr 0.001", "decay 0.3" or "decay 0.3, tf-idf"."""
+    names = {"width": "hidden", "lr": "lr", "weight_decay": "decay"}
     return ", ".join("tf-idf" if k == "tfidf" else f"{names[k]} {v:g}"
                      for k, v in choice.items() if v is not False) or "rule"
 

@@ -10,13 +10,13 @@ from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, loop, resources
 from slide.config import (FULL_OUTPUT_LABELS, HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES,
-                          RARE_ROWS, RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, SlideConfig,
+                          RARE_ROWS, RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, WIDE_FEATURES, SlideConfig,
                           active_target, checked_choice, idf_weighted, positives_per_step,
                           planned_epochs, rare_share, resolve, sampled_width, touched_share)
 from slide.loop import (FIRST_CYCLE, FLAT_GAIN, MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping,
                         epoch_learning_rate, validation_split)
 from slide.resources import model_memory_bytes
-from slide.selection import CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, WIDE_HIDDEN, choice_name, offered
+from slide.selection import CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, LOW_RATE, WIDE_HIDDEN, choice_name, offered
 
 
 def test_validation_split_is_seeded_disjoint_and_bounded():
@@ -257,7 +257,7 @@ def test_held_out_rows_are_not_trained_on(tiny_data):
             return super().train_epoch(Xp, Y, order, progress, learning_rate)
 
     m = Recording(hidden=(8,), sparsity=0.5, epochs=1, validation_fraction=0.2, seed=0,
-                  refit=False, tfidf=False).fit(X, Y)
+                  refit=False, tfidf=False, lr=4e-3).fit(X, Y)  # the rate given: one run
     assert sum(seen) == 400 and m.n_train_ == 400
     # a sampled output layer: ranked by nDCG@5, without the full softmax's loss
     assert "val_nDCG@5" in m.history_[0] and "val_loss" not in m.history_[0]
@@ -474,7 +474,7 @@ def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_da
     df = np.array([1, RARE_ROWS, RARE_ROWS - 1, 0, 100])
     assert rare_share(df) == pytest.approx((1 + RARE_ROWS - 1) / df.sum())
     assert rare_share(np.zeros(3, np.int64)) == 0.0
-    whole = dict(n_features=1449, n_labels=45, n_train=300)
+    whole = dict(n_features=1449, n_labels=45, n_train=800)  # under WIDE_FEATURES a row
     rare = resolve(SlideConfig(), **whole, rare_fraction=RARE_SHARE)
     common = resolve(SlideConfig(), **whole, rare_fraction=RARE_SHARE - 0.01)
     assert not rare["sampled"] and not common["sampled"]
@@ -487,6 +487,17 @@ def test_rare_features_get_the_settings_of_rarely_updated_rows(tmp_path, tiny_da
     m, _, _ = _saved_without(tmp_path, tiny_data, "rare_share")
     assert m.rare_share_ == pytest.approx(rare_share(m.preprocessor_.document_frequency_))
     assert SlideClassifier.load(tmp_path / "m").rare_share_ == 0.0
+
+
+def test_wide_features_get_the_settings_of_rarely_updated_rows():
+    # at least WIDE_FEATURES features a training row: the settings of rows updated in few
+    # steps, whatever the rare share; one feature fewer: the common ones
+    edge = dict(n_labels=45, n_train=1000, rare_fraction=0.0)
+    wide = resolve(SlideConfig(), n_features=int(WIDE_FEATURES * 1000), **edge)
+    narrow = resolve(SlideConfig(), n_features=int(WIDE_FEATURES * 1000) - 1, **edge)
+    assert not wide["sampled"] and not narrow["sampled"]
+    assert (wide["lr"], wide["weight_decay"], wide["input_init"]) == (4e-3, SAMPLED_DECAY, 0.1)
+    assert (narrow["lr"], narrow["weight_decay"], narrow["input_init"]) == (1e-3, 1.0, 0.5)
 
 
 def test_checkpoints_from_before_the_activation_setting_load_with_relu(tmp_path, tiny_data):
@@ -562,7 +573,7 @@ def test_choices_follow_the_rule(tiny_data):
     # the wide hidden layer where the width is derived, the output whole, the refit runs and
     # its state fits the budget, and the ladder of light decays where the decay is derived and
     # would be 1; nothing without early stopping
-    whole = dict(n_features=1449, n_labels=45, n_train=300)
+    whole = dict(n_features=1449, n_labels=45, n_train=800)
     WIDE, LADDER, IDF = ["hidden 2048"], [f"decay {d:g}" for d in LIGHT_DECAYS], ["tf-idf"]
     assert _offered(SlideConfig(), **whole) == WIDE + LADDER + IDF
     assert _offered(SlideConfig(hidden=(64,)), **whole) == LADDER + IDF
@@ -570,23 +581,32 @@ def test_choices_follow_the_rule(tiny_data):
     assert _offered(SlideConfig(), 1449, 45, REFIT_ROWS) == LADDER + IDF
     assert _offered(SlideConfig(weight_decay=1.0), **whole) == WIDE + IDF
     assert _offered(SlideConfig(), **whole, rare_fraction=RARE_SHARE) == WIDE + IDF
-    for config in (SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5, tfidf=False),
+    for config in (SlideConfig(early_stopping=False), SlideConfig(sparsity=0.5, lr=4e-3, tfidf=False),
                    SlideConfig(hidden=(64,), weight_decay=0.5, tfidf=False)):
         assert _offered(config, **whole) == []
+    # the lower rate where the output is sampled (its rule's rate is 4e-3), the rate is not
+    # given and the rows are few
+    LOW = [f"lr {LOW_RATE:g}"]
+    assert _offered(SlideConfig(sparsity=0.5), **whole) == LOW + IDF
+    assert _offered(SlideConfig(sparsity=0.5, lr=4e-3), **whole) == IDF
+    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS - 1) == LOW + IDF
+    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS) == []
+    assert "lr 0.001" not in _offered(SlideConfig(), **whole, rare_fraction=RARE_SHARE)  # 4e-3, whole
     # idf weighting, tried on the best of those where tfidf is not given and the rows are few,
     # whether the output is sampled or not
-    assert _offered(SlideConfig(sparsity=0.5), **whole) == IDF
+    assert _offered(SlideConfig(sparsity=0.5, lr=4e-3), **whole) == IDF
     assert _offered(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS - 1)[-1:] == IDF
     assert "tf-idf" not in _offered(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS)
     for config in (SlideConfig(tfidf=False), SlideConfig(tfidf=True), SlideConfig(early_stopping=False)):
         assert "tf-idf" not in _offered(config, **whole)
     too_wide = OUTPUT_STATE_BYTES // (16 * WIDE_HIDDEN)
-    assert _offered(SlideConfig(), too_wide + 1 - 45, 45, 300) == LADDER + IDF
-    assert _offered(SlideConfig(), too_wide - 45, 45, 300) == WIDE + LADDER + IDF
+    # (features that many times the rows: the rows' decay is 0.1, and no ladder)
+    assert _offered(SlideConfig(), too_wide + 1 - 45, 45, 300) == IDF
+    assert _offered(SlideConfig(), too_wide - 45, 45, 300) == WIDE + IDF
     # the table: the ladder's rungs each build on the one before, idf weighting on the best
     assert [(c.name, c.on) for c in CANDIDATES] == [
         ("hidden 2048", "rule"), ("decay 0.3", "rule"), ("decay 0.1", "decay 0.3"),
-        ("decay 0.03", "decay 0.1"), ("tf-idf", "best")]
+        ("decay 0.03", "decay 0.1"), ("lr 0.001", "rule"), ("tf-idf", "best")]
     # a choice replaces the rule's values, not settings given
     wide, light = {"width": WIDE_HIDDEN}, {"weight_decay": LIGHT_DECAYS[0]}
     chosen = resolve(SlideConfig(), **whole, choice=wide)
@@ -594,8 +614,11 @@ def test_choices_follow_the_rule(tiny_data):
     assert resolve(SlideConfig(), **whole, choice=light)["weight_decay"] == LIGHT_DECAYS[0]
     assert resolve(SlideConfig(weight_decay=0.5), **whole, choice=light)["weight_decay"] == 0.5
     assert resolve(SlideConfig(), **whole, choice={}) == resolve(SlideConfig(), **whole)
-    for bad in ({"width": 0}, {"lr": 1.0}, [("width", 2)]):
-        with pytest.raises(ValueError, match="width|choice"):
+    low = {"lr": LOW_RATE}
+    assert resolve(SlideConfig(sparsity=0.5), **whole, choice=low)["lr"] == LOW_RATE
+    assert resolve(SlideConfig(sparsity=0.5, lr=5e-3), **whole, choice=low)["lr"] == 5e-3
+    for bad in ({"width": 0}, {"lr": 0}, {"beta1": 0.5}, [("width", 2)]):
+        with pytest.raises(ValueError, match="width|lr|choice"):
             resolve(SlideConfig(), **whole, choice=bad)
     with pytest.raises(TypeError, match="tfidf must be True or False"):
         checked_choice({"tfidf": 1})
@@ -604,6 +627,7 @@ def test_choices_follow_the_rule(tiny_data):
             for c in (None, {}, {"tfidf": True})] == [False, False, True] + [False] * 3 + [True] * 3
     assert choice_name({"weight_decay": 0.3, "tfidf": True}) == "decay 0.3, tf-idf"
     assert choice_name({"tfidf": True}) == "tf-idf"
+    assert choice_name({"lr": LOW_RATE, "tfidf": True}) == "lr 0.001, tf-idf"
 
 
 def test_settings_are_chosen_on_the_held_out_slice(tmp_path, tiny_data):
@@ -699,6 +723,35 @@ def test_lighter_decays_are_tried_while_each_is_the_best_so_far(tiny_data):
     assert m.choice_ == {"weight_decay": LIGHT_DECAYS[0]} and m.resolved_["weight_decay"] == LIGHT_DECAYS[0]
     alone = SlideClassifier(hidden=(512,), weight_decay=LIGHT_DECAYS[0], **kw).fit(X, Y, validation=(Xv, Yv))
     np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sampled_output_may_choose_the_lower_rate(tmp_path, tiny_data):
+    # the rule's 4e-3 and the lower rate each trained early-stopped on the same slice (scored by
+    # nDCG@5, a sampled output's score); the better is kept, and it is the run a model given
+    # that rate trains (one thread: runs repeat exactly)
+    X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
+    kw = dict(hidden=(16,), sparsity=0.5, threads=1, seed=0, epochs=2, tfidf=False)
+
+    class LowerScoresBetter(SlideClassifier):
+        def evaluate(self, X, Y, k=5, loss=False, **predict_kw):
+            out = super().evaluate(X, Y, k=k, loss=loss, **predict_kw)
+            out["nDCG@5"] += 1.0 if self.choice_ == {"lr": LOW_RATE} else 0.0
+            return out
+
+    m = LowerScoresBetter(**kw).fit(X, Y, validation=(Xv, Yv))
+    c = m.stopping_["choice"]
+    assert list(c["validation_scores"]) == ["rule", f"lr {LOW_RATE:g}"]
+    assert m.choice_ == {"lr": LOW_RATE} and m.resolved_["lr"] == LOW_RATE
+    alone = SlideClassifier(lr=LOW_RATE, **kw).fit(X, Y, validation=(Xv, Yv))
+    assert "choice" not in alone.stopping_
+    assert c["validation_scores"][f"lr {LOW_RATE:g}"] == pytest.approx(alone.stopping_["best_score"] + 1.0)
+    np.testing.assert_allclose(m.decision_function(Xv), alone.decision_function(Xv), rtol=1e-5, atol=1e-6)
+    # the choice travels with the model; without the boost the rule's own rate may win
+    m.save(tmp_path / "m")
+    assert SlideClassifier.load(tmp_path / "m").resolved_["lr"] == LOW_RATE
+    rule = SlideClassifier(**kw).fit(X, Y, validation=(Xv, Yv))
+    scores = rule.stopping_["choice"]["validation_scores"]
+    assert rule.resolved_["lr"] == (LOW_RATE if scores[f"lr {LOW_RATE:g}"] > scores["rule"] else 4e-3)
 
 
 def test_idf_weighting_is_tried_on_the_best_choice(tmp_path, tiny_data):
