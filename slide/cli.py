@@ -95,8 +95,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="LSH family of the output layer's tables (default: dwta, densified WTA)")
     t.add_argument("--lr", type=float, default=None,
                    help="Adam learning rate (default: 1e-3, or 4e-3 when the output is sampled "
-                        "or most non-zeros are in rare features; with a sampled output and "
-                        "under 50,000 rows, 1e-3 is also tried on the held-out slice)")
+                        "or most non-zeros are in rare features; with a sampled output, under "
+                        "50,000 rows and 5 positives a label, 1e-3 is also tried on the held-out "
+                        "slice)")
     t.add_argument("--weight-decay", type=float, default=None,
                    help="decoupled weight decay, a multiple of the learning rate (default: 1, or "
                         "from the share of output rows a step touches when the output is sampled "

@@ -91,7 +91,7 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
                distributed=distributed, held_out=held_out, patience=s["n_iter_no_change"],
                early_stopping=s["early_stopping"])
     candidates = offered(model.config_, model.resolved_, X.shape[1], model.n_outputs_fitted_,
-                         model.n_train_) \
+                         model.n_train_, model.labels_per_row_) \
         if validation is not None and alone else []
     if not candidates:
         record = _run(model, X, Yr, on_epoch=on_epoch, continue_training=continue_training, **run)

@@ -276,7 +276,7 @@ class Planner:
         if model.resolved_["refit"]:
             return "the run trains again on every row once early stopping has chosen its epochs"
         if offered(model.config_, model.resolved_, X.shape[1], model.n_outputs_fitted_,
-                   model.n_train_):
+                   model.n_train_, model.labels_per_row_):
             return "the run chooses settings on the held-out slice"
         return ""
 

@@ -18,7 +18,8 @@ from slide.config import OUTPUT_STATE_BYTES, checked_choice
 from slide.resources import ModelTooLargeError
 
 __all__ = ["Candidate", "CANDIDATES", "offered", "select", "choice_name", "checked_choice",
-           "WIDE_HIDDEN", "LIGHT_DECAYS", "IDF_CHOICE_ROWS", "LOW_RATE"]
+           "WIDE_HIDDEN", "LIGHT_DECAYS", "IDF_CHOICE_ROWS", "LOW_RATE",
+           "LOW_RATE_POSITIVES"]
 
 #: the wider hidden layer tried where the output is computed whole and the refit runs
 #: (docs/hidden-width.md)
@@ -28,8 +29,10 @@ WIDE_HIDDEN = 2048
 LIGHT_DECAYS = (0.3, 0.1, 0.03)
 #: below this many training rows idf weighting is tried on the best run (docs/tfidf.md)
 IDF_CHOICE_ROWS = 50_000
-#: the lower rate tried where the output is sampled and rows are few (docs/slow-rows.md)
+#: the lower rate tried where the output is sampled, rows are few and labels have at least
+#: LOW_RATE_POSITIVES positives on average (docs/slow-rows.md)
 LOW_RATE = 1e-3
+LOW_RATE_POSITIVES = 5
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Shape:
     n_features: int
     n_labels: int
     n_train: int
+    labels_per_row: float | None = None
 
 
 def _wide_hidden(s: Shape) -> bool:
@@ -57,9 +61,11 @@ def _light_decay(s: Shape) -> bool:
 
 def _low_rate(s: Shape) -> bool:
     # the sampled output's 4e-3 suits some data of few rows and overshoots on other (real
-    # text of a few thousand labels), and there a second run costs seconds
+    # text of a few thousand labels), and there a second run costs seconds; a label of fewer
+    # positives learns from too few updates for the lower rate
+    positives = (s.labels_per_row or 0.0) * s.n_train / max(s.n_labels, 1)
     return (s.config.lr is None and s.resolved["sampled"] and s.resolved["lr"] > LOW_RATE
-            and s.n_train < IDF_CHOICE_ROWS)
+            and s.n_train < IDF_CHOICE_ROWS and positives >= LOW_RATE_POSITIVES)
 
 
 def _idf(s: Shape) -> bool:
@@ -99,12 +105,14 @@ def choice_name(choice: dict) -> str:
                      for k, v in choice.items() if v is not False) or "rule"
 
 
-def offered(config, resolved: dict, n_features: int, n_labels: int, n_train: int) -> list:
+def offered(config, resolved: dict, n_features: int, n_labels: int, n_train: int,
+            labels_per_row: float | None = None) -> list:
     """The candidates of :data:`CANDIDATES` offered for this shape (none without early
-    stopping); the selection runs where there is one."""
+    stopping); the selection runs where there is one. ``labels_per_row``: the training rows'
+    mean label count (None: unknown, and the candidates that read it are not offered)."""
     if not config.early_stopping:
         return []
-    shape = Shape(config, resolved, n_features, n_labels, n_train)
+    shape = Shape(config, resolved, n_features, n_labels, n_train, labels_per_row)
     return [c for c in CANDIDATES if c.when(shape)]
 
 

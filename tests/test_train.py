@@ -16,7 +16,8 @@ from slide.config import (FULL_OUTPUT_LABELS, HARD_NEGATIVES, OUTPUT_STATE_BYTES
 from slide.loop import (FIRST_CYCLE, FLAT_GAIN, MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping,
                         epoch_learning_rate, validation_split)
 from slide.resources import model_memory_bytes
-from slide.selection import CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, LOW_RATE, WIDE_HIDDEN, choice_name, offered
+from slide.selection import (CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, LOW_RATE, LOW_RATE_POSITIVES,
+                             WIDE_HIDDEN, choice_name, offered)
 
 
 def test_validation_split_is_seeded_disjoint_and_bounded():
@@ -566,7 +567,8 @@ def test_rarely_positive_labels_get_the_settings_of_rarely_updated_rows(tmp_path
 def _offered(config, n_features, n_labels, n_train, **kw):
     """The names of the candidates the selection table offers for this shape."""
     resolved = resolve(config, n_features, n_labels, n_train, **kw)
-    return [c.name for c in offered(config, resolved, n_features, n_labels, n_train)]
+    return [c.name for c in offered(config, resolved, n_features, n_labels, n_train,
+                                    kw.get("labels_per_row"))]
 
 
 def test_choices_follow_the_rule(tiny_data):
@@ -586,12 +588,17 @@ def test_choices_follow_the_rule(tiny_data):
         assert _offered(config, **whole) == []
     # the lower rate where the output is sampled (its rule's rate is 4e-3), the rate is not
     # given and the rows are few
-    LOW = [f"lr {LOW_RATE:g}"]
-    assert _offered(SlideConfig(sparsity=0.5), **whole) == LOW + IDF
-    assert _offered(SlideConfig(sparsity=0.5, lr=4e-3), **whole) == IDF
-    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS - 1) == LOW + IDF
-    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS) == []
-    assert "lr 0.001" not in _offered(SlideConfig(), **whole, rare_fraction=RARE_SHARE)  # 4e-3, whole
+    LOW, rows = [f"lr {LOW_RATE:g}"], dict(labels_per_row=1.0)  # 800 positives, 45 labels
+    assert _offered(SlideConfig(sparsity=0.5), **whole, **rows) == LOW + IDF
+    assert _offered(SlideConfig(sparsity=0.5, lr=4e-3), **whole, **rows) == IDF
+    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS - 1, **rows) == LOW + IDF
+    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS, **rows) == []
+    assert "lr 0.001" not in _offered(SlideConfig(), **whole, rare_fraction=RARE_SHARE, **rows)
+    # labels of fewer than LOW_RATE_POSITIVES positives on average, or an unknown count: not
+    few = LOW_RATE_POSITIVES * 45 / 800
+    assert _offered(SlideConfig(sparsity=0.5), **whole, labels_per_row=few) == LOW + IDF
+    assert _offered(SlideConfig(sparsity=0.5), **whole, labels_per_row=0.99 * few) == IDF
+    assert _offered(SlideConfig(sparsity=0.5), **whole) == IDF
     # idf weighting, tried on the best of those where tfidf is not given and the rows are few,
     # whether the output is sampled or not
     assert _offered(SlideConfig(sparsity=0.5, lr=4e-3), **whole) == IDF
@@ -728,8 +735,8 @@ def test_lighter_decays_are_tried_while_each_is_the_best_so_far(tiny_data):
 def test_a_sampled_output_may_choose_the_lower_rate(tmp_path, tiny_data):
     # the rule's 4e-3 and the lower rate each trained early-stopped on the same slice (scored by
     # nDCG@5, a sampled output's score); the better is kept, and it is the run a model given
-    # that rate trains (one thread: runs repeat exactly)
-    X, Y, Xv, Yv = tiny_data[0][:1000], tiny_data[1][:1000], tiny_data[0][1000:1200], tiny_data[1][1000:1200]
+    # that rate trains (one thread: runs repeat exactly); 1,800 rows: 8.9 positives a label
+    X, Y, Xv, Yv = tiny_data[0][:1800], tiny_data[1][:1800], tiny_data[0][2000:2200], tiny_data[1][2000:2200]
     kw = dict(hidden=(16,), sparsity=0.5, threads=1, seed=0, epochs=2, tfidf=False)
 
     class LowerScoresBetter(SlideClassifier):
