@@ -118,3 +118,26 @@ def test_seconds_to_pass_each_peer():
     assert lines[3] == "| d | 2.5 (2.0×) | 1.2 | never | 2.0 |"
     assert len(lines) == 4  # e: no peer scored there
     assert quality.passing_table(rows, ["slide"]) == []
+
+
+def test_a_cut_keeps_labels_of_enough_positives_and_weighs_by_idf(tmp_path):
+    from slide.data import write_xmc
+    # six rows: label 0 in four (kept at CUT_POSITIVES), label 1 in two (dropped, and with it
+    # the rows holding only it); feature 2 in no kept row (dropped)
+    X = sp.csr_matrix(np.array([[1, 1, 0], [1, 0, 0], [2, 0, 0], [0, 1, 0], [1, 0, 3],
+                                [0, 0, 1]], np.float32))
+    Y = sp.csr_matrix(np.array([[1, 0], [1, 0], [1, 0], [1, 0], [0, 1], [0, 1]], np.float32))
+    assert quality.CUT_POSITIVES == 4
+    (tmp_path / "s").mkdir()
+    for part in ("train", "test"):
+        write_xmc(str(tmp_path / "s" / f"{part}.txt"), X, Y)
+    name, Xtr, Ytr, Xte, Yte = quality.load_set("cut:s/6", str(tmp_path), 0)
+    assert name == "cut:s/6" and Ytr.shape == (4, 1) and Ytr.nnz == 4 and Yte.shape == (4, 1)
+    # idf from the cut's four rows: feature 0 in three (log(4/3) + 1), feature 1 in two
+    idf = np.log(4 / np.array([3, 2])) + 1
+    raw = np.array([[1, 1], [1, 0], [2, 0], [0, 1]]) * idf
+    want = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    np.testing.assert_allclose(np.sort(Xtr.toarray(), axis=0), np.sort(want, axis=0), rtol=1e-6)
+    np.testing.assert_allclose(np.sort(Xte.toarray(), axis=0), np.sort(want, axis=0), rtol=1e-6)
+    with pytest.raises(SystemExit, match="bad cut"):
+        quality.load_set("cut:s", str(tmp_path), 0)
