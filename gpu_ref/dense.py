@@ -305,16 +305,17 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     def _resolve(self, config):
         """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
         return resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
-                       self.rare_share_,
-                       self.choice_, self.labels_per_row_)
+                       self.rare_share_, self.choice_, self.labels_per_row_,
+                       **getattr(self, "kept_rule_", {}))
 
     def initialize(self, X, Y, choice: dict | None = None, distributed=None,
-                   stream: bool = False) -> None:
+                   stream: bool = False, keep: dict | None = None) -> None:
         """As :meth:`slide.SlideClassifier.initialize` (one process only)."""
         if distributed is not None:
             raise ValueError("the dense reference trains in one process")
         self.config_ = self._config()
         self.choice_ = choice
+        self.kept_rule_ = dict(keep or {})
         self.fit_data(X, Y, stream=stream)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_outputs_, 1,

@@ -385,7 +385,7 @@ MAX_BUCKET_SIZE = 64
 
 def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
             rare_fraction: float = 0.0, choice: dict | None = None,
-            labels_per_row: float | None = None) -> dict:
+            labels_per_row: float | None = None, slow_rows: bool | None = None) -> dict:
     """Concrete settings for a training set of ``n_train`` rows, ``n_features`` features and
     ``n_labels`` labels: every ``None`` in ``config`` replaced by the rule below.
 
@@ -415,7 +415,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
       None, as in checkpoints written before it was recorded, leaves this test out): 4e-3,
       ``min(1, SAMPLED_DECAY / s)`` with ``s`` the share of output rows a step touches
       (:func:`touched_share`; 1 for a whole output) and 0.1; otherwise 1e-3, 1 and 0.5. See
-      the README's "Defaults" section.
+      the README's "Defaults" section. ``slow_rows`` given (True / False) stands for that test
+      (a refit's: the run it repeats decided it on fewer rows); ``out["slow_rows"]`` records it.
     * tfidf: whether the features are idf-weighted (:func:`idf_weighted`: as given, else as
       ``choice`` says).
     """
@@ -463,7 +464,9 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     rare_positives = (labels_per_row is not None
                       and positives_per_step(n_labels, batch_size, labels_per_row) < RARE_POSITIVES)
     wide = n_features >= WIDE_FEATURES * n_train
-    slow_rows = sampled or rare_fraction >= RARE_SHARE or rare_positives or wide
+    if slow_rows is None:
+        slow_rows = sampled or rare_fraction >= RARE_SHARE or rare_positives or wide
+    out["slow_rows"] = bool(slow_rows)
     out.update(hidden=list(hidden),
                lr=c.lr or chosen.get("lr") or (4e-3 if slow_rows else 1e-3))
     if c.weight_decay is not None:

@@ -501,6 +501,22 @@ def test_wide_features_get_the_settings_of_rarely_updated_rows():
     assert (narrow["lr"], narrow["weight_decay"], narrow["input_init"]) == (1e-3, 1.0, 0.5)
 
 
+def test_a_refit_keeps_the_settings_of_the_run_it_repeats(monkeypatch, tiny_data):
+    # 2,000 features: at 2.1 features a row the 900 rows left after the slice are wide and the
+    # 1,000 of the refit are not; the refit trains the kept run's settings all the same
+    import slide.config
+    monkeypatch.setattr(slide.config, "WIDE_FEATURES", 2.1)
+    X, Y = tiny_data[0][:1000], tiny_data[1][:1000]
+    m = SlideClassifier(hidden=(16,), epochs=3, threads=1, seed=0, tfidf=False).fit(X, Y)
+    assert "refit" in m.stopping_ and m.n_train_ == 1000
+    slow = (4e-3, SAMPLED_DECAY, 0.1)
+    assert (m.resolved_["lr"], m.resolved_["weight_decay"], m.resolved_["input_init"]) == slow
+    # what the rule gives the refit's rows by itself
+    rule = resolve(SlideConfig(), 2000, m.n_outputs_fitted_, 1000, m.rare_share_,
+                   labels_per_row=m.labels_per_row_)
+    assert (rule["lr"], rule["weight_decay"], rule["input_init"]) == (1e-3, 1.0, 0.5)
+
+
 def test_checkpoints_from_before_the_activation_setting_load_with_relu(tmp_path, tiny_data):
     """A sampled output resolves to the identity; a checkpoint whose settings do not name the
     activation was written when every model was ReLU, and loads as one."""
