@@ -107,6 +107,11 @@ class Checkpoint:
                                else None)
         if self.labels_per_row is not None and self.labels_per_row < 0:
             self._fail(f"'labels_per_row' must be at least 0, got {self.labels_per_row}")
+        # a refit's kept decision of rows updated in few steps (slide.fitting.repeated); None
+        # where the rule decides, as in checkpoints written before it was recorded
+        self.slow_rows = meta.get("slow_rows")
+        if self.slow_rows is not None and not isinstance(self.slow_rows, bool):
+            self._fail(f"'slow_rows' must be true, false or null, got {self.slow_rows!r}")
         # the settings fit chose on the held-out slice (slide.config.resolve's "choices"); None
         # where none was chosen. Checkpoints written when only the width was chosen say "width"
         self.choice = meta.get("choice")

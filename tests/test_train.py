@@ -9,6 +9,7 @@ import pytest
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
 from slide import SlideClassifier, loop, resources
+from slide.checkpoint import CheckpointError
 from slide.config import (FULL_OUTPUT_LABELS, HARD_NEGATIVES, OUTPUT_STATE_BYTES, RARE_POSITIVES,
                           RARE_ROWS, RARE_SHARE, REFIT_ROWS, SAMPLED_DECAY, WIDE_FEATURES, SlideConfig,
                           active_target, checked_choice, idf_weighted, positives_per_step,
@@ -501,7 +502,7 @@ def test_wide_features_get_the_settings_of_rarely_updated_rows():
     assert (narrow["lr"], narrow["weight_decay"], narrow["input_init"]) == (1e-3, 1.0, 0.5)
 
 
-def test_a_refit_keeps_the_settings_of_the_run_it_repeats(monkeypatch, tiny_data):
+def test_a_refit_keeps_the_settings_of_the_run_it_repeats(tmp_path, monkeypatch, tiny_data):
     # 2,000 features: at 2.1 features a row the 900 rows left after the slice are wide and the
     # 1,000 of the refit are not; the refit trains the kept run's settings all the same
     import slide.config
@@ -515,6 +516,19 @@ def test_a_refit_keeps_the_settings_of_the_run_it_repeats(monkeypatch, tiny_data
     rule = resolve(SlideConfig(), 2000, m.n_outputs_fitted_, 1000, m.rare_share_,
                    labels_per_row=m.labels_per_row_)
     assert (rule["lr"], rule["weight_decay"], rule["input_init"]) == (1e-3, 1.0, 0.5)
+    # the kept decision travels with the model; a checkpoint without it resolves by the rule
+    m.save(tmp_path / "m")
+    assert SlideClassifier.load(tmp_path / "m").resolved_ == m.resolved_
+    path = tmp_path / "m" / "config.json"
+    meta = json.loads(path.read_text())
+    assert meta["slow_rows"] is True
+    del meta["slow_rows"]
+    path.write_text(json.dumps(meta))
+    assert SlideClassifier.load(tmp_path / "m").resolved_["weight_decay"] == 1.0
+    meta["slow_rows"] = "yes"
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="slow_rows"):
+        SlideClassifier.load(tmp_path / "m")
 
 
 def test_checkpoints_from_before_the_activation_setting_load_with_relu(tmp_path, tiny_data):
