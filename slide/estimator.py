@@ -139,7 +139,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         ``n_shards``, of the largest of that many shards instead."""
         resolved = resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
                            self.rare_share_, self.choice_, self.labels_per_row_,
-                           **getattr(self, "kept_rule_", {}))
+                           **self.kept_rule_)
         shards = self.shards()
         if n_shards is None and shards is None:
             return resolved
