@@ -306,16 +306,16 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
         """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
         return resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
                        self.rare_share_, self.choice_, self.labels_per_row_,
-                       **self.kept_rule_)
+                       self.slow_rows_kept_)
 
     def initialize(self, X, Y, choice: dict | None = None, distributed=None,
-                   stream: bool = False, keep: dict | None = None) -> None:
+                   stream: bool = False, slow_rows: bool | None = None) -> None:
         """As :meth:`slide.SlideClassifier.initialize` (one process only)."""
         if distributed is not None:
             raise ValueError("the dense reference trains in one process")
         self.config_ = self._config()
         self.choice_ = choice
-        self.kept_rule_ = dict(keep or {})
+        self.slow_rows_kept_ = slow_rows
         self.fit_data(X, Y, stream=stream)
         self.resolved_ = self._resolve(self.config_)
         check_fits(model_memory_bytes(self.resolved_, self.n_features_in_, self.n_outputs_, 1,
@@ -560,7 +560,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
                 "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
                 "rare_share": self.rare_share_, "choice": self.choice_,
                 "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
-                "slow_rows": self.kept_rule_.get("slow_rows"),
+                "slow_rows": self.slow_rows_kept_,
                 "features_per_row": self.features_per_row_,
                 "step": self.step_, "learning_rate": self.learning_rate_, **record,
                 "dense": {"negatives": self.negatives, "mined_negatives": self.mined_negatives,

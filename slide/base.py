@@ -140,7 +140,7 @@ class TrainableMixin:
         self.n_features_in_, self.n_labels_, self.n_train_ = ck.n_features, ck.n_labels, ck.n_train
         self.rare_share_, self.choice_ = ck.rare_share, ck.choice
         self.labels_per_row_ = ck.labels_per_row
-        self.kept_rule_ = {} if ck.slow_rows is None else {"slow_rows": ck.slow_rows}
+        self.slow_rows_kept_ = ck.slow_rows
         self.labels_, self.n_outputs_fitted_ = ck.labels, ck.n_outputs_fitted
         self.features_per_row_ = ck.features_per_row
         self.log_prior_ = ck.log_prior

@@ -107,7 +107,7 @@ class Checkpoint:
                                else None)
         if self.labels_per_row is not None and self.labels_per_row < 0:
             self._fail(f"'labels_per_row' must be at least 0, got {self.labels_per_row}")
-        # a refit's kept decision of rows updated in few steps (slide.fitting.repeated); None
+        # a refit's kept decision of rows updated in few steps (slide.fitting._refit); None
         # where the rule decides, as in checkpoints written before it was recorded
         self.slow_rows = meta.get("slow_rows")
         if self.slow_rows is not None and not isinstance(self.slow_rows, bool):

@@ -463,8 +463,8 @@ def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
     # they are touched (a decay of 1 every step shrinks a rarely positive row to nothing)
     rare_positives = (labels_per_row is not None
                       and positives_per_step(n_labels, batch_size, labels_per_row) < RARE_POSITIVES)
-    wide = n_features >= WIDE_FEATURES * n_train
     if slow_rows is None:
+        wide = n_features >= WIDE_FEATURES * n_train
         slow_rows = sampled or rare_fraction >= RARE_SHARE or rare_positives or wide
     out["slow_rows"] = bool(slow_rows)
     out.update(hidden=list(hidden),

@@ -139,7 +139,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         ``n_shards``, of the largest of that many shards instead."""
         resolved = resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
                            self.rare_share_, self.choice_, self.labels_per_row_,
-                           **self.kept_rule_)
+                           self.slow_rows_kept_)
         shards = self.shards()
         if n_shards is None and shards is None:
             return resolved
@@ -232,16 +232,16 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
         return self if runner is None else out
 
     def initialize(self, X, Y, distributed=None, choice: dict | None = None,
-                   stream: bool = False, keep: dict | None = None) -> None:
+                   stream: bool = False, slow_rows: bool | None = None) -> None:
         """Fresh preprocessing (fitted on X), training state, server and record. With
         ``distributed``, X is this rank's shard (counts and feature statistics are the whole
         data's). ``choice``: settings chosen on a held-out slice (:mod:`slide.selection`).
-        ``stream``: X, Y are a stream's first batch (a row for every label of Y). ``keep``:
-        the rule's decisions that stand (a refit's, of the run it repeats:
-        :func:`slide.fitting.repeated`)."""
+        ``stream``: X, Y are a stream's first batch (a row for every label of Y). ``slow_rows``:
+        the decision of rows updated in few steps, where it stands instead of the rule's (a
+        refit's, that of the run it repeats)."""
         self.config_ = self._config()
         self.choice_ = choice
-        self.kept_rule_ = dict(keep or {})
+        self.slow_rows_kept_ = slow_rows
         self.fit_data(X, Y, distributed, stream=stream)
         self.resolved_ = self._resolve(self.config_)
         threads = self.config_.threads or (distributed.threads if distributed is not None

@@ -97,7 +97,7 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
         record = _run(model, X, Yr, on_epoch=on_epoch, continue_training=continue_training, **run)
         if refit and record.early_stopping.best_epoch:
             record = _refit(model, *every_row, record, s["seed"], progress, on_epoch, runner,
-                            keep=repeated(model.resolved_))
+                            slow_rows=model.resolved_["slow_rows"])
         return record
 
     def train(choice):
@@ -110,9 +110,9 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
 
     # with a refit the chosen run's record is enough (the refit trains it again); without, the
     # whole run is held while later runs train (two models in memory)
-    best, scores, (state, record, settings) = select(
+    best, scores, (state, record, slow_rows) = select(
         train, candidates, lambda: (None if refit else model.fitted_state(), model.record_,
-                                    repeated(model.resolved_)))
+                                    model.resolved_["slow_rows"]))
     if state is not None:
         model.restore_fitted(state)
     record.stopping = {**record.stopping,
@@ -121,19 +121,8 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
                                   "validation_scores": scores}}
     if refit and record.early_stopping.best_epoch:
         return _refit(model, *every_row, record, s["seed"], progress, on_epoch, runner,
-                      choice=best, keep=settings)
+                      choice=best, slow_rows=slow_rows)
     return record
-
-
-#: what a refit keeps of the rule's decisions for the run it repeats: a tenth more rows can
-#: move the rule across a threshold (features a row, rare share, label rate), and the refit
-#: would then train other settings than the ones early stopping judged
-REPEATED = ("slow_rows",)
-
-
-def repeated(resolved: dict) -> dict:
-    """The decisions of :data:`REPEATED` in ``resolved``, for a refit to keep."""
-    return {k: resolved[k] for k in REPEATED}
 
 
 def hold_out(X, Y, settings: dict, validation=None):
@@ -169,16 +158,19 @@ def _run(model, X, Y, *, seed, validation, until_epoch, patience, early_stopping
 
 
 def _refit(model, X, Y, kept: FitRecord, seed, progress, on_epoch, runner,
-           choice=None, keep=None) -> FitRecord:
+           choice=None, slow_rows=None) -> FitRecord:
     """Train ``model`` again from its initialisation (with the settings ``choice`` where one
-    was made, and the rule's decisions ``keep`` of the kept run) on every row ``X, Y`` for the
-    epochs ``kept`` kept, each at the learning rate it had then. The new record is ``kept``'s with one more history entry (also given to
+    was made) on every row ``X, Y`` for the epochs ``kept`` kept, each at the learning rate it
+    had then, with the kept run's decision ``slow_rows`` of rows updated in few steps: a tenth
+    more rows can move the rule across a threshold (features a row, rare share, label rate),
+    and the refit would then train other settings than the ones early stopping judged. The new
+    record is ``kept``'s with one more history entry (also given to
     ``on_epoch``) and ``stopping["refit"]``. Not checkpointed on the way: a run interrupted
     here resumes as the early-stopped model."""
     epochs = kept.stopping["kept_epoch"]
     rates = [entry["learning_rate"] for entry in kept.history[:epochs]]
     t0 = time.perf_counter()
-    model.initialize(X, Y, choice=choice, keep=keep)
+    model.initialize(X, Y, choice=choice, slow_rows=slow_rows)
     record = model.record_
     loss, _ = refit_epochs(model, model.preprocess(X), model.targets(X, Y), rates, seed=seed,
                            runner=runner,

@@ -77,9 +77,9 @@ class Trainable(EpochRunner, Protocol):
     def check_data(self, X, Y=None, where: str = "input", fitted: bool = True): ...
 
     def initialize(self, X, Y, choice: dict | None = None, distributed=None,
-                   stream: bool = False, keep: dict | None = None) -> None:
-        """Fresh preprocessing fitted on X, fresh parameters and a fresh ``record_``; ``keep``:
-        the rule's decisions that stand (:func:`slide.fitting.repeated`)."""
+                   stream: bool = False, slow_rows: bool | None = None) -> None:
+        """Fresh preprocessing fitted on X, fresh parameters and a fresh ``record_``;
+        ``slow_rows``: the decision of rows updated in few steps, where it stands."""
 
     def preprocess(self, X): ...
 

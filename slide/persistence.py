@@ -54,7 +54,7 @@ class Persistence:
             "n_features": self.n_features_in_, "n_labels": self.n_labels_, "n_train": self.n_train_,
             "rare_share": self.rare_share_, "choice": self.choice_,
             "labels_per_row": self.labels_per_row_, "n_outputs_fitted": self.n_outputs_fitted_,
-            "slow_rows": self.kept_rule_.get("slow_rows"),
+            "slow_rows": self.slow_rows_kept_,
             "features_per_row": self.features_per_row_,
             **self.state_.counters(), **record,
             "inference_only": bool(inference_only),
