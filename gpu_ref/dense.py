@@ -20,7 +20,7 @@ from sklearn.exceptions import NotFittedError
 from slide.base import TrainableMixin
 from slide.checkpoint import read_checkpoint, write_checkpoint
 from slide.config import (SlideConfig, hidden_block, hidden_blocks, init_parameters,
-                          parameter_shapes, resolve)
+                          parameter_shapes)
 from slide.data import take_rows
 from slide.fitting import fit_model
 from slide.loop import FitRecord
@@ -304,9 +304,7 @@ class DenseClassifier(TrainableMixin, BaseEstimator):
     # -- the step API --------------------------------------------------------------------------
     def _resolve(self, config):
         """The engine's settings for this model's data (as :meth:`SlideClassifier._resolve`)."""
-        return resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
-                       self.rare_share_, self.choice_, self.labels_per_row_,
-                       self.slow_rows_kept_)
+        return self.rule_settings(config)
 
     def initialize(self, X, Y, choice: dict | None = None, distributed=None,
                    stream: bool = False, slow_rows: bool | None = None) -> None:

@@ -14,7 +14,7 @@ import scipy.sparse as sp
 from sklearn.exceptions import NotFittedError
 from sklearn.utils import ClassifierTags
 
-from slide.config import idf_weighted, rare_share
+from slide.config import idf_weighted, rare_share, resolve
 from slide.data import check_xy
 from slide.labels import LabelMap
 from slide.loop import FitRecord
@@ -147,6 +147,16 @@ class TrainableMixin:
         self.label_shards_ = shards
         self.preprocessor_ = ck.preprocessor(ck.n_features)
         self.resolved_ = self._resolve(self.config_)
+
+    def rule_settings(self, config) -> dict:
+        """The rule's settings (:func:`slide.config.resolve`) for ``config`` over this model's
+        data: its output rows, training rows, rare share, choice, labels a row, the kept
+        decision on rows updated in few steps, and the features its training rows hold."""
+        # the features the rows hold, not the header's count: a hashed or shared feature space
+        # declares columns no row uses, and the rule reads the data's shape
+        seen = int(self.preprocessor_.seen_features().sum())
+        return resolve(config, seen, self.n_outputs_fitted_, self.n_train_, self.rare_share_,
+                       self.choice_, self.labels_per_row_, self.slow_rows_kept_)
 
     def prior_shift(self):
         """What prediction adds to each output row's logit: ``-PRIOR_CORRECTION · log prior``

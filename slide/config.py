@@ -277,7 +277,7 @@ SAMPLED_DECAY = 0.1
 RARE_ROWS = 25
 RARE_SHARE = 0.5
 
-#: where the features are at least WIDE_FEATURES times the training rows (wide, few rows, as
+#: where the features the rows hold are at least WIDE_FEATURES times the rows (wide, few rows, as
 #: tf-idf text of a few thousand rows), most input rows are updated in few steps whatever the
 #: rare share says, and get the same settings (docs/slow-rows.md)
 WIDE_FEATURES = 2.5
@@ -386,8 +386,9 @@ MAX_BUCKET_SIZE = 64
 def resolve(config: SlideConfig, n_features: int, n_labels: int, n_train: int,
             rare_fraction: float = 0.0, choice: dict | None = None,
             labels_per_row: float | None = None, slow_rows: bool | None = None) -> dict:
-    """Concrete settings for a training set of ``n_train`` rows, ``n_features`` features and
-    ``n_labels`` labels: every ``None`` in ``config`` replaced by the rule below.
+    """Concrete settings for a training set of ``n_train`` rows, ``n_features`` features (those
+    the rows hold) and ``n_labels`` labels: every ``None`` in ``config`` replaced by the rule
+    below.
 
     * batch_size: :func:`default_batch_size` (32 to 128 by rows).
     * epochs: enough for about 3,000 optimizer steps, between 5 and 30; with early stopping,

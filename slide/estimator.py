@@ -14,7 +14,7 @@ import numpy as np
 from sklearn.base import BaseEstimator
 
 from slide.base import TrainableMixin
-from slide.config import FIXED_AFTER_FIT, SlideConfig, resolve
+from slide.config import FIXED_AFTER_FIT, SlideConfig
 from slide.fitting import fit_model
 from slide.persistence import Persistence
 from slide.metrics import check_k, topk
@@ -137,9 +137,7 @@ class SlideClassifier(ServingSettings, TrainableMixin, Persistence, BaseEstimato
     def _resolve(self, config, n_shards: int | None = None):
         """The rule's settings for this model's data, of its label shard where it is one; with
         ``n_shards``, of the largest of that many shards instead."""
-        resolved = resolve(config, self.n_features_in_, self.n_outputs_fitted_, self.n_train_,
-                           self.rare_share_, self.choice_, self.labels_per_row_,
-                           self.slow_rows_kept_)
+        resolved = self.rule_settings(config)
         shards = self.shards()
         if n_shards is None and shards is None:
             return resolved

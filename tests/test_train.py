@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
 from gpu_ref import DenseClassifier
 from gpu_ref.hetero import HeteroConfig, HeteroTrainer
@@ -502,18 +503,33 @@ def test_wide_features_get_the_settings_of_rarely_updated_rows():
     assert (narrow["lr"], narrow["weight_decay"], narrow["input_init"]) == (1e-3, 1.0, 0.5)
 
 
+def test_the_rule_reads_the_features_the_rows_hold(tiny_data):
+    # columns that no training row uses (a hashed feature space's) leave the settings as they
+    # are: the header alone would read as wide, ten times the rows
+    X, Y = tiny_data[0][:1000], tiny_data[1][:1000]
+    declared = sp.csr_matrix((X.data, X.indices, X.indptr), shape=(X.shape[0], 10 * X.shape[1]))
+    assert declared.shape[1] >= WIDE_FEATURES * X.shape[0]
+    kw = dict(hidden=(16,), epochs=1, threads=1, seed=0, tfidf=False, early_stopping=False)
+    own = SlideClassifier(**kw).fit(X, Y)
+    wide = SlideClassifier(**kw).fit(declared, Y)
+    assert (own.resolved_["lr"], own.resolved_["input_init"]) == (1e-3, 0.5)
+    assert wide.resolved_ == own.resolved_
+
+
 def test_a_refit_keeps_the_settings_of_the_run_it_repeats(tmp_path, monkeypatch, tiny_data):
-    # 2,000 features: at 2.1 features a row the 900 rows left after the slice are wide and the
-    # 1,000 of the refit are not; the refit trains the kept run's settings all the same
+    # the 900 rows left after the slice hold 1,903 features, the refit's 1,000 hold 1,918: at 2
+    # features a row the first are wide and the second are not; the refit trains the kept
+    # run's settings all the same
     import slide.config
-    monkeypatch.setattr(slide.config, "WIDE_FEATURES", 2.1)
+    monkeypatch.setattr(slide.config, "WIDE_FEATURES", 2.0)
     X, Y = tiny_data[0][:1000], tiny_data[1][:1000]
     m = SlideClassifier(hidden=(16,), epochs=3, threads=1, seed=0, tfidf=False).fit(X, Y)
     assert "refit" in m.stopping_ and m.n_train_ == 1000
     slow = (4e-3, SAMPLED_DECAY, 0.1)
     assert (m.resolved_["lr"], m.resolved_["weight_decay"], m.resolved_["input_init"]) == slow
     # what the rule gives the refit's rows by itself
-    rule = resolve(SlideConfig(), 2000, m.n_outputs_fitted_, 1000, m.rare_share_,
+    seen = int(m.preprocessor_.seen_features().sum())
+    rule = resolve(SlideConfig(), seen, m.n_outputs_fitted_, 1000, m.rare_share_,
                    labels_per_row=m.labels_per_row_)
     assert (rule["lr"], rule["weight_decay"], rule["input_init"]) == (1e-3, 1.0, 0.5)
     # the kept decision travels with the model; a checkpoint without it resolves by the rule
