@@ -48,7 +48,7 @@ _count = _integer(0, "a non-negative integer")
 def _build_parser() -> argparse.ArgumentParser:
     from slide import __version__
     from slide.config import ACTIVATIONS, HASH_FAMILIES, NEGATIVE_SOURCES
-    from slide.selection import IDF_CHOICE_ROWS
+    from slide.selection import FEW_ROWS
     from slide.synthetic import PRESETS
     p = argparse.ArgumentParser(prog="slide", description="Sub-linear extreme-classification training on CPUs.")
     p.add_argument("--version", action="version", version=f"slide {__version__}")
@@ -104,7 +104,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "or most non-zeros are in rare features)")
     t.add_argument("--tfidf", action=argparse.BooleanOptionalAction, default=None,
                    help="weight features by idf, fitted on TRAIN (default: chosen on the "
-                        f"validation slice below {IDF_CHOICE_ROWS:,} rows, else off)")
+                        f"validation slice below {FEW_ROWS:,} rows, else off)")
     t.add_argument("--no-norm", action="store_true", help="keep rows as given (default: L2-normalised)")
     t.add_argument("--no-early-stopping", action="store_true",
                    help="train every epoch on all rows (default: hold out a validation slice, "

@@ -18,7 +18,7 @@ from slide.config import OUTPUT_STATE_BYTES, checked_choice
 from slide.resources import ModelTooLargeError
 
 __all__ = ["Candidate", "CANDIDATES", "offered", "select", "choice_name", "checked_choice",
-           "WIDE_HIDDEN", "LIGHT_DECAYS", "IDF_CHOICE_ROWS", "LOW_RATE",
+           "WIDE_HIDDEN", "LIGHT_DECAYS", "FEW_ROWS", "LOW_RATE",
            "LOW_RATE_POSITIVES"]
 
 #: the wider hidden layer tried where the output is computed whole and the refit runs
@@ -27,8 +27,9 @@ WIDE_HIDDEN = 2048
 #: the lighter weight decays tried, in order, where the rule gives a whole output decay 1
 #: (docs/weight-decay.md)
 LIGHT_DECAYS = (0.3, 0.1, 0.03)
-#: below this many training rows idf weighting is tried on the best run (docs/tfidf.md)
-IDF_CHOICE_ROWS = 50_000
+#: below this many training rows a run costs seconds to a minute, and the slice may try idf
+#: weighting on the best run (docs/tfidf.md) and a sampled output's lower rate (LOW_RATE)
+FEW_ROWS = 50_000
 #: the lower rate tried where the output is sampled, rows are few and labels have at least
 #: LOW_RATE_POSITIVES positives on average (docs/slow-rows.md)
 LOW_RATE = 1e-3
@@ -61,15 +62,15 @@ def _light_decay(s: Shape) -> bool:
 
 def _low_rate(s: Shape) -> bool:
     # the sampled output's 4e-3 suits some data of few rows and overshoots on other (real
-    # text of a few thousand labels), and there a second run costs seconds; a label of fewer
-    # positives learns from too few updates for the lower rate
+    # text of a few thousand labels); a label of fewer positives learns from too few updates
+    # for the lower rate
     positives = (s.labels_per_row or 0.0) * s.n_train / max(s.n_labels, 1)
     return (s.config.lr is None and s.resolved["sampled"] and s.resolved["lr"] > LOW_RATE
-            and s.n_train < IDF_CHOICE_ROWS and positives >= LOW_RATE_POSITIVES)
+            and s.n_train < FEW_ROWS and positives >= LOW_RATE_POSITIVES)
 
 
 def _idf(s: Shape) -> bool:
-    return s.config.tfidf is None and s.n_train < IDF_CHOICE_ROWS
+    return s.config.tfidf is None and s.n_train < FEW_ROWS
 
 
 @dataclass(frozen=True)

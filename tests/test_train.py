@@ -18,7 +18,7 @@ from slide.config import (FULL_OUTPUT_LABELS, HARD_NEGATIVES, OUTPUT_STATE_BYTES
 from slide.loop import (FIRST_CYCLE, FLAT_GAIN, MIN_RATE_SHARE, PLATEAU_FACTOR, EarlyStopping,
                         epoch_learning_rate, validation_split)
 from slide.resources import model_memory_bytes
-from slide.selection import (CANDIDATES, IDF_CHOICE_ROWS, LIGHT_DECAYS, LOW_RATE, LOW_RATE_POSITIVES,
+from slide.selection import (CANDIDATES, FEW_ROWS, LIGHT_DECAYS, LOW_RATE, LOW_RATE_POSITIVES,
                              WIDE_HIDDEN, choice_name, offered)
 
 
@@ -637,8 +637,8 @@ def test_choices_follow_the_rule(tiny_data):
     LOW, rows = [f"lr {LOW_RATE:g}"], dict(labels_per_row=1.0)  # 800 positives, 45 labels
     assert _offered(SlideConfig(sparsity=0.5), **whole, **rows) == LOW + IDF
     assert _offered(SlideConfig(sparsity=0.5, lr=4e-3), **whole, **rows) == IDF
-    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS - 1, **rows) == LOW + IDF
-    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, IDF_CHOICE_ROWS, **rows) == []
+    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, FEW_ROWS - 1, **rows) == LOW + IDF
+    assert _offered(SlideConfig(sparsity=0.5), 1449, 45, FEW_ROWS, **rows) == []
     assert "lr 0.001" not in _offered(SlideConfig(), **whole, rare_fraction=RARE_SHARE, **rows)
     # labels of fewer than LOW_RATE_POSITIVES positives on average, or an unknown count: not
     few = LOW_RATE_POSITIVES * 45 / 800
@@ -648,8 +648,8 @@ def test_choices_follow_the_rule(tiny_data):
     # idf weighting, tried on the best of those where tfidf is not given and the rows are few,
     # whether the output is sampled or not
     assert _offered(SlideConfig(sparsity=0.5, lr=4e-3), **whole) == IDF
-    assert _offered(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS - 1)[-1:] == IDF
-    assert "tf-idf" not in _offered(SlideConfig(), 1449, 45, IDF_CHOICE_ROWS)
+    assert _offered(SlideConfig(), 1449, 45, FEW_ROWS - 1)[-1:] == IDF
+    assert "tf-idf" not in _offered(SlideConfig(), 1449, 45, FEW_ROWS)
     for config in (SlideConfig(tfidf=False), SlideConfig(tfidf=True), SlideConfig(early_stopping=False)):
         assert "tf-idf" not in _offered(config, **whole)
     too_wide = OUTPUT_STATE_BYTES // (16 * WIDE_HIDDEN)
