@@ -13,7 +13,7 @@ from slide.ann import CALIBRATION_ROWS
 from slide.data import shuffle_rows
 from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, FitRecord, first_cycle, refit_epochs,
                         run_epochs, validation_split)
-from slide.selection import choice_name, offered, select
+from slide.selection import choice_name, offered_to, select
 
 __all__ = ["fit_model", "hold_out"]
 
@@ -90,9 +90,7 @@ def fit_model(model, X, Y, *, validation=None, progress: bool = False, on_epoch=
                progress=progress, eval_k=eval_k, save_every=save_every, on_save=on_save,
                distributed=distributed, held_out=held_out, patience=s["n_iter_no_change"],
                early_stopping=s["early_stopping"])
-    candidates = offered(model.config_, model.resolved_, X.shape[1], model.n_outputs_fitted_,
-                         model.n_train_, model.labels_per_row_) \
-        if validation is not None and alone else []
+    candidates = offered_to(model) if validation is not None and alone else []
     if not candidates:
         record = _run(model, X, Yr, on_epoch=on_epoch, continue_training=continue_training, **run)
         if refit and record.early_stopping.best_epoch:

@@ -32,7 +32,7 @@ from slide.fitting import hold_out
 from slide.loop import (MAX_VALIDATION_ROWS, EarlyStopping, epoch_learning_rate, epoch_order,
                         first_cycle)
 from slide.plan import Plan
-from slide.selection import offered
+from slide.selection import offered_to
 
 __all__ = ["Probe", "Prediction", "Planner", "candidates", "predict", "seconds_to", "choose",
            "PROBE_SHARE", "MARGIN", "RECHECK", "TARGET_SHARE", "PROBE_VALIDATION_ROWS"]
@@ -186,7 +186,7 @@ class Planner:
         default = Plan.of(model.get_params())
         model.initialize(Xt, Yt)
         report = {"checks": [], "candidates": [], "probes": []}
-        skip = self._not_planned(model, Xt)
+        skip = self._not_planned(model)
         if skip:
             self.log(f"plan: the default ({skip})")
             model.__dict__.pop("state_", None)  # unfitted again: fit starts as without a plan
@@ -269,14 +269,13 @@ class Planner:
         return probes, done
 
     @staticmethod
-    def _not_planned(model, X) -> str:
+    def _not_planned(model) -> str:
         """Why planning does not apply to this run ('' where it does): the run chooses
         settings on the held-out slice or trains again on every row (both restart training,
         which the probes cannot be the start of; such runs are short)."""
         if model.resolved_["refit"]:
             return "the run trains again on every row once early stopping has chosen its epochs"
-        if offered(model.config_, model.resolved_, X.shape[1], model.n_outputs_fitted_,
-                   model.n_train_, model.labels_per_row_):
+        if offered_to(model):
             return "the run chooses settings on the held-out slice"
         return ""
 

@@ -17,7 +17,7 @@ from typing import Callable
 from slide.config import OUTPUT_STATE_BYTES, checked_choice
 from slide.resources import ModelTooLargeError
 
-__all__ = ["Candidate", "CANDIDATES", "offered", "select", "choice_name", "checked_choice",
+__all__ = ["Candidate", "CANDIDATES", "offered", "offered_to", "select", "choice_name", "checked_choice",
            "WIDE_HIDDEN", "LIGHT_DECAYS", "FEW_ROWS", "LOW_RATE",
            "LOW_RATE_POSITIVES"]
 
@@ -115,6 +115,13 @@ def offered(config, resolved: dict, n_features: int, n_labels: int, n_train: int
         return []
     shape = Shape(config, resolved, n_features, n_labels, n_train, labels_per_row)
     return [c for c in CANDIDATES if c.when(shape)]
+
+
+def offered_to(model) -> list:
+    """:func:`offered` for an initialised model: its settings as given and resolved, and its
+    data's shape (input columns, output rows, training rows, labels a row)."""
+    return offered(model.config_, model.resolved_, model.n_features_in_,
+                   model.n_outputs_fitted_, model.n_train_, model.labels_per_row_)
 
 
 def _ranked(score: float) -> float:
